@@ -1,0 +1,310 @@
+"""Typed settings for every component, read once at the entry point.
+
+Precedence, highest first: an explicit command-line flag > the environment variable
+``MAMMOTH_<NAME>`` > the YAML file given by ``--config`` (or ``MAMMOTH_CONFIG``) > the defaults
+below. A flag given explicitly wins even when its value equals the default.
+
+The YAML file holds flat ``snake_case`` keys that apply to every component, plus optional sections
+``ar:``, ``dit:``, ``gateway:`` whose keys override the flat ones for that component. Unknown keys in
+the file are ignored with a warning (a shared ConfigMap carries keys for every component).
+
+This module is the only place that reads ``os.environ`` for settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "MAMMOTH_"
+MiB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """A setting has an invalid value or type; the message names the setting and its source."""
+
+
+def default_cache_dir() -> str:
+    """Cache directory: ``$XDG_CACHE_HOME/mammoth`` or ``~/.cache/mammoth``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mammoth")
+
+
+def _doc(help_text: str, **kw: Any) -> dict[str, Any]:
+    return {"help": help_text, **kw}
+
+
+@dataclass
+class BaseSettings:
+    """Settings every component has."""
+
+    host: str = field(default="127.0.0.1", metadata=_doc("address to listen on"))
+    log_format: str = field(default="text", metadata=_doc("log format", choices=("text", "json")))
+    log_level: str = field(default="info", metadata=_doc("log level (debug, info, warning, error)"))
+    max_message_bytes: int = field(
+        default=64 * MiB,
+        metadata=_doc("gRPC max send AND receive message size in bytes (same on every component)"),
+    )
+    auth_token_file: str | None = field(
+        default=None, metadata=_doc("file holding the stage-to-stage shared token (from a Secret)")
+    )
+    drain_grace_seconds: float = field(
+        default=30.0, metadata=_doc("on SIGTERM, seconds in-flight work may take before exit")
+    )
+    cache_dir: str = field(default_factory=default_cache_dir, metadata=_doc("cache directory"))
+
+    section: typing.ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Raise `SettingsError` for values outside their allowed range."""
+        if self.max_message_bytes < 1 * MiB:
+            raise SettingsError("max_message_bytes must be >= 1 MiB")
+        if self.drain_grace_seconds < 0:
+            raise SettingsError("drain_grace_seconds must be >= 0")
+
+    def read_auth_token(self) -> str | None:
+        """The shared stage token, stripped, or None when no file is configured."""
+        if not self.auth_token_file:
+            return None
+        return pathlib.Path(self.auth_token_file).read_text().strip() or None
+
+
+@dataclass
+class StageSettings(BaseSettings):
+    """Settings shared by the AR and DiT stages."""
+
+    checkpoint: str = field(
+        default="builtin://tiny", metadata=_doc("checkpoint directory or builtin://tiny")
+    )
+    port: int = field(default=0, metadata=_doc("gRPC port (0: any free port)"))
+    metrics_port: int = field(default=-1, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    device: str = field(default="auto", metadata=_doc("device", choices=("auto", "cpu", "cuda")))
+    dtype: str = field(
+        default="auto",
+        metadata=_doc("model dtype", choices=("auto", "bfloat16", "float16", "float32")),
+    )
+    chunk_rows: int = field(default=64, metadata=_doc("hidden-state rows per chunk message"))
+    answer_boundary: str = field(
+        default="prompt_length",
+        metadata=_doc(
+            "answer boundary rule for the condition split",
+            choices=("prompt_length", "last_10", "prompt_minus_10"),
+        ),
+    )
+    torch_threads: int = field(default=0, metadata=_doc("torch intra-op threads (0: torch default)"))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.chunk_rows < 1:
+            raise SettingsError("chunk_rows must be >= 1")
+
+    def resolved_device(self) -> str:
+        """``cuda`` when asked for or (auto) available, else ``cpu``."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> "typing.Any":
+        """torch dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class ARSettings(StageSettings):
+    """AR stage settings (``mammoth ar``)."""
+
+    port: int = field(default=50051, metadata=_doc("gRPC port (0: any free port)"))
+    metrics_port: int = field(default=9091, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    max_running_sequences: int = field(
+        default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)")
+    )
+    section: typing.ClassVar[str] = "ar"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_running_sequences < 1:
+            raise SettingsError("max_running_sequences must be >= 1")
+
+
+@dataclass
+class DiTSettings(StageSettings):
+    """DiT stage settings (``mammoth dit``)."""
+
+    port: int = field(default=50052, metadata=_doc("gRPC port (0: any free port)"))
+    metrics_port: int = field(default=9092, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    slots: int = field(default=4, metadata=_doc("condition slots (concurrent requests)"))
+    max_rows_per_slot: int = field(
+        default=8192, metadata=_doc("largest CONDITION+NEGATIVE row count a slot accepts")
+    )
+    section: typing.ClassVar[str] = "dit"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.slots < 1:
+            raise SettingsError("slots must be >= 1")
+
+
+@dataclass
+class GatewaySettings(BaseSettings):
+    """Gateway settings (``mammoth gateway``)."""
+
+    port: int = field(default=8000, metadata=_doc("HTTP port (0: any free port)"))
+    ar: list[str] = field(
+        default_factory=list,
+        metadata=_doc("AR backends: host:port,... or dns:///name:port (headless Service)"),
+    )
+    dit: list[str] = field(
+        default_factory=list,
+        metadata=_doc("DiT backends: host:port,... or dns:///name:port (headless Service)"),
+    )
+    model_name: str = field(default="mammothmoda2", metadata=_doc("model id served"))
+    default_steps: int = field(default=50, metadata=_doc("default num_inference_steps"))
+    default_guidance_scale: float = field(default=9.0, metadata=_doc("default text_guidance_scale"))
+    default_cfg_range: list[float] = field(
+        default_factory=lambda: [0.0, 1.0], metadata=_doc("default cfg_range start,end")
+    )
+    default_size: str = field(default="1024x1024", metadata=_doc("size used for size=auto"))
+    max_pixels: int = field(default=1536 * 1536, metadata=_doc("largest width*height accepted"))
+    min_pixels: int = field(default=64 * 64, metadata=_doc("smallest width*height accepted"))
+    max_steps: int = field(default=200, metadata=_doc("largest num_inference_steps accepted"))
+    max_prompt_chars: int = field(default=4000, metadata=_doc("longest prompt accepted"))
+    request_timeout_seconds: float = field(default=600.0, metadata=_doc("per-request time budget"))
+    queue_size: int = field(default=64, metadata=_doc("requests waiting for a slot, at most"))
+    api_keys_file: str | None = field(default=None, metadata=_doc("file of API keys, one a line"))
+    image_ttl_seconds: float = field(default=3600.0, metadata=_doc("lifetime of url images"))
+    health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period"))
+    section: typing.ClassVar[str] = "gateway"
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _coerce(name: str, value: Any, typ: Any, source: str) -> Any:
+    """Convert ``value`` (str from env/CLI, or a YAML scalar/list) to ``typ``."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    try:
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            non_none = [a for a in args if a is not type(None)]
+            if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+                return None
+            return _coerce(name, value, non_none[0], source)
+        if origin is list:
+            (item,) = args
+            if isinstance(value, str):
+                value = [v for v in (s.strip() for s in value.split(",")) if v]
+            if not isinstance(value, (list, tuple)):
+                raise TypeError("expected a list")
+            return [_coerce(name, v, item, source) for v in value]
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise TypeError("expected a boolean")
+        if typ is int:
+            if isinstance(value, bool):
+                raise TypeError("expected an integer")
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError("expected an integer")
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"setting {name!r} from {source}: {value!r} is invalid ({exc})") from exc
+    return value
+
+
+def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
+    """Flat keys of a YAML settings file with ``section`` (``ar``/``dit``/``gateway``) merged on top.
+
+    Raises:
+        SettingsError: the file is not a YAML mapping.
+    """
+    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping at top level")
+    sections = {"ar", "dit", "gateway", "operator"}
+    flat = {k: v for k, v in data.items() if k not in sections}
+    if section and isinstance(data.get(section), dict):
+        flat.update(data[section])
+    return flat
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """Add one ``--flag`` per settings field (default SUPPRESS, so explicit flags are detectable)."""
+    parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file")
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, dest=f.name, **kwargs)
+
+
+def resolve_settings(
+    cls: type[BaseSettings],
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> BaseSettings:
+    """Build ``cls`` from defaults < file < env < explicit CLI values and validate it.
+
+    Args:
+        cls: the settings class (`ARSettings`, `DiTSettings`, `GatewaySettings`).
+        cli: explicitly given flags only (``argparse`` namespace with SUPPRESS defaults, as dict).
+        env: environment (default ``os.environ``).
+        config_file: YAML file; default from ``cli['config']`` or ``MAMMOTH_CONFIG``.
+
+    Raises:
+        SettingsError: a value has the wrong type or is out of range.
+    """
+    cli = dict(cli or {})
+    env = os.environ if env is None else env
+    config_file = cli.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    if config_file:
+        for key, value in read_config_file(config_file, cls.section).items():
+            if key in names:
+                values[key] = _coerce(key, value, _field_type(cls, names[key]), str(config_file))
+            else:
+                logger.debug("config file %s: key %r is not a %s setting", config_file, key, cls.__name__)
+    for name, f in names.items():
+        env_key = ENV_PREFIX + name.upper()
+        if env_key in env:
+            values[name] = _coerce(name, env[env_key], _field_type(cls, f), f"env {env_key}")
+    for name, value in cli.items():
+        if name in names:
+            values[name] = _coerce(name, value, _field_type(cls, names[name]), f"--{name}")
+    settings = cls(**values)
+    settings.validate()
+    return settings
