@@ -1,0 +1,272 @@
+"""The MammothModa2 checkpoint format: configs, sharded safetensors, strict loading.
+
+A checkpoint is one folder (the layout upstream's ``save_pretrained`` writes):
+
+- ``config.json``: ``model_type: mammothmoda2``; ``llm_config`` (flat Qwen2.5-VL text fields plus
+  the MammothModa generation fields); ``gen_dit_config``, ``gen_vae_config``,
+  ``gen_image_condition_refiner_config``, ``gen_axes_dim_rope``, ``gen_axes_lens``,
+  ``gen_condition_mode``, ``gen_transport_config``;
+- ``model.safetensors.index.json`` + ``model-0000N-of-0000M.safetensors`` shards (or a single
+  ``model.safetensors``), tensor names prefixed ``llm_model.*``, ``gen_transformer.*``,
+  ``gen_vae.*``, ``gen_image_condition_refiner.*``;
+- ``t2i_generation_config.json``; tokenizer files ``mammothu.tiktoken`` and
+  ``mammothu_vision_tokens.txt``.
+
+Tensors are memory-mapped (``safetensors.safe_open``), each read once and copied straight into the
+module's parameter on its device/dtype. The vision tower (``llm_model.model.visual.*``) is never
+read: text-to-image does not use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from collections import defaultdict
+from typing import Any, Iterable, Mapping
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "t2i_generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("mammothu.tiktoken", "mammothu_vision_tokens.txt")
+
+#: Prefix of each component inside the checkpoint.
+AR_PREFIX = "llm_model."
+DIT_PREFIX = "gen_transformer."
+VAE_PREFIX = "gen_vae."
+REFINER_PREFIX = "gen_image_condition_refiner."
+#: Never loaded: the vision tower is unused for text-to-image.
+SKIPPED_PREFIXES = ("llm_model.model.visual.",)
+
+BUILTIN_SCHEME = "builtin://"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing files or has wrong, missing, unexpected or mis-shaped tensors.
+
+    ``problems`` lists every finding, one line each; ``str(err)`` names them all.
+    """
+
+    def __init__(self, path: str | os.PathLike, problems: list[str]):
+        self.path = str(path)
+        self.problems = list(problems)
+        shown = "\n  ".join(self.problems[:50])
+        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
+        super().__init__(f"checkpoint {self.path}: {len(self.problems)} problem(s):\n  {shown}{more}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Name, shape and dtype (safetensors dtype string such as ``BF16``) of one stored tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+
+
+class Checkpoint:
+    """An opened checkpoint folder: configs and a name -> shard index; no weights read yet.
+
+    Args:
+        path: the checkpoint folder.
+
+    Raises:
+        CheckpointError: ``config.json`` or the safetensors files are missing or unreadable.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        problems: list[str] = []
+        if not self.path.is_dir():
+            raise CheckpointError(self.path, ["not a directory"])
+        config_path = self.path / CONFIG_FILE
+        if not config_path.is_file():
+            raise CheckpointError(self.path, [f"missing {CONFIG_FILE}"])
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(self.path, [f"{CONFIG_FILE} is not valid JSON: {exc}"]) from exc
+        gen_path = self.path / GENERATION_CONFIG_FILE
+        self.generation_config: dict[str, Any] = (
+            json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        )
+        self._index = self._read_index(problems)
+        if problems:
+            raise CheckpointError(self.path, problems)
+
+    # -- index --------------------------------------------------------------------------------
+
+    def _read_index(self, problems: list[str]) -> dict[str, str]:
+        index_path = self.path / INDEX_FILE
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+            for shard in sorted(set(weight_map.values())):
+                if not (self.path / shard).is_file():
+                    problems.append(f"shard {shard} listed in {INDEX_FILE} is missing")
+            return dict(weight_map)
+        single = self.path / SINGLE_FILE
+        files = [single] if single.is_file() else sorted(self.path.glob("*.safetensors"))
+        if not files:
+            problems.append(f"no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
+            return {}
+        from safetensors import safe_open
+
+        mapping: dict[str, str] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    mapping[name] = f.name
+        return mapping
+
+    def tensor_names(self) -> list[str]:
+        """All stored tensor names, sorted."""
+        return sorted(self._index)
+
+    def tensor_infos(self, prefix: str = "") -> dict[str, TensorInfo]:
+        """Name -> `TensorInfo` for stored tensors starting with ``prefix`` (reads headers only)."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, file in self._index.items():
+            if name.startswith(prefix):
+                by_file[file].append(name)
+        infos: dict[str, TensorInfo] = {}
+        for file, names in by_file.items():
+            with safe_open(str(self.path / file), framework="pt") as handle:
+                for name in names:
+                    sl = handle.get_slice(name)
+                    infos[name] = TensorInfo(name, tuple(sl.get_shape()), sl.get_dtype(), file)
+        return infos
+
+    # -- configs ------------------------------------------------------------------------------
+
+    @property
+    def llm_config(self) -> dict[str, Any]:
+        """``config.json``'s ``llm_config`` (flat upstream layout)."""
+        return dict(self.config.get("llm_config") or {})
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load_module(
+        self,
+        module: Any,
+        prefix: str,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        skip_prefixes: Iterable[str] = SKIPPED_PREFIXES,
+    ) -> None:
+        """Load every tensor under ``prefix`` into ``module`` strictly (state-dict names minus prefix).
+
+        Each tensor is memory-mapped and copied once into the destination parameter/buffer, which is
+        first materialised on ``device`` (a module built on the ``meta`` device is allowed).
+        Floating-point tensors are cast to ``dtype`` (default: keep the module's dtype); integer
+        buffers keep their dtype.
+
+        Raises:
+            CheckpointError: naming every missing, unexpected and mis-shaped tensor; nothing is
+                loaded in that case.
+        """
+        import torch
+        from safetensors import safe_open
+
+        skip = tuple(skip_prefixes)
+        wanted = module.state_dict(keep_vars=True)
+        stored = {
+            name[len(prefix):]: file
+            for name, file in self._index.items()
+            if name.startswith(prefix) and not name.startswith(skip)
+        }
+        problems = [f"missing tensor {prefix}{k}" for k in sorted(set(wanted) - set(stored))]
+        problems += [f"unexpected tensor {prefix}{k}" for k in sorted(set(stored) - set(wanted))]
+        infos = self.tensor_infos(prefix)
+        for key in sorted(set(wanted) & set(stored)):
+            want_shape = tuple(wanted[key].shape)
+            got_shape = infos[prefix + key].shape
+            if want_shape != got_shape:
+                problems.append(
+                    f"mis-shaped tensor {prefix}{key}: checkpoint {list(got_shape)}, model expects {list(want_shape)}"
+                )
+        if problems:
+            raise CheckpointError(self.path, problems)
+
+        target_device = torch.device(device) if device is not None else None
+        if any(t.is_meta for t in wanted.values()):
+            module.to_empty(device=target_device or torch.device("cpu"))
+        elif target_device is not None:
+            module.to(device=target_device)
+        if dtype is not None:
+            module.to(dtype=dtype)
+        dest = module.state_dict(keep_vars=True)
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for key, file in stored.items():
+            by_file[file].append(key)
+        with torch.no_grad():
+            for file, keys in by_file.items():
+                with safe_open(str(self.path / file), framework="pt") as handle:
+                    for key in keys:
+                        tensor = handle.get_tensor(prefix + key)
+                        # copy_ converts dtype and moves to the device in one step: no extra
+                        # host copy of the memory-mapped tensor.
+                        dest[key].data.copy_(tensor)
+        logger.info("loaded %d tensors under %r from %s", len(stored), prefix, self.path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resolution of checkpoint URIs
+# ------------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(uri: str, cache_dir: str | os.PathLike) -> pathlib.Path:
+    """Turn a checkpoint setting into a folder, creating the built-in one on first use.
+
+    Args:
+        uri: a folder path, ``file:///path``, or ``builtin://tiny``.
+        cache_dir: where built-in checkpoints are created (``<cache_dir>/checkpoints/<name>``).
+
+    Raises:
+        CheckpointError: unknown built-in name or missing folder.
+    """
+    if uri.startswith(BUILTIN_SCHEME):
+        from mammoth_core.make_checkpoint import PRESETS, ensure_builtin
+
+        name = uri[len(BUILTIN_SCHEME):]
+        if name not in PRESETS:
+            raise CheckpointError(uri, [f"unknown built-in checkpoint {name!r}; known: {sorted(PRESETS)}"])
+        return ensure_builtin(name, pathlib.Path(cache_dir))
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    path = pathlib.Path(uri).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(uri, ["checkpoint folder does not exist"])
+    return path
+
+
+def check_files(path: str | os.PathLike) -> list[str]:
+    """Problems with the files of a checkpoint folder (configs and tokenizer), without weights."""
+    path = pathlib.Path(path)
+    problems = []
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES):
+        if not (path / name).is_file():
+            problems.append(f"missing file {name}")
+    return problems
+
+
+def compare_shapes(
+    expected: Mapping[str, tuple[int, ...]], stored: Mapping[str, TensorInfo], prefix: str
+) -> list[str]:
+    """Missing / unexpected / mis-shaped findings between a model's expected shapes and storage."""
+    problems = [f"missing tensor {prefix}{k}" for k in sorted(set(expected) - set(stored))]
+    problems += [f"unexpected tensor {prefix}{k}" for k in sorted(set(stored) - set(expected))]
+    for k in sorted(set(expected) & set(stored)):
+        if tuple(expected[k]) != tuple(stored[k].shape):
+            problems.append(
+                f"mis-shaped tensor {prefix}{k}: checkpoint {list(stored[k].shape)}, model expects {list(expected[k])}"
+            )
+    return problems

@@ -1,0 +1,232 @@
+"""The ``mammoth`` command: one entry point for every component and the local tools.
+
+Subcommands:
+  up                 the whole pipeline locally (AR, DiT, gateway as processes on 127.0.0.1)
+  ar | dit | gateway one component, as its container runs it
+  operator           the Kubernetes operator (kopf)
+  generate           call a gateway and write the image, with a progress display
+  make-checkpoint    write the small built-in checkpoint (real layout, random weights)
+  check-checkpoint   validate a checkpoint folder against the model its configs describe
+  download-model     fetch ``hf://org/repo@revision`` into a folder (init container)
+  bench              serving benchmark against a gateway URL
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Sequence
+
+from mammoth_core import settings as settings_mod
+from mammoth_core.logging import setup_logging
+
+logger = logging.getLogger("mammoth")
+
+
+def _component_parser(sub: argparse._SubParsersAction, name: str, cls: type, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    settings_mod.add_arguments(p, cls)
+    p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(settings_cls=cls)
+
+
+def _settings_from_args(args: argparse.Namespace) -> settings_mod.BaseSettings:
+    cls = args.settings_cls
+    names = {f for f in cls.__dataclass_fields__} | {"config"}
+    explicit = {k: v for k, v in vars(args).items() if k in names}
+    return settings_mod.resolve_settings(cls, cli=explicit)
+
+
+def _apply_torch_threads(s: settings_mod.StageSettings) -> None:
+    if getattr(s, "torch_threads", 0):
+        import torch
+
+        torch.set_num_threads(int(s.torch_threads))
+
+
+def cmd_ar(args: argparse.Namespace) -> int:
+    s = _settings_from_args(args)
+    setup_logging("ar", s.log_format, s.log_level)
+    _apply_torch_threads(s)
+    from stage_ar.server import serve
+
+    asyncio.run(serve(s, ready_file=args.ready_file))
+    return 0
+
+
+def cmd_dit(args: argparse.Namespace) -> int:
+    s = _settings_from_args(args)
+    setup_logging("dit", s.log_format, s.log_level)
+    _apply_torch_threads(s)
+    from stage_dit.server import serve
+
+    asyncio.run(serve(s, ready_file=args.ready_file))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    s = _settings_from_args(args)
+    setup_logging("gateway", s.log_format, s.log_level)
+    from gateway.app import serve
+
+    asyncio.run(serve(s, ready_file=args.ready_file))
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    setup_logging("operator", args.log_format, args.log_level)
+    import mammoth_operator
+
+    mammoth_operator.run(
+        namespaces=args.namespace or None,
+        all_namespaces=args.all_namespaces,
+        liveness=args.liveness,
+    )
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "info")
+    from mammoth_core.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed)
+    print(path)
+    return 0
+
+
+def cmd_check_checkpoint(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "warning")
+    from mammoth_core.check_checkpoint import check_checkpoint
+
+    report = check_checkpoint(args.dir)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def cmd_download_model(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "info")
+    from mammoth_core.model_source import download_model
+
+    download_model(args.uri, args.dest)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", args.log_level)
+    from mammoth_core.local import run_up
+
+    return run_up(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "warning")
+    from mammoth_core.client import run_generate
+
+    return run_generate(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "warning")
+    from mammoth_core.bench import run_bench
+
+    return run_bench(args)
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``generate`` and ``up --generate``."""
+    p.add_argument("--size", default="256x256", help="WIDTHxHEIGHT, multiples of 16")
+    p.add_argument("--steps", type=int, default=None, help="num_inference_steps")
+    p.add_argument("--guidance", type=float, default=None, help="text_guidance_scale")
+    p.add_argument("--seed", type=int, default=None, help="seed (random when omitted)")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--format", default="png", choices=("png", "jpeg", "webp"))
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mammoth`` argument parser."""
+    parser = argparse.ArgumentParser(prog="mammoth", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole pipeline locally (AR, DiT, gateway processes)")
+    up.add_argument("--checkpoint", default="builtin://tiny", help="checkpoint folder or builtin://tiny")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free)")
+    up.add_argument("--slots", type=int, default=2, help="DiT slots")
+    up.add_argument("--config", default=None, help="YAML settings file passed to every component")
+    up.add_argument("--log-level", default="info")
+    up.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage process")
+    up.add_argument("--generate", metavar="PROMPT", default=None,
+                    help="generate one image through the HTTP API, write it to --output, then stop")
+    up.add_argument("-o", "--output", default="mammoth.png", help="with --generate: output file")
+    add_generate_arguments(up)
+    up.set_defaults(func=cmd_up)
+
+    _component_parser(sub, "ar", settings_mod.ARSettings, "run the AR stage (gRPC)")
+    _component_parser(sub, "dit", settings_mod.DiTSettings, "run the DiT stage (gRPC)")
+    _component_parser(sub, "gateway", settings_mod.GatewaySettings, "run the HTTP gateway")
+    for name, fn in (("ar", cmd_ar), ("dit", cmd_dit), ("gateway", cmd_gateway)):
+        sub.choices[name].set_defaults(func=fn)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator")
+    op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    op.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    op.add_argument("--log-format", default="text", choices=("text", "json"))
+    op.add_argument("--log-level", default="info")
+    op.set_defaults(func=cmd_operator)
+
+    gen = sub.add_parser("generate", help="generate an image through a gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("-o", "--output", default="mammoth.png")
+    gen.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    mk = sub.add_parser("make-checkpoint", help="write the built-in small checkpoint to DIR")
+    mk.add_argument("dir")
+    mk.add_argument("--preset", default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=cmd_make_checkpoint)
+
+    ck = sub.add_parser("check-checkpoint", help="validate a checkpoint folder (no GPU, no weights loaded)")
+    ck.add_argument("dir")
+    ck.set_defaults(func=cmd_check_checkpoint)
+
+    dl = sub.add_parser("download-model", help="download hf://org/repo@revision into DEST")
+    dl.add_argument("uri")
+    dl.add_argument("dest")
+    dl.set_defaults(func=cmd_download_model)
+
+    bench = sub.add_parser("bench", help="serving benchmark against a gateway")
+    bench.add_argument("--url", default="http://127.0.0.1:8000")
+    bench.add_argument("--concurrency", default="1,2,4", help="comma list")
+    bench.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--size", default="256x256")
+    bench.add_argument("--steps", type=int, default=20)
+    bench.add_argument("--json", default=None, help="write results as JSON to this file")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mammoth`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except settings_mod.SettingsError as exc:
+        print(f"mammoth: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

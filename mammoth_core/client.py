@@ -1,0 +1,163 @@
+"""``mammoth generate``: call a gateway's images API and write the image, with live progress.
+
+Uses the streaming form of ``POST /v1/images/generations`` (``stream: true``, server-sent events):
+``image_generation.progress`` (our documented extension: AR tokens, DiT steps) drives the progress
+display, ``image_generation.completed`` carries the image (``b64_json``). Errors come back in the
+OpenAI envelope and are printed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import pathlib
+import sys
+import time
+from typing import Any, Iterator
+
+import httpx
+
+
+class GenerateError(RuntimeError):
+    """The gateway answered with an error (message from its OpenAI error envelope)."""
+
+
+def _sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """Decode ``data: {...}`` server-sent events into dicts (``event:`` lines are advisory)."""
+    data_lines: list[str] = []
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data_lines.append(line[5:].strip())
+        elif line == "" and data_lines:
+            payload = "\n".join(data_lines)
+            data_lines = []
+            if payload == "[DONE]":
+                return
+            yield json.loads(payload)
+    if data_lines and data_lines != ["[DONE]"]:
+        yield json.loads("\n".join(data_lines))
+
+
+class ProgressLine:
+    """A one-line progress display on stderr: ``AR 120/273 tokens | DiT 3/20 steps``."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.ar = (0, 0)
+        self.dit = (0, 0)
+        self._last = 0.0
+
+    @staticmethod
+    def _bar(done: int, total: int, width: int = 20) -> str:
+        filled = int(width * done / total) if total else 0
+        return "#" * filled + "-" * (width - filled)
+
+    def update(self, event: dict[str, Any], force: bool = False) -> None:
+        if not self.enabled:
+            return
+        if "tokens_generated" in event or "total_tokens" in event:
+            self.ar = (int(event.get("tokens_generated", self.ar[0])), int(event.get("total_tokens", self.ar[1])))
+        if "step" in event or "total_steps" in event:
+            self.dit = (int(event.get("step", self.dit[0])), int(event.get("total_steps", self.dit[1])))
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        line = (
+            f"\rAR [{self._bar(*self.ar)}] {self.ar[0]}/{self.ar[1]} tokens  "
+            f"DiT [{self._bar(*self.dit)}] {self.dit[0]}/{self.dit[1]} steps"
+        )
+        sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def request_body(prompt: str, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
+    """The JSON body for ``POST /v1/images/generations`` from CLI arguments."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "size": args.size,
+        "n": 1,
+        "response_format": "b64_json",
+        "output_format": args.format,
+        "stream": stream,
+    }
+    if stream:
+        body["partial_images"] = 0
+    if args.steps is not None:
+        body["num_inference_steps"] = args.steps
+    if args.guidance is not None:
+        body["text_guidance_scale"] = args.guidance
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.negative_prompt:
+        body["negative_prompt"] = args.negative_prompt
+    return body
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        err = json.loads(response.read())["error"]
+        message = f"{response.status_code} {err.get('type', '')}: {err.get('message', '')}"
+        if err.get("param"):
+            message += f" (param: {err['param']})"
+    except Exception:  # noqa: BLE001 - not an envelope
+        message = f"{response.status_code}: {response.text[:500]}"
+    raise GenerateError(message)
+
+
+def generate(url: str, prompt: str, args: argparse.Namespace) -> tuple[bytes, dict[str, Any]]:
+    """One image from the gateway at ``url``; returns (image bytes, completed event).
+
+    Raises:
+        GenerateError: the gateway answered an error, or the stream ended without an image.
+        httpx.HTTPError: the gateway could not be reached.
+    """
+    headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
+    progress = ProgressLine(enabled=not getattr(args, "no_progress", False))
+    body = request_body(prompt, args, stream=True)
+    try:
+        with httpx.stream(
+            "POST", f"{url.rstrip('/')}/v1/images/generations", json=body, headers=headers,
+            timeout=httpx.Timeout(args.timeout, connect=10.0),
+        ) as response:
+            _raise_for_error(response)
+            for event in _sse_events(response):
+                kind = event.get("type", "")
+                if kind == "error" or "error" in event:
+                    err = event.get("error", event)
+                    raise GenerateError(f"{err.get('type', 'error')}: {err.get('message', err)}")
+                if kind.endswith("progress"):
+                    progress.update(event)
+                elif kind.endswith("completed"):
+                    progress.update(event, force=True)
+                    return base64.b64decode(event["b64_json"]), event
+    finally:
+        progress.close()
+    raise GenerateError("the stream ended without an image")
+
+
+def generate_to_file(url: str, prompt: str, output: str, args: argparse.Namespace) -> int:
+    """Generate and write ``output``; prints the path and size. Returns a process exit code."""
+    try:
+        data, event = generate(url, prompt, args)
+    except (GenerateError, httpx.HTTPError) as exc:
+        print(f"mammoth generate: {exc}", file=sys.stderr)
+        return 1
+    path = pathlib.Path(output)
+    path.write_bytes(data)
+    seed = event.get("seed")
+    print(f"wrote {path} ({len(data)} bytes{f', seed {seed}' if seed is not None else ''})")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Implementation of ``mammoth generate``."""
+    return generate_to_file(args.url, args.prompt, args.output, args)
