@@ -1,0 +1,418 @@
+"""MammothModa2 diffusion transformer (`gen_transformer.*`).
+
+A Lumina2/OmniGen2-style single-stream DiT as in upstream `bytedance/mammothmoda` (commit
+2317bbce, `mammothmoda2/model/mammothmoda2_dit/diffusion_transformer.py`): conditions and image
+patches are refined separately, then attended jointly. Attribute paths equal the checkpoint keys
+below `gen_transformer.`; a strict `load_state_dict` of that slice reports nothing missing or
+unexpected.
+
+Differences from upstream (see docs/MODEL_DIFFERENCES.md): the key padding mask is applied on every
+device (upstream's CPU path ignores it), conditions of different lengths can be batched, and
+reference-image conditioning (`ref_image_*`, `image_index_embedding`) is kept for the weights but
+not run (text-to-image only; upstream runs it on an empty sequence, which is a no-op).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from stage_dit.modules import RMSNorm, SwiGLUFeedForward, apply_rotary_emb, masked_attention, rotary_axis_table
+
+
+class MammothAttention(nn.Module):
+    """Self-attention with grouped KV heads, per-head QK RMSNorm and 3-axis real RoPE.
+
+    Keys: `to_q`, `to_k`, `to_v`, `to_out.0` (no biases), `norm_q`, `norm_k` (RMSNorm over head_dim,
+    eps 1e-5 as upstream's diffusers `Attention(qk_norm="rms_norm", eps=1e-5)`).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, qk_norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        if dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(f"dim {dim}, heads {num_heads} and kv heads {num_kv_heads} do not divide")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = dim // num_heads
+        self.to_q = nn.Linear(dim, num_heads * self.head_dim, bias=False)
+        self.to_k = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.to_v = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(num_heads * self.head_dim, dim, bias=False), nn.Identity()])
+        self.norm_q = RMSNorm(self.head_dim, eps=qk_norm_eps)
+        self.norm_k = RMSNorm(self.head_dim, eps=qk_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Attend over one sequence.
+
+        Args:
+            hidden_states: `(batch, seq, dim)`.
+            attention_mask: bool `(batch, seq)`, True = real token; None = no padding.
+            rotary_emb: float32 `(cos, sin)`, each `(batch, seq, head_dim)`.
+
+        Returns:
+            `(batch, seq, dim)`.
+        """
+        b, s, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        query = self.norm_q(self.to_q(hidden_states).view(b, s, self.num_heads, self.head_dim))
+        key = self.norm_k(self.to_k(hidden_states).view(b, s, self.num_kv_heads, self.head_dim))
+        value = self.to_v(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
+        query = apply_rotary_emb(query, *rotary_emb).to(dtype)
+        key = apply_rotary_emb(key, *rotary_emb).to(dtype)
+        out = masked_attention(query, key, value, attention_mask).to(dtype)
+        return self.to_out[0](out)
+
+
+class RMSNormZero(nn.Module):
+    """adaLN for a modulated block (upstream `LuminaRMSNormZero`): keys `linear`, `norm`.
+
+    `scale_msa, gate_msa, scale_mlp, gate_mlp = linear(silu(temb)).chunk(4)`; returns
+    `(norm(x) * (1 + scale_msa), gate_msa, scale_mlp, gate_mlp)`.
+    """
+
+    def __init__(self, dim: int, temb_dim: int, norm_eps: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(temb_dim, 4 * dim, bias=True)
+        self.norm = RMSNorm(dim, eps=norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `(batch, seq, dim)`, temb `(batch, temb_dim)` -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self.linear(nn.functional.silu(temb)).chunk(4, dim=1)
+        return self.norm(x) * (1 + scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
+
+
+class MammothTransformerBlock(nn.Module):
+    """Sandwich-norm transformer block, optionally adaLN-modulated with tanh gates.
+
+    Modulated: `h += tanh(g_msa) * norm2(attn(norm1(h) * (1 + s_msa)))`, then
+    `h += tanh(g_mlp) * ffn_norm2(ffn(ffn_norm1(h) * (1 + s_mlp)))`. Unmodulated (context refiner):
+    the same without scales and gates, `norm1` a plain RMSNorm.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        multiple_of: int,
+        ffn_dim_multiplier: float | None,
+        norm_eps: float,
+        modulation: bool = True,
+    ) -> None:
+        super().__init__()
+        self.modulation = modulation
+        self.attn = MammothAttention(dim, num_heads, num_kv_heads)
+        self.feed_forward = SwiGLUFeedForward(dim, 4 * dim, multiple_of, ffn_dim_multiplier)
+        self.norm1 = RMSNormZero(dim, min(dim, 1024), norm_eps) if modulation else RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm1 = RMSNorm(dim, eps=norm_eps)
+        self.norm2 = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm2 = RMSNorm(dim, eps=norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        temb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states `(batch, seq, dim)`, mask bool `(batch, seq)` or None, temb `(batch, temb_dim)`."""
+        if self.modulation:
+            if temb is None:
+                raise ValueError("a modulated block needs temb")
+            normed, gate_msa, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
+            attn_out = self.attn(normed, attention_mask, rotary_emb)
+            hidden_states = hidden_states + gate_msa[:, None].tanh() * self.norm2(attn_out)
+            ffn_out = self.feed_forward(self.ffn_norm1(hidden_states) * (1 + scale_mlp[:, None]))
+            return hidden_states + gate_mlp[:, None].tanh() * self.ffn_norm2(ffn_out)
+        attn_out = self.attn(self.norm1(hidden_states), attention_mask, rotary_emb)
+        hidden_states = hidden_states + self.norm2(attn_out)
+        return hidden_states + self.ffn_norm2(self.feed_forward(self.ffn_norm1(hidden_states)))
+
+
+class CombinedTimestepCaptionEmbedding(nn.Module):
+    """Time and caption embedding (keys `timestep_embedder.linear_{1,2}`, `caption_embedder.{0,1}`).
+
+    `temb = linear_2(silu(linear_1(sinusoid_256(t))))` with diffusers' `Timesteps(256,
+    flip_sin_to_cos=True, downscale_freq_shift=0, scale=timestep_scale)`; width `min(hidden, 1024)`.
+    `caption = Linear(RMSNorm(cond))` over the LLM width, as upstream's `reinit_caption_embedder`
+    rebuilds it (`Qwen2RMSNorm(llm_hidden, eps=1e-5)`, `Linear(llm_hidden, hidden)`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        text_feat_dim: int,
+        frequency_embedding_size: int = 256,
+        timestep_scale: float = 1.0,
+        caption_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.time_proj = Timesteps(
+            num_channels=frequency_embedding_size,
+            flip_sin_to_cos=True,
+            downscale_freq_shift=0.0,
+            scale=timestep_scale,
+        )
+        self.timestep_embedder = TimestepEmbedding(frequency_embedding_size, min(hidden_size, 1024))
+        self.caption_embedder = nn.Sequential(
+            RMSNorm(text_feat_dim, eps=caption_norm_eps), nn.Linear(text_feat_dim, hidden_size, bias=True)
+        )
+
+    def forward(self, timestep: torch.Tensor, text_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """timestep float `(batch,)` in [0, 1]; text `(batch, seq, text_feat_dim)` ->
+        (temb `(batch, min(hidden, 1024))`, caption `(batch, seq, hidden)`)."""
+        dtype = self.caption_embedder[1].weight.dtype
+        temb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
+        return temb, self.caption_embedder(text_hidden_states)
+
+
+class LayerNormContinuous(nn.Module):
+    """Output norm (upstream `LuminaLayerNormContinuous`): keys `linear_1`, `linear_2`.
+
+    `linear_2(LayerNorm(x) * (1 + linear_1(silu(temb))))` with a non-affine LayerNorm, eps 1e-6.
+    """
+
+    def __init__(self, dim: int, temb_dim: int, out_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(temb_dim, dim, bias=True)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.linear_2 = nn.Linear(dim, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """x `(batch, seq, dim)`, temb `(batch, temb_dim)` -> `(batch, seq, out_dim)`."""
+        scale = self.linear_1(nn.functional.silu(temb).to(x.dtype))
+        return self.linear_2(self.norm(x) * (1 + scale)[:, None, :])
+
+
+class MammothTransformer2DModel(ModelMixin, ConfigMixin):
+    """The MammothModa2 DiT: predicts the flow-matching velocity of a latent image.
+
+    `__init__` keywords are the keys of the checkpoint's `gen_dit_config` plus `llm_hidden_size` (the
+    width of the AR hidden states the caption embedder reads, upstream's `reinit_caption_embedder`).
+    Defaults mirror upstream's `Transformer2DModel`.
+
+    Args:
+        patch_size: side of a latent patch (2).
+        in_channels: latent channels (16).
+        out_channels: predicted channels; None = `in_channels`.
+        hidden_size: transformer width.
+        num_layers: joint blocks (`layers`).
+        num_refiner_layers: blocks in each of `noise_refiner`, `ref_image_refiner`, `context_refiner`.
+        num_attention_heads, num_kv_heads: query heads and grouped KV heads.
+        multiple_of, ffn_dim_multiplier: SwiGLU width rule (`modules.swiglu_inner_dim` of `4*hidden`).
+        norm_eps: eps of the block RMSNorms.
+        axes_dim_rope: rotary dims per axis (sum = head dim).
+        axes_lens: rotary table length per axis (the largest position + 1 an axis may take).
+        text_feat_dim: upstream's original caption width; unused (replaced by `llm_hidden_size`).
+        timestep_scale: multiplies t before the sinusoid (1000 in the checkpoints).
+        llm_hidden_size: AR hidden width; None = `text_feat_dim`.
+        rope_theta: rotary base (upstream hard-codes 10000).
+
+    Raises:
+        ValueError: if `hidden_size // num_attention_heads != sum(axes_dim_rope)` or heads do not divide.
+    """
+
+    _no_split_modules = ["MammothTransformerBlock"]
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: int = 2,
+        in_channels: int = 16,
+        out_channels: int | None = None,
+        hidden_size: int = 2304,
+        num_layers: int = 26,
+        num_refiner_layers: int = 2,
+        num_attention_heads: int = 24,
+        num_kv_heads: int = 8,
+        multiple_of: int = 256,
+        ffn_dim_multiplier: float | None = None,
+        norm_eps: float = 1e-5,
+        axes_dim_rope: tuple[int, ...] = (32, 32, 32),
+        axes_lens: tuple[int, ...] = (300, 512, 512),
+        text_feat_dim: int = 1024,
+        timestep_scale: float = 1.0,
+        llm_hidden_size: int | None = None,
+        rope_theta: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        if hidden_size // num_attention_heads != sum(axes_dim_rope):
+            raise ValueError(
+                f"hidden_size // num_attention_heads ({hidden_size // num_attention_heads}) "
+                f"must equal sum(axes_dim_rope) ({sum(axes_dim_rope)})"
+            )
+        if len(axes_dim_rope) != 3 or len(axes_lens) != 3:
+            raise ValueError("axes_dim_rope and axes_lens need three entries (caption/frame, row, column)")
+        self.out_channels = out_channels or in_channels
+        temb_dim = min(hidden_size, 1024)
+        patch_dim = patch_size * patch_size * in_channels
+
+        def blocks(modulation: bool) -> nn.ModuleList:
+            return nn.ModuleList(
+                MammothTransformerBlock(
+                    hidden_size,
+                    num_attention_heads,
+                    num_kv_heads,
+                    multiple_of,
+                    ffn_dim_multiplier,
+                    norm_eps,
+                    modulation=modulation,
+                )
+                for _ in range(num_refiner_layers)
+            )
+
+        self.x_embedder = nn.Linear(patch_dim, hidden_size)
+        self.ref_image_patch_embedder = nn.Linear(patch_dim, hidden_size)
+        self.time_caption_embed = CombinedTimestepCaptionEmbedding(
+            hidden_size, llm_hidden_size or text_feat_dim, timestep_scale=timestep_scale
+        )
+        self.noise_refiner = blocks(modulation=True)
+        self.ref_image_refiner = blocks(modulation=True)
+        self.context_refiner = blocks(modulation=False)
+        self.layers = nn.ModuleList(
+            MammothTransformerBlock(
+                hidden_size, num_attention_heads, num_kv_heads, multiple_of, ffn_dim_multiplier, norm_eps
+            )
+            for _ in range(num_layers)
+        )
+        self.norm_out = LayerNormContinuous(hidden_size, temb_dim, patch_size * patch_size * self.out_channels)
+        self.image_index_embedding = nn.Parameter(torch.zeros(5, hidden_size))
+        self._rope_cache: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    # -- rotary positions -------------------------------------------------------------------------
+
+    def _rope_tables(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-axis float32 `(cos, sin)` tables `(axes_lens[i], axes_dim_rope[i])`, built once per device."""
+        if device not in self._rope_cache:
+            self._rope_cache[device] = [
+                (cos.to(device), sin.to(device))
+                for cos, sin in (
+                    rotary_axis_table(d, n, self.config.rope_theta)
+                    for d, n in zip(self.config.axes_dim_rope, self.config.axes_lens)
+                )
+            ]
+        return self._rope_cache[device]
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids long `(batch, seq, 3)` -> float32 `(cos, sin)`, each `(batch, seq, head_dim)`.
+
+        Raises:
+            ValueError: if a position is outside its axis table (`axes_lens`).
+        """
+        limits = torch.tensor(self.config.axes_lens, device=position_ids.device)
+        if position_ids.numel() and bool((position_ids.reshape(-1, 3).amax(dim=0) >= limits).any()):
+            raise ValueError(f"a rotary position exceeds axes_lens {list(self.config.axes_lens)}")
+        tables = self._rope_tables(position_ids.device)
+        cos = torch.cat([tables[i][0][position_ids[..., i]] for i in range(3)], dim=-1)
+        sin = torch.cat([tables[i][1][position_ids[..., i]] for i in range(3)], dim=-1)
+        return cos, sin
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        text_hidden_states: torch.Tensor,
+        text_attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predict the velocity `d x / d t` (t = 0 noise, t = 1 data).
+
+        Args:
+            hidden_states: latents `(batch, in_channels, h, w)`, h and w multiples of `patch_size`.
+            timestep: float `(batch,)` in [0, 1].
+            text_hidden_states: conditions `(batch, cond_len, llm_hidden_size)`; `cond_len` may be 0.
+            text_attention_mask: bool `(batch, cond_len)`, True = real row. Real rows must come first
+                (right padding), as upstream assumes; padding never influences real rows.
+
+        Returns:
+            velocity `(batch, out_channels, h, w)` in the model dtype.
+
+        Raises:
+            ValueError: on mismatched shapes, a mask that is not right-padded, or sizes not divisible by
+                the patch size.
+        """
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"latent size {height}x{width} is not a multiple of patch_size {p}")
+        if text_hidden_states.shape[:2] != text_attention_mask.shape or text_hidden_states.shape[0] != batch:
+            raise ValueError(
+                f"text_hidden_states {tuple(text_hidden_states.shape)} / mask {tuple(text_attention_mask.shape)} "
+                f"do not match batch {batch}"
+            )
+        if timestep.shape != (batch,):
+            raise ValueError(f"timestep must have shape ({batch},), got {tuple(timestep.shape)}")
+        text_mask = text_attention_mask.to(torch.bool)
+        cap_lens = text_mask.sum(dim=1)  # (B,)
+        cond_len = text_mask.shape[1]
+        arange_cond = torch.arange(cond_len, device=text_mask.device)
+        if not torch.equal(text_mask, arange_cond[None, :] < cap_lens[:, None]):
+            raise ValueError("text_attention_mask must be right-padded (real rows first)")
+        device = hidden_states.device
+        dtype = self.x_embedder.weight.dtype
+        h_tokens, w_tokens = height // p, width // p
+        num_img = h_tokens * w_tokens
+
+        # 1. Time and caption embedding
+        temb, caption = self.time_caption_embed(timestep.to(device), text_hidden_states.to(device, dtype))
+
+        # 2. Patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)` and embed
+        x = hidden_states.to(dtype).view(batch, -1, h_tokens, p, w_tokens, p)
+        x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
+        x = self.x_embedder(x)
+
+        # 3. Rotary positions: caption row i -> (i, i, i); image patch (r, c) -> (cap_len, r, c)
+        cap_pos = arange_cond.to(device)[None, :, None].expand(batch, cond_len, 3)
+        rows = torch.arange(h_tokens, device=device).repeat_interleave(w_tokens)
+        cols = torch.arange(w_tokens, device=device).repeat(h_tokens)
+        img_pos = torch.stack(
+            [cap_lens.to(device)[:, None].expand(batch, num_img), rows.expand(batch, -1), cols.expand(batch, -1)],
+            dim=-1,
+        )
+        cap_mask = text_mask.to(device)
+        cap_pos = cap_pos * cap_mask[..., None]  # padding rows at position 0 (never seen by real rows)
+
+        # 4. Refine the caption (unmodulated) and the image patches (modulated) separately
+        cap_rope = self._rope(cap_pos)
+        for block in self.context_refiner:
+            caption = block(caption, cap_mask, cap_rope)
+        img_rope = self._rope(img_pos)
+        for block in self.noise_refiner:
+            x = block(x, None, img_rope, temb)
+
+        # 5. Joint sequence per element: [its cap_len caption rows; image patches; padding]
+        max_cap = int(cap_lens.max()) if batch and cond_len else 0
+        joint_len = max_cap + num_img
+        j = torch.arange(joint_len, device=device)[None, :]
+        lens = cap_lens.to(device)[:, None]
+        is_cap = j < lens
+        joint_mask = j < lens + num_img
+        source = torch.where(is_cap, j, cond_len + (j - lens)).clamp(max=cond_len + num_img - 1)
+        source = torch.where(joint_mask, source, torch.zeros_like(source))
+        joint = torch.gather(torch.cat([caption, x], dim=1), 1, source[..., None].expand(-1, -1, x.shape[-1]))
+        joint_pos = torch.gather(torch.cat([cap_pos, img_pos], dim=1), 1, source[..., None].expand(-1, -1, 3))
+        joint_pos = joint_pos * joint_mask[..., None]
+        joint_rope = self._rope(joint_pos)
+        mask = None if bool(joint_mask.all()) else joint_mask
+        for block in self.layers:
+            joint = block(joint, mask, joint_rope, temb)
+
+        # 6. Output norm and projection
+        out = self.norm_out(joint, temb)
+
+        # 7. Take each element's image rows and unpatchify `(h w) (p1 p2 c) -> c (h p1) (w p2)`
+        img_index = lens + torch.arange(num_img, device=device)[None, :]
+        out = torch.gather(out, 1, img_index[..., None].expand(-1, -1, out.shape[-1]))
+        out = out.view(batch, h_tokens, w_tokens, p, p, self.out_channels)
+        return out.permute(0, 5, 1, 3, 2, 4).reshape(batch, self.out_channels, height, width)
