@@ -15,10 +15,7 @@ import time
 
 from mammoth_core.checkpoint import (
     AR_PREFIX,
-    DIT_PREFIX,
-    REFINER_PREFIX,
     SKIPPED_PREFIXES,
-    VAE_PREFIX,
     Checkpoint,
     CheckpointError,
     check_files,
@@ -65,12 +62,9 @@ def expected_shapes(config: dict) -> dict[str, dict[str, tuple[int, ...]]]:
     with torch.device("meta"):
         ar = MammothARForCausalLM.from_llm_config(config["llm_config"])
         dit = build_dit_modules(config)
-    return {
-        AR_PREFIX: {k: tuple(v.shape) for k, v in ar.state_dict().items()},
-        DIT_PREFIX: {k: tuple(v.shape) for k, v in dit.transformer.state_dict().items()},
-        REFINER_PREFIX: {k: tuple(v.shape) for k, v in dit.refiner.state_dict().items()},
-        VAE_PREFIX: {k: tuple(v.shape) for k, v in dit.vae.state_dict().items()},
-    }
+    modules = {AR_PREFIX: ar}
+    modules.update({f"{prefix}.": m for prefix, m in dit.named_modules_by_prefix().items()})
+    return {prefix: {k: tuple(v.shape) for k, v in m.state_dict().items()} for prefix, m in modules.items()}
 
 
 def check_checkpoint(path: str | os.PathLike) -> CheckReport:

@@ -199,10 +199,11 @@ class Checkpoint:
         target_device = torch.device(device) if device is not None else None
         if any(t.is_meta for t in wanted.values()):
             module.to_empty(device=target_device or torch.device("cpu"))
+        # nn.Module.to, not diffusers' ModelMixin.to (which warns on every cast).
         elif target_device is not None:
-            module.to(device=target_device)
+            torch.nn.Module.to(module, device=target_device)
         if dtype is not None:
-            module.to(dtype=dtype)
+            torch.nn.Module.to(module, dtype=dtype)
         dest = module.state_dict(keep_vars=True)
         by_file: dict[str, list[str]] = defaultdict(list)
         for key, file in stored.items():

@@ -193,14 +193,10 @@ def build_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     ar = MammothARForCausalLM.from_llm_config(config["llm_config"])
     dit = build_dit_modules(config)
     named: dict[str, Any] = {}
-    for prefix, module in (
-        ("llm_model.", ar),
-        ("gen_transformer.", dit.transformer),
-        ("gen_image_condition_refiner.", dit.refiner),
-        ("gen_vae.", dit.vae),
-    ):
+    modules = {"llm_model": ar, **dit.named_modules_by_prefix()}
+    for prefix, module in modules.items():
         for key, value in module.state_dict().items():
-            named[prefix + key] = value
+            named[f"{prefix}.{key}"] = value
     generator = torch.Generator().manual_seed(seed + 1234)
     out = {}
     for name in sorted(named):

@@ -182,6 +182,8 @@ class DecodeEngine:
     def _release(self, run: _Running, exc: BaseException | None) -> None:
         with self._lock:
             self._admitted -= 1
+        if run.seq is not None:
+            run.seq.release()  # frees the KV cache now, whatever happens to the request
         try:
             if exc is None:
                 run.job.sink.finish()

@@ -1,0 +1,120 @@
+"""The whole model in one process, without any transport: the reference the served path must equal.
+
+It runs exactly the code the stages run (`stage_ar.generation.T2ISequence` for the AR,
+`stage_dit.pipeline.MammothDiTPipeline` for the DiT, `stage_dit.images.encode_image`), so an image
+served through gateway -> AR -> gRPC chunks -> DiT must be byte-identical to this one for the same
+checkpoint, prompt, size, seed and parameters (the tests assert it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from stage_ar.generation import T2ISequence
+from stage_ar.loader import ARBundle, load_ar
+from stage_dit.conditions import compute_answer_start_index
+from stage_dit.images import encode_image
+from stage_dit.loader import load_pipeline
+from stage_dit.pipeline import MammothDiTPipeline
+
+GRID_PIXELS = 16  # MODEL.md: ar_width = width // 16
+
+
+@dataclasses.dataclass
+class InProcessResult:
+    """Output of `InProcessModel.generate`.
+
+    Attributes:
+        image: encoded image bytes.
+        hidden: CONDITION rows ``(len(prompt) + h*(w+1), hidden)`` in the AR dtype.
+        token_ids: their token ids (prompt, then the grid; no look-ahead).
+        prompt_len: ``len(prompt_ids)``.
+        negative_rows: NEGATIVE rows or None.
+    """
+
+    image: bytes
+    hidden: torch.Tensor
+    token_ids: list[int]
+    prompt_len: int
+    negative_rows: torch.Tensor | None
+
+
+class InProcessModel:
+    """AR + DiT loaded in this process from one checkpoint.
+
+    Args:
+        checkpoint: folder or ``builtin://tiny``.
+        cache_dir: where the built-in checkpoint lives.
+        device, dtype: for both stages (float32 on CPU).
+        answer_boundary: the condition-split rule (the stages' ``answer_boundary`` setting).
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        cache_dir: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        answer_boundary: str = "prompt_length",
+    ):
+        from mammoth_core.settings import DiTSettings
+
+        self.ar: ARBundle = load_ar(checkpoint, cache_dir, device, dtype)
+        self.dit: MammothDiTPipeline = load_pipeline(
+            DiTSettings(checkpoint=checkpoint, cache_dir=cache_dir, device=device, dtype=str(dtype).split(".")[-1])
+        )
+        self.answer_boundary = answer_boundary
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str,
+        *,
+        width: int,
+        height: int,
+        seed: int,
+        num_inference_steps: int,
+        text_guidance_scale: float,
+        cfg_range: tuple[float, float] = (0.0, 1.0),
+        negative_prompt: str | None = None,
+        output_format: str = "png",
+        output_compression: int = 0,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 0.0,
+        ar_guidance_scale: float = 0.0,
+    ) -> InProcessResult:
+        """Generate one image; parameters mean what the gateway's request fields mean."""
+        tok = self.ar.tokenizer
+        w, h = width // GRID_PIXELS, height // GRID_PIXELS
+        prompt_ids = tok.encode_t2i_prompt(prompt, w, h)
+        negative_ids = tok.encode_negative_prompt(negative_prompt) if negative_prompt else None
+        sampler = self.ar.make_sampler(w, h, seed, temperature=temperature, top_k=top_k, top_p=top_p)
+        seq = T2ISequence(
+            self.ar.model, prompt_ids, w, h, sampler,
+            negative_prompt_ids=negative_ids, ar_guidance_scale=ar_guidance_scale,
+        )
+        hidden, ids = seq.run()
+        negative = seq.negative_rows().hidden if negative_ids else None
+        seq.release()
+        answer_start = compute_answer_start_index(len(prompt_ids), len(ids), self.answer_boundary)
+        condition = self.dit.prepare_conditions(hidden, torch.tensor(ids, dtype=torch.long), answer_start)
+        neg = negative.to(self.dit.device, self.dit.dtype) if negative is not None else None
+        image = self.dit.generate(
+            condition, neg, width=width, height=height, num_inference_steps=num_inference_steps,
+            text_guidance_scale=text_guidance_scale, cfg_range=cfg_range, seed=seed,
+        )
+        data = encode_image(image, output_format, output_compression)
+        return InProcessResult(data, hidden, ids, len(prompt_ids), negative)
+
+
+def describe(result: InProcessResult) -> dict[str, Any]:
+    """Counts of a result, for logs and tests."""
+    return {
+        "rows": int(result.hidden.shape[0]),
+        "prompt_len": result.prompt_len,
+        "bytes": len(result.image),
+    }
