@@ -1,0 +1,322 @@
+"""The AR stage's gRPC server: ``mammoth.v1.AR/Generate``.
+
+One ``Generate`` call = one request attempt ``(request_id, epoch)``: the servicer tokenises the
+prompt into the text-to-image envelope, admits a `DecodeJob` into the `DecodeEngine` (answering
+``RESOURCE_EXHAUSTED`` when ``max_running_sequences`` are running), and drives the request's
+`HiddenStateSender` — the ``DiT.PushConditions`` client stream to the DiT that holds the slot — on
+the event loop while the engine thread decodes. It streams ``ARProgress`` events back and ends with
+``ARDone``.
+
+Cancellation runs downward: when the gateway cancels this call (client gone, deadline), or the push
+to the DiT fails (slot released, DiT gone), the job is cancelled before its next decode step, its
+KV cache is freed, and the push stream is closed. Nothing about a request outlives its call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from mammoth_core import grpc_common
+from mammoth_core.logging import request_id_var
+from mammoth_core.runtime import start_metrics_server, write_ready_file
+from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+from mammoth_core.settings import ARSettings
+from mammoth_core.wire import DTYPE_TO_PROTO
+from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
+from stage_ar.generation import T2ISequence
+from stage_ar.loader import ARBundle, load_ar
+from stage_ar.sender import HiddenStateSender
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "mammoth.v1.AR"
+GRID_PIXELS = 16  # MODEL.md: ar_width = width // 16
+MAX_PROMPT_CHARS = 16_384
+
+AR_REQUESTS = Counter("mammoth_ar_requests_total", "AR Generate calls by outcome", ["outcome"])
+AR_RUNNING = Gauge("mammoth_ar_running_sequences", "sequences admitted to the decode engine")
+AR_TOKENS = Counter("mammoth_ar_generated_tokens_total", "grid tokens decoded")
+AR_PREFILL = Histogram(
+    "mammoth_ar_prefill_seconds", "prefill time per request",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+)
+AR_DECODE = Histogram(
+    "mammoth_ar_decode_seconds", "decode time per request",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+
+
+class ARServicer(pb_grpc.ARServicer):
+    """``mammoth.v1.AR`` servicer.
+
+    Args:
+        bundle: the loaded model, tokenizer and generation config.
+        engine: the running `DecodeEngine`.
+        settings: the stage's `ARSettings` (chunk rows, message limit, auth token, boundary rule).
+        auth_token: stage token presented to the DiT on ``PushConditions`` (None: no auth).
+    """
+
+    def __init__(
+        self, bundle: ARBundle | None, engine: DecodeEngine | None, settings: ARSettings, auth_token: str | None
+    ):
+        self.bundle = bundle  # None while the model loads: calls are answered UNAVAILABLE
+        self.engine = engine
+        self.settings = settings
+        self._metadata = grpc_common.auth_metadata(auth_token)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.DiTStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc_common.create_channel(address, self.settings.max_message_bytes)
+            self._channels[address] = channel
+        return pb_grpc.DiTStub(channel)
+
+    async def close(self) -> None:
+        """Close the cached channels to DiTs."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # -- validation ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _validate(request: pb.ARGenerateRequest) -> str | None:
+        """A message naming what is wrong with ``request``, or None."""
+        if not request.request_id:
+            return "request_id is required"
+        if not request.prompt.strip():
+            return "prompt is empty"
+        if len(request.prompt) > MAX_PROMPT_CHARS or len(request.negative_prompt) > MAX_PROMPT_CHARS:
+            return f"prompt longer than {MAX_PROMPT_CHARS} characters"
+        for name in ("width", "height"):
+            value = getattr(request, name)
+            if value < GRID_PIXELS or value % GRID_PIXELS:
+                return f"{name} must be a positive multiple of {GRID_PIXELS}, got {value}"
+        if not request.dit_address:
+            return "dit_address is required"
+        if not request.reservation_token:
+            return "reservation_token is required"
+        s = request.sampling
+        if s.temperature < 0 or s.top_p < 0 or s.top_p > 1:
+            return "sampling: temperature must be >= 0 and top_p in [0, 1]"
+        return None
+
+    # -- RPC ------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.ARGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ARGenerateResponse]:
+        request_id_var.set(f"{request.request_id}/{request.epoch}")
+        if self.bundle is None or self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the AR model is still loading")
+        problem = self._validate(request)
+        if problem:
+            AR_REQUESTS.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        tok = self.bundle.tokenizer
+        ar_w, ar_h = request.width // GRID_PIXELS, request.height // GRID_PIXELS
+        prompt_ids = tok.encode_t2i_prompt(request.prompt, ar_w, ar_h)
+        negative_ids = tok.encode_negative_prompt(request.negative_prompt) if request.negative_prompt else None
+        total_rows = len(prompt_ids) + ar_h * (ar_w + 1)
+        max_pos = self.bundle.model.config.max_position_embeddings
+        if total_rows > max_pos:
+            AR_REQUESTS.labels("invalid").inc()
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.width}x{request.height} needs {total_rows} positions; the model has {max_pos}",
+            )
+        remaining = context.time_remaining()
+        sender = HiddenStateSender(
+            self._stub(request.dit_address),
+            request_id=request.request_id,
+            epoch=request.epoch,
+            reservation_token=request.reservation_token,
+            hidden_size=self.bundle.hidden_size,
+            dtype=DTYPE_TO_PROTO[self.bundle.dtype],
+            answer_start_index=len(prompt_ids),
+            answer_boundary=self.settings.answer_boundary,
+            expected_rows=total_rows,
+            expected_negative_rows=len(negative_ids) if negative_ids else 0,
+            chunk_rows=self.settings.chunk_rows,
+            max_message_bytes=self.settings.max_message_bytes,
+            metadata=self._metadata,
+            timeout=remaining,
+        )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def on_progress(sampled: int, total: int) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("progress", (sampled, total)))
+
+        def on_done(exc: BaseException | None, stats: JobStats) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("done", (exc, stats)))
+
+        s = request.sampling
+        job = DecodeJob(
+            request_id=request.request_id,
+            epoch=request.epoch,
+            prompt_ids=prompt_ids,
+            negative_ids=negative_ids,
+            ar_width=ar_w,
+            ar_height=ar_h,
+            seed=request.seed,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            ar_guidance_scale=request.ar_guidance_scale,
+            sink=sender,
+            on_progress=on_progress,
+            on_done=on_done,
+        )
+        try:
+            self.engine.submit(job)
+        except EngineFull as exc:
+            AR_REQUESTS.labels("rejected_full").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineStopped as exc:
+            AR_REQUESTS.labels("rejected_draining").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        AR_RUNNING.set(self.engine.running)
+        send_task = asyncio.create_task(sender.run(), name=f"push-{request.request_id}")
+        send_task.add_done_callback(lambda t: events.put_nowait(("sent", None)))
+        stats: JobStats | None = None
+        outcome = "cancelled"
+        rows_total = total_rows + (len(negative_ids) if negative_ids else 0)
+        try:
+            decode_error: BaseException | None = None
+            decoded = False
+            while not (decoded and send_task.done()):
+                kind, value = await events.get()
+                if kind == "progress":
+                    sampled, total = value
+                    yield pb.ARGenerateResponse(
+                        progress=pb.ARProgress(
+                            prompt_tokens=len(prompt_ids),
+                            tokens_generated=sampled,
+                            total_tokens=total,
+                            rows_sent=sender.rows_sent if hasattr(sender, "rows_sent") else 0,
+                        )
+                    )
+                elif kind == "done":
+                    decoded = True
+                    decode_error, stats = value
+                    if decode_error is not None:
+                        break
+                elif kind == "sent" and send_task.done() and not decoded:
+                    # The push ended before decoding finished: the DiT refused or went away.
+                    break
+            if decode_error is not None:
+                outcome = "failed"
+                logger.error("decode failed: %s", decode_error)
+                await context.abort(grpc.StatusCode.INTERNAL, f"AR decode failed: {decode_error}")
+            if send_task.done() and send_task.exception() is not None:
+                exc = send_task.exception()
+                outcome = "push_failed"
+                code, details = _push_status(exc)
+                logger.warning("push to %s failed: %s %s", request.dit_address, code.name, details)
+                await context.abort(code, f"pushing hidden states to the DiT failed: {details}")
+            if not decoded:
+                outcome = "push_failed"
+                await context.abort(grpc.StatusCode.ABORTED, "the DiT closed the condition stream early")
+            result = send_task.result()
+            stats = stats or JobStats()
+            AR_TOKENS.inc(stats.generated_tokens)
+            AR_PREFILL.observe(stats.prefill_ms / 1e3)
+            AR_DECODE.observe(stats.decode_ms / 1e3)
+            outcome = "ok"
+            yield pb.ARGenerateResponse(
+                done=pb.ARDone(
+                    prompt_tokens=stats.prompt_tokens,
+                    generated_tokens=stats.generated_tokens,
+                    rows_sent=getattr(result, "rows_accepted", 0) + getattr(result, "negative_rows_accepted", 0)
+                    or rows_total,
+                    prefill_ms=stats.prefill_ms,
+                    decode_ms=stats.decode_ms,
+                    last_row_unix_ms=stats.last_row_unix_ms,
+                )
+            )
+        finally:
+            job.cancel()
+            if not send_task.done():
+                sender.abort()
+                send_task.cancel()
+            AR_REQUESTS.labels(outcome).inc()
+            AR_RUNNING.set(self.engine.running)
+
+
+def _push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Status code and details for a failed push (the DiT's own status when it answered one)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return grpc.StatusCode.UNAVAILABLE, exc.details() or "DiT unavailable"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, exc.details() or "deadline exceeded"
+        return grpc.StatusCode.ABORTED, f"{code.name}: {exc.details()}"
+    code = getattr(exc, "code", None)
+    if isinstance(code, grpc.StatusCode):
+        return grpc.StatusCode.ABORTED, f"{code.name}: {exc}"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def make_sequence_factory(bundle: ARBundle):
+    """The engine's `SequenceFactory`: a seeded sampler and a `T2ISequence` per job."""
+
+    def make(job: DecodeJob) -> T2ISequence:
+        sampler = bundle.make_sampler(
+            job.ar_width, job.ar_height, job.seed, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p
+        )
+        return T2ISequence(
+            bundle.model,
+            job.prompt_ids,
+            job.ar_width,
+            job.ar_height,
+            sampler,
+            negative_prompt_ids=job.negative_ids,
+            ar_guidance_scale=job.ar_guidance_scale,
+        )
+
+    return make
+
+
+async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
+    """Run the AR stage until SIGTERM/SIGINT, then drain.
+
+    The gRPC port opens first with health NOT_SERVING (so probes see the process while the model
+    loads); the model loads in a worker thread; then health turns SERVING.
+    """
+    token = settings.read_auth_token()
+    server = grpc_common.create_server(settings.max_message_bytes, token)
+    health = grpc_common.HealthReporter(server, [SERVICE_NAME])
+    servicer = ARServicer(None, None, settings, token)
+    pb_grpc.add_ARServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
+    t0 = time.perf_counter()
+    bundle = await asyncio.to_thread(
+        load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype()
+    )
+    engine = DecodeEngine(make_sequence_factory(bundle), settings.max_running_sequences)
+    engine.start()
+    servicer.bundle, servicer.engine = bundle, engine
+    drained = grpc_common.install_drain_handler(
+        server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting
+    )
+    await health.set_serving()
+    logger.info("AR serving (model loaded in %.1f s)", time.perf_counter() - t0)
+    write_ready_file(ready_file, f"{settings.host}:{port}", metrics_port=metrics_port)
+    await drained.wait()
+    await server.wait_for_termination()
+    engine.stop()
+    await servicer.close()
+    logger.info("AR stopped")
