@@ -41,6 +41,7 @@ class Component:
     proc: subprocess.Popen
     ready_file: pathlib.Path
     address: str = ""
+    info: dict = dataclasses.field(default_factory=dict)
 
     def wait_ready(self, timeout: float) -> str:
         """Block until the component wrote its ready file; returns ``host:port``.
@@ -52,6 +53,7 @@ class Component:
         while time.monotonic() < deadline:
             if self.ready_file.is_file() and self.ready_file.stat().st_size > 0:
                 info = json.loads(self.ready_file.read_text())
+                self.info = info
                 self.address = info["address"]
                 return self.address
             code = self.proc.poll()
@@ -81,6 +83,9 @@ def start_pipeline(
     extra_env: dict[str, str] | None = None,
     ready_timeout: float = 300.0,
     workdir: pathlib.Path | None = None,
+    ar_args: Sequence[str] = (),
+    dit_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
 ) -> list[Component]:
     """Start DiT, AR and gateway processes; returns them once the gateway is ready.
 
@@ -98,15 +103,15 @@ def start_pipeline(
     stage = [*common, "--checkpoint", str(ckpt_path), "--port", "0", "--torch-threads", str(torch_threads)]
     components: list[Component] = []
     try:
-        dit = _spawn("dit", ["dit", *stage, "--slots", str(slots), "--metrics-port", "0"], workdir, env)
+        dit = _spawn("dit", ["dit", *stage, "--slots", str(slots), "--metrics-port", "0", *dit_args], workdir, env)
         components.append(dit)
-        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0"], workdir, env)
+        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0", *ar_args], workdir, env)
         components.append(ar)
         dit_addr = dit.wait_ready(ready_timeout)
         ar_addr = ar.wait_ready(ready_timeout)
         gw = _spawn(
             "gateway",
-            ["gateway", *common, "--port", str(gateway_port), "--ar", ar_addr, "--dit", dit_addr],
+            ["gateway", *common, "--port", str(gateway_port), "--ar", ar_addr, "--dit", dit_addr, *gateway_args],
             workdir,
             env,
         )

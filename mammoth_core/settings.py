@@ -62,6 +62,10 @@ class BaseSettings:
         default=30.0, metadata=_doc("on SIGTERM, seconds in-flight work may take before exit")
     )
     cache_dir: str = field(default_factory=default_cache_dir, metadata=_doc("cache directory"))
+    trace_dir: str | None = field(
+        default=None,
+        metadata=_doc("write a JSON trace of every request's hidden-state stream to this folder"),
+    )
 
     section: typing.ClassVar[str] = ""
 

@@ -77,6 +77,9 @@ class DecodeJob:
     on_progress: Callable[[int, int], None]
     on_done: Callable[[BaseException | None, "JobStats"], None]
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: When a list, the engine appends ``(CONDITION rows produced so far, unix ms)`` after every
+    #: hand-off to the sink (request traces; see the ``trace_dir`` setting).
+    row_times: list[tuple[int, float]] | None = None
 
     def cancel(self) -> None:
         """Ask the engine to drop this sequence before its next step (thread-safe)."""
@@ -221,6 +224,8 @@ class DecodeEngine:
         rows = run.seq.prefill()
         job.sink.put_rows(pb.CONDITION, rows.hidden, _ids(rows.token_ids))
         run.stats.rows_sent += int(rows.hidden.shape[0])
+        if job.row_times is not None:
+            job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
         if job.negative_ids:
             neg = run.seq.negative_rows()
             job.sink.put_rows(pb.NEGATIVE, neg.hidden, _ids(neg.token_ids))
@@ -234,6 +239,8 @@ class DecodeEngine:
         rows = run.seq.step()
         run.job.sink.put_rows(pb.CONDITION, rows.hidden, _ids(rows.token_ids))
         run.stats.rows_sent += int(rows.hidden.shape[0])
+        if run.job.row_times is not None:
+            run.job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
         self.steps_total += 1
         now = time.perf_counter()
         finished = bool(run.seq.finished)

@@ -15,7 +15,9 @@ KV cache is freed, and the push stream is closed. Nothing about a request outliv
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import pathlib
 import time
 from typing import Any, AsyncIterator
 
@@ -84,6 +86,23 @@ class ARServicer(pb_grpc.ARServicer):
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+    def _write_trace(self, request: pb.ARGenerateRequest, job: DecodeJob, stats: JobStats) -> None:
+        """``<trace_dir>/<request_id>.e<epoch>.ar.json``: when each row left the decode loop."""
+        if not self.settings.trace_dir or job.row_times is None:
+            return
+        path = pathlib.Path(self.settings.trace_dir) / f"{request.request_id}.e{request.epoch}.ar.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "request_id": request.request_id,
+                    "epoch": request.epoch,
+                    "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens,
+                    "rows": job.row_times,
+                }
+            )
+        )
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -175,6 +194,7 @@ class ARServicer(pb_grpc.ARServicer):
             sink=sender,
             on_progress=on_progress,
             on_done=on_done,
+            row_times=[] if self.settings.trace_dir else None,
         )
         try:
             self.engine.submit(job)
@@ -232,6 +252,7 @@ class ARServicer(pb_grpc.ARServicer):
             AR_PREFILL.observe(stats.prefill_ms / 1e3)
             AR_DECODE.observe(stats.decode_ms / 1e3)
             outcome = "ok"
+            self._write_trace(request, job, stats)
             yield pb.ARGenerateResponse(
                 done=pb.ARDone(
                     prompt_tokens=stats.prompt_tokens,

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command (README, CI): set up .venv with test extras, fetch helm/kubectl, run pytest.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+bash scripts/fetch_kube_tools.sh
+export PATH="$PWD/.cache/kube-tools/bin:$PATH"
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+exit "$rc"
