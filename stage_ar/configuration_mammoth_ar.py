@@ -108,9 +108,7 @@ class MammothARConfig:
             self.gen_vocab_start_index = (
                 self.vocab_size if self.extra_gen_vocab else self.vocab_size - self.gen_vocab_size
             )
-        self.attention_expert_layers, self.ffn_expert_layers = parse_moe_type(
-            self.moe_type, self.num_hidden_layers
-        )
+        self.attention_expert_layers, self.ffn_expert_layers = parse_moe_type(self.moe_type, self.num_hidden_layers)
 
     @property
     def head_dim(self) -> int:
@@ -132,11 +130,12 @@ class MammothARConfig:
                 win, as upstream constructs its language model from ``text_config``.
 
         Raises:
+            TypeError: ``llm_config`` is not a dict.
             ValueError: missing ``hidden_size`` in both places, sliding-window attention, an
                 unsupported RoPE type, or any check of `__post_init__`.
         """
         if not isinstance(llm_config, dict):
-            raise ValueError(f"llm_config must be a dict, got {type(llm_config).__name__}")
+            raise TypeError(f"llm_config must be a dict, got {type(llm_config).__name__}")
         nested = llm_config.get("text_config")
         text: dict[str, Any] = dict(llm_config)
         if isinstance(nested, dict):

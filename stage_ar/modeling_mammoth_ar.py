@@ -211,7 +211,9 @@ class MammothAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        hidden = config.hidden_size
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, q_out, bias=True)
         self.k_proj = nn.Linear(hidden, kv_out, bias=True)
         self.v_proj = nn.Linear(hidden, kv_out, bias=True)
@@ -429,7 +431,9 @@ class MammothARForCausalLM(nn.Module):
             mask = causal & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
         elif attention_mask.dim() == 4:
             if tuple(attention_mask.shape[-2:]) != (seq, total):
-                raise ValueError(f"4-D attention_mask must end in (T, S) = {(seq, total)}, got {tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"4-D attention_mask must end in (T, S) = {(seq, total)}, got {tuple(attention_mask.shape)}"
+                )
             full = attention_mask.to(device)
             mask = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
             mask = mask.expand(batch, 1, seq, total)
@@ -478,9 +482,7 @@ class MammothARForCausalLM(nn.Module):
             if kv_cache.batch_size != batch:
                 raise ValueError(f"kv_cache batch {kv_cache.batch_size} != input batch {batch}")
             if kv_cache.length + seq > kv_cache.capacity:
-                raise ValueError(
-                    f"kv_cache full: {kv_cache.length} + {seq} positions > capacity {kv_cache.capacity}"
-                )
+                raise ValueError(f"kv_cache full: {kv_cache.length} + {seq} positions > capacity {kv_cache.capacity}")
             past = kv_cache.length
         lm = self.model.language_model
         gen_token_mask = input_ids >= self.config.gen_vocab_start_index

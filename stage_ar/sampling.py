@@ -79,8 +79,16 @@ def read_t2i_generation_config(directory: str | Path) -> T2IGenerationConfig:
     missing = [k for k in ("eol_token_id", "visual_token_start_id", "visual_token_end_id") if data.get(k) is None]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}")
-    known = {"eol_token_id", "visual_token_start_id", "visual_token_end_id", "temperature", "top_k", "top_p",
-             "repetition_penalty", "do_sample"}
+    known = {
+        "eol_token_id",
+        "visual_token_start_id",
+        "visual_token_end_id",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "do_sample",
+    }
     kwargs: dict[str, Any] = {k: data[k] for k in known if data.get(k) is not None}
     return T2IGenerationConfig(**kwargs, extra={k: v for k, v in data.items() if k not in known})
 

@@ -27,6 +27,7 @@ Upstream fixes the first special id at 151643 (= the number of Qwen BPE ranks); 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import re
@@ -189,7 +190,8 @@ class MammothTokenizer:
         self.visual_token_start_id = codes[0][1]
         self.num_visual_tokens = len(codes)
         self.visual_token_end_id = self.visual_token_start_id + self.num_visual_tokens
-        if [idx for _, idx in codes] != list(range(self.visual_token_start_id, self.visual_token_end_id)) or codes[0][0]:
+        expected = list(range(self.visual_token_start_id, self.visual_token_end_id))
+        if [idx for _, idx in codes] != expected or codes[0][0]:
             raise ValueError("visual tokens must be consecutive <|visual token 000000|>, 000001, ...")
 
     @classmethod
@@ -344,7 +346,7 @@ def _train_bpe_merges(text: str, num_merges: int) -> list[bytes]:
     for _ in range(num_merges):
         pairs: Counter[tuple[bytes, bytes]] = Counter()
         for word, count in words.items():
-            for a, b in zip(word, word[1:]):
+            for a, b in itertools.pairwise(word):
                 pairs[(a, b)] += count
         if not pairs:
             break
@@ -402,10 +404,12 @@ def write_tokenizer_files(
     ranks = {bytes([b]): b for b in range(256)}
     for merged in _train_bpe_merges(_TRAINING_TEXT, num_merges):
         ranks.setdefault(merged, len(ranks))
-    vision_tokens = [BOI_TOKEN, EOI_TOKEN, IMG_TOKEN] + [VISUAL_TOKEN_TEMPLATE.format(i) for i in range(num_visual_tokens)]
+    codes = [VISUAL_TOKEN_TEMPLATE.format(i) for i in range(num_visual_tokens)]
+    vision_tokens = [BOI_TOKEN, EOI_TOKEN, IMG_TOKEN, *codes]
     # Validate the layout before writing anything.
     tokenizer = MammothTokenizer(ranks, vision_tokens, base_vocab_size)
-    lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
+    lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in ordered]
     (directory / TOKENIZER_FILE).write_text("\n".join(lines) + "\n", encoding="ascii")
     (directory / VISION_TOKENS_FILE).write_text("\n".join(vision_tokens) + "\n", encoding="utf-8")
     ids = tokenizer.id_map()

@@ -24,10 +24,19 @@ def setup(tmp_path_factory):
     ids = write_tokenizer_files(directory, num_visual_tokens=64)
     tok = MammothTokenizer.from_pretrained(directory, base_vocab_size=ids["vocab_size"])
     llm_config = {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
-        "vocab_size": ids["vocab_size"], "gen_vocab_size": ids["gen_vocab_size"], "extra_gen_vocab": True,
-        "gen_vocab_start_index": ids["gen_vocab_start_index"], "moe_type": "ffn_attention-1:3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "vocab_size": ids["vocab_size"],
+        "gen_vocab_size": ids["gen_vocab_size"],
+        "extra_gen_vocab": True,
+        "gen_vocab_start_index": ids["gen_vocab_start_index"],
+        "moe_type": "ffn_attention-1:3",
         "tie_word_embeddings": False,
     }
     torch.manual_seed(0)
@@ -36,8 +45,17 @@ def setup(tmp_path_factory):
 
 
 def _sampler(tok, seed):
-    return GridConstrainedSampler(W, H, tok.eol_id, tok.visual_token_start_id, tok.visual_token_end_id,
-                                  1.0, 16, 0.95, torch.Generator().manual_seed(seed))
+    return GridConstrainedSampler(
+        W,
+        H,
+        tok.eol_id,
+        tok.visual_token_start_id,
+        tok.visual_token_end_id,
+        1.0,
+        16,
+        0.95,
+        torch.Generator().manual_seed(seed),
+    )
 
 
 def _run(model, tok, seed, **kw):

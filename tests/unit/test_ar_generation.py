@@ -38,8 +38,17 @@ def tokenizer(tmp_path_factory) -> MammothTokenizer:
 def make_sampler(tok: MammothTokenizer, seed: int, **kw) -> GridConstrainedSampler:
     gen = torch.Generator().manual_seed(seed)
     params = {"temperature": 1.0, "top_k": None, "top_p": 1.0} | kw
-    return GridConstrainedSampler(W, H, tok.eol_id, tok.visual_token_start_id, tok.visual_token_end_id,
-                                  params["temperature"], params["top_k"], params["top_p"], gen)
+    return GridConstrainedSampler(
+        W,
+        H,
+        tok.eol_id,
+        tok.visual_token_start_id,
+        tok.visual_token_end_id,
+        params["temperature"],
+        params["top_k"],
+        params["top_p"],
+        gen,
+    )
 
 
 def make_sequence(model, tok, seed=0, **kw) -> T2ISequence:
@@ -142,10 +151,12 @@ def test_sequence_argument_errors(model, tokenizer):
 
 # ---- sampler ------------------------------------------------------------------------------------
 
+
 def _sampler(seed=0, **kw) -> GridConstrainedSampler:
     args = {"temperature": 1.0, "top_k": None, "top_p": 1.0} | kw
-    return GridConstrainedSampler(2, 2, 5, 10, 20, args["temperature"], args["top_k"], args["top_p"],
-                                  torch.Generator().manual_seed(seed))
+    return GridConstrainedSampler(
+        2, 2, 5, 10, 20, args["temperature"], args["top_k"], args["top_p"], torch.Generator().manual_seed(seed)
+    )
 
 
 def test_sampler_grid_rule_and_range():
@@ -185,9 +196,19 @@ def test_sampler_rejects_bad_ranges():
 
 
 def test_read_t2i_generation_config(tmp_path):
-    (tmp_path / "t2i_generation_config.json").write_text(json.dumps(
-        {"eol_token_id": 512, "visual_token_start_id": 520, "visual_token_end_id": 776, "top_k": 2048,
-         "temperature": 1.0, "do_sample": True, "max_new_tokens": 99}))
+    (tmp_path / "t2i_generation_config.json").write_text(
+        json.dumps(
+            {
+                "eol_token_id": 512,
+                "visual_token_start_id": 520,
+                "visual_token_end_id": 776,
+                "top_k": 2048,
+                "temperature": 1.0,
+                "do_sample": True,
+                "max_new_tokens": 99,
+            }
+        )
+    )
     cfg = read_t2i_generation_config(tmp_path)
     assert (cfg.eol_token_id, cfg.visual_token_start_id, cfg.visual_token_end_id, cfg.top_k) == (512, 520, 776, 2048)
     assert cfg.extra == {"max_new_tokens": 99} and cfg.to_dict()["max_new_tokens"] == 99

@@ -25,7 +25,8 @@ FIXTURE_OUTPUTS = Path("/work/shared/fixtures/mammoth-tiny-reference/tiny_output
 def tiny(tmp_path_factory) -> tuple[MammothTokenizer, dict]:
     directory = tmp_path_factory.mktemp("tok")
     ids = write_tokenizer_files(directory, num_visual_tokens=256)
-    (directory / "config.json").write_text(json.dumps({"llm_config": {"vocab_size": 512, "gen_vocab_start_index": 512}}))
+    config = {"llm_config": {"vocab_size": 512, "gen_vocab_start_index": 512}}
+    (directory / "config.json").write_text(json.dumps(config))
     return MammothTokenizer.from_pretrained(directory), ids
 
 
@@ -39,8 +40,12 @@ def test_written_ids_follow_upstream_layout(tiny):
     assert tok.decode([ids["visual_token_start_id"]]) == "<|visual token 000000|>"
     assert tok.decode([ids["visual_token_end_id"] - 1]) == "<|visual token 000255|>"
     assert tok.n_vocab == ids["visual_token_end_id"]
-    assert tok.visual_tokens_ids == [ids["image_token_id"], ids["video_token_id"],
-                                     ids["vision_start_token_id"], ids["vision_end_token_id"]]
+    assert tok.visual_tokens_ids == [
+        ids["image_token_id"],
+        ids["video_token_id"],
+        ids["vision_start_token_id"],
+        ids["vision_end_token_id"],
+    ]
     assert tok.decode(tok.visual_tokens_ids) == "<|image_pad|><|video_pad|><|vision_start|><|vision_end|>"
     assert tok.decode([tok.endoftext_id]) == "<|endoftext|>" and tok.endoftext_id == len(tok.mergeable_ranks)
     assert tok.id_map() == {k: v for k, v in ids.items() if k not in ("gen_vocab_size", "num_visual_tokens")}
@@ -51,7 +56,9 @@ def test_generation_ids_match_reference_fixture(tiny):
     _, ids = tiny
     special = json.loads(FIXTURE_OUTPUTS.read_text())["special_ids"]
     assert (ids["eol_token_id"], ids["boi_token_id"], ids["eoi_token_id"]) == (
-        special["eol_id"], special["boi_id"], special["eoi_id"]
+        special["eol_id"],
+        special["boi_id"],
+        special["eoi_id"],
     )
 
 
@@ -81,8 +88,9 @@ def test_envelope_matches_whole_string_tokenisation(tiny):
         "<|im_start|>assistant\n<|image start|>4*3<|image token|>"
     )
     assert tok.decode(ids) == text
-    reference = tiktoken.Encoding("ref", pat_str=PAT_STR, mergeable_ranks=tok.mergeable_ranks,
-                                  special_tokens=tok.special_tokens)
+    reference = tiktoken.Encoding(
+        "ref", pat_str=PAT_STR, mergeable_ranks=tok.mergeable_ranks, special_tokens=tok.special_tokens
+    )
     assert ids == reference.encode(text, allowed_special="all")
     assert ids[-1] == tok.img_token_id and tok.boi_id in ids and ids[0] == tok.im_start_id
     assert all(not tok.is_generation_id(i) for i in ids[: ids.index(tok.boi_id)])
@@ -106,7 +114,8 @@ def test_negative_prompt_envelope(tiny):
 def test_decode_skip_special_and_bad_ids(tiny):
     tok, _ = tiny
     ids = tok.encode_t2i_prompt("dog", 2, 2)
-    assert tok.decode(ids, skip_special_tokens=True) == "system\nYou are a helpful image generator.\nuser\ndog\nassistant\n2*2"
+    plain = "system\nYou are a helpful image generator.\nuser\ndog\nassistant\n2*2"
+    assert tok.decode(ids, skip_special_tokens=True) == plain
     with pytest.raises(ValueError):
         tok.decode([tok.n_vocab])
     with pytest.raises(ValueError):
