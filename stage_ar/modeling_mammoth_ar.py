@@ -25,6 +25,7 @@ from stage_ar.configuration_mammoth_ar import MammothARConfig
 
 __all__ = [
     "ARForwardOutput",
+    "ExpertRouting",
     "KVCache",
     "MammothARForCausalLM",
     "MammothRMSNorm",
@@ -80,42 +81,62 @@ class MammothMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass
+class ExpertRouting:
+    """Which tokens of one forward go to the generation experts, computed once per forward.
+
+    Attributes:
+        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index``.
+        mode: ``"none"`` (no generation token), ``"all"`` (only generation tokens) or ``"mixed"``.
+        gen_index, und_index: flat token indices of each group (``"mixed"`` only).
+    """
+
+    gen_token_mask: torch.Tensor
+    mode: str
+    gen_index: torch.Tensor | None = None
+    und_index: torch.Tensor | None = None
+
+    @classmethod
+    def from_mask(cls, gen_token_mask: torch.Tensor, n_gen: int) -> ExpertRouting:
+        """Build from the mask and its (already host-side) count of True entries."""
+        if n_gen == 0:
+            return cls(gen_token_mask, "none")
+        if n_gen == gen_token_mask.numel():
+            return cls(gen_token_mask, "all")
+        flat = gen_token_mask.reshape(-1)
+        return cls(gen_token_mask, "mixed", flat.nonzero(as_tuple=True)[0], (~flat).nonzero(as_tuple=True)[0])
+
+
 def route_experts(
     hidden_states: torch.Tensor,
     und_expert: Callable[[torch.Tensor], torch.Tensor],
     gen_expert: Callable[[torch.Tensor], torch.Tensor] | None,
-    gen_token_mask: torch.Tensor | None,
+    routing: ExpertRouting | None,
 ) -> torch.Tensor:
     """Hard routing between the understanding and the generation expert (upstream ``moe_forward``).
 
     Args:
         hidden_states: ``(batch, seq, in_features)``.
-        und_expert: module for tokens where ``gen_token_mask`` is False.
-        gen_expert: module for tokens where it is True; ``None`` (non-expert layer) routes all to
+        und_expert: module for non-generation tokens.
+        gen_expert: module for generation tokens; ``None`` (non-expert layer) routes all to
             ``und_expert``.
-        gen_token_mask: bool ``(batch, seq)``; ``None`` routes all to ``und_expert``.
+        routing: the forward's `ExpertRouting`; ``None`` routes all to ``und_expert``.
 
     Returns:
         ``(batch, seq, out_features)`` in token order. Each token's output depends only on that token
         and its expert, so the result equals upstream's permute/split/inverse-permute.
     """
-    if gen_expert is None or gen_token_mask is None:
+    if gen_expert is None or routing is None or routing.mode == "none":
         return und_expert(hidden_states)
-    n_gen = int(gen_token_mask.sum())
-    if n_gen == 0:
-        return und_expert(hidden_states)
-    if n_gen == gen_token_mask.numel():
+    if routing.mode == "all":
         return gen_expert(hidden_states)
     batch, seq, _ = hidden_states.shape
     flat = hidden_states.reshape(batch * seq, -1)
-    flat_mask = gen_token_mask.reshape(-1)
-    gen_idx = flat_mask.nonzero(as_tuple=True)[0]
-    und_idx = (~flat_mask).nonzero(as_tuple=True)[0]
-    gen_out = gen_expert(flat.index_select(0, gen_idx))
-    und_out = und_expert(flat.index_select(0, und_idx))
+    gen_out = gen_expert(flat.index_select(0, routing.gen_index))
+    und_out = und_expert(flat.index_select(0, routing.und_index))
     out = gen_out.new_empty(batch * seq, gen_out.shape[-1])
-    out.index_copy_(0, gen_idx, gen_out)
-    out.index_copy_(0, und_idx, und_out)
+    out.index_copy_(0, routing.gen_index, gen_out)
+    out.index_copy_(0, routing.und_index, und_out)
     return out.view(batch, seq, -1)
 
 
@@ -186,6 +207,14 @@ class KVCache:
         """Bytes held by the key and value tensors."""
         return self.key.numel() * self.key.element_size() * 2
 
+    @staticmethod
+    def bytes_needed(config: MammothARConfig, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of this size would take (for admission control before allocating):
+        ``2 * layers * batch * kv_heads * capacity * head_dim * itemsize``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+        return per_position * batch_size * capacity
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``key``/``value`` ``(batch, kv_heads, T, head_dim)`` after the filled part.
 
@@ -233,7 +262,7 @@ class MammothAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor,
-        gen_token_mask: torch.Tensor | None,
+        routing: ExpertRouting | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         """``hidden_states (batch, T, hidden)`` -> ``(batch, T, hidden)``.
@@ -241,7 +270,7 @@ class MammothAttention(nn.Module):
         ``attn_mask`` is a bool ``(batch, 1, T, S)`` (True = attend) over all ``S`` keys (cached + new).
         """
         batch, seq, _ = hidden_states.shape
-        mask = gen_token_mask if self.has_experts else None
+        mask = routing if self.has_experts else None
         q = route_experts(hidden_states, self.q_proj, self.gen_q_proj, mask)
         k = route_experts(hidden_states, self.k_proj, self.gen_k_proj, mask)
         v = route_experts(hidden_states, self.v_proj, self.gen_v_proj, mask)
@@ -281,18 +310,14 @@ class MammothDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor,
-        gen_token_mask: torch.Tensor | None,
+        routing: ExpertRouting | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin, attn_mask, gen_token_mask, kv_cache
-        )
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attn_mask, routing, kv_cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = route_experts(
-            self.post_attention_layernorm(hidden_states), self.mlp, self.gen_mlp, gen_token_mask
-        )
+        hidden_states = route_experts(self.post_attention_layernorm(hidden_states), self.mlp, self.gen_mlp, routing)
         return residual + hidden_states
 
 
@@ -313,15 +338,9 @@ class MammothTextModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, gen_token_mask: torch.Tensor) -> torch.Tensor:
         """Embedding scatter: ids ``>= gen_vocab_start_index`` read ``gen_embed_tokens(id - start)``.
 
-        Raises:
-            ValueError: an id outside ``[0, full_vocab_size)``.
+        ``input_ids (batch, T)`` must lie in ``[0, full_vocab_size)`` (checked by `forward`).
         """
         cfg = self.config
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.full_vocab_size):
-            raise ValueError(
-                f"token id out of range [0, {cfg.full_vocab_size}): min {int(input_ids.min())}, "
-                f"max {int(input_ids.max())}"
-            )
         if self.gen_embed_tokens is None:
             return self.embed_tokens(input_ids)
         base_ids = input_ids.masked_fill(gen_token_mask, 0)
@@ -485,7 +504,14 @@ class MammothARForCausalLM(nn.Module):
                 raise ValueError(f"kv_cache full: {kv_cache.length} + {seq} positions > capacity {kv_cache.capacity}")
             past = kv_cache.length
         lm = self.model.language_model
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
         gen_token_mask = input_ids >= self.config.gen_vocab_start_index
+        # One host sync per forward: id range check and the generation-token count together.
+        id_min, id_max, n_gen = torch.stack([input_ids.min(), input_ids.max(), gen_token_mask.sum()]).tolist()
+        if id_min < 0 or id_max >= self.config.full_vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.full_vocab_size}): min {id_min}, max {id_max}")
+        routing = ExpertRouting.from_mask(gen_token_mask, n_gen)
         hidden_states = lm.embed(input_ids, gen_token_mask)
         attn_mask = self._build_mask(attention_mask, batch, seq, past, hidden_states.device)
         cos, sin = lm.rotary_emb(position_ids, hidden_states.dtype)
@@ -494,7 +520,7 @@ class MammothARForCausalLM(nn.Module):
         for layer in lm.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states = layer(hidden_states, cos, sin, attn_mask, gen_token_mask, kv_cache)
+            hidden_states = layer(hidden_states, cos, sin, attn_mask, routing, kv_cache)
         hidden_states = lm.norm(hidden_states)
         if all_hidden is not None:
             all_hidden.append(hidden_states)

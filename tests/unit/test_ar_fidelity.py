@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from stage_ar.configuration_mammoth_ar import MammothARConfig, parse_moe_type
-from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
+from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, strip_llm_prefix
 
 FIXTURE = Path(__file__).resolve().parents[2] / "../shared/fixtures/mammoth-tiny-reference"
 if not FIXTURE.is_dir():
@@ -127,6 +127,7 @@ def test_kv_cache_decoding_equals_full_forward(model, reference):
             rows.append(step.last_hidden_state)
             logits.append(step.logits)
     assert cache.length == ids.shape[1]
+    assert cache.nbytes == KVCache.bytes_needed(model.config, 1, ids.shape[1], torch.float32) == 2 * 4 * 2 * 32 * 16 * 4
     torch.testing.assert_close(torch.cat(rows, 1), full.last_hidden_state, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(full.logits[0], reference["ar_logits"], atol=ATOL, rtol=0)
