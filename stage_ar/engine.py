@@ -42,7 +42,7 @@ class RowSink(Protocol):
 
     def finish(self) -> None: ...
 
-    def fail(self, exc: BaseException) -> None: ...
+    def abort(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -191,7 +191,7 @@ class DecodeEngine:
             if exc is None:
                 run.job.sink.finish()
             else:
-                run.job.sink.fail(exc)
+                run.job.sink.abort()
         finally:
             run.job.on_done(exc, run.stats)
 

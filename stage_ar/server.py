@@ -30,7 +30,6 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
-from mammoth_core.wire import DTYPE_TO_PROTO
 from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
 from stage_ar.generation import T2ISequence
 from stage_ar.loader import ARBundle, load_ar
@@ -159,7 +158,7 @@ class ARServicer(pb_grpc.ARServicer):
             epoch=request.epoch,
             reservation_token=request.reservation_token,
             hidden_size=self.bundle.hidden_size,
-            dtype=DTYPE_TO_PROTO[self.bundle.dtype],
+            dtype=self.bundle.dtype,
             answer_start_index=len(prompt_ids),
             answer_boundary=self.settings.answer_boundary,
             expected_rows=total_rows,
@@ -222,7 +221,7 @@ class ARServicer(pb_grpc.ARServicer):
                             prompt_tokens=len(prompt_ids),
                             tokens_generated=sampled,
                             total_tokens=total,
-                            rows_sent=sender.rows_sent if hasattr(sender, "rows_sent") else 0,
+                            rows_sent=sender.rows_sent[pb.CONDITION],
                         )
                     )
                 elif kind == "done":
