@@ -368,7 +368,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         temb, caption = self.time_caption_embed(timestep.to(device), text_hidden_states.to(device, dtype))
 
         # 2. Patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)` and embed
-        x = hidden_states.to(dtype).view(batch, -1, h_tokens, p, w_tokens, p)
+        x = hidden_states.to(dtype).reshape(batch, -1, h_tokens, p, w_tokens, p)
         x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
         x = self.x_embedder(x)
 
@@ -385,8 +385,9 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
 
         # 4. Refine the caption (unmodulated) and the image patches (modulated) separately
         cap_rope = self._rope(cap_pos)
+        cap_key_mask = None if bool(cap_mask.all()) else cap_mask  # None lets SDPA pick flash attention
         for block in self.context_refiner:
-            caption = block(caption, cap_mask, cap_rope)
+            caption = block(caption, cap_key_mask, cap_rope)
         img_rope = self._rope(img_pos)
         for block in self.noise_refiner:
             x = block(x, None, img_rope, temb)
