@@ -253,8 +253,15 @@ def pip_installs(stage: Stage, global_args: dict[str, str] | None = None) -> lis
             run_argument = " ".join(json.loads(run_argument))
         resolved = re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)),
                           run_argument)
-        for command in re.split(r"&&|;|\|\|", resolved):
-            tokens = shlex.split(command)
+        lexer = shlex.shlex(resolved, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        commands: list[list[str]] = [[]]
+        for token in lexer:
+            if token in ("&&", ";", "||", "|", "&"):
+                commands.append([])
+            else:
+                commands[-1].append(token)
+        for tokens in commands:
             for index, token in enumerate(tokens):
                 if token == "install" and index > 0 and tokens[index - 1] in ("pip", "pip3") or (
                         token == "install" and index > 1 and tokens[index - 2:index] == ["-m", "pip"]):
