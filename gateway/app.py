@@ -1,0 +1,234 @@
+"""The gateway application: `build_app` (FastAPI factory) and `serve` (uvicorn with graceful drain).
+
+`serve` runs until SIGTERM/SIGINT. On the first signal the gateway drains: ``/readyz`` answers 503
+and new image requests get 503 ``draining`` (``Retry-After``) while requests in flight finish,
+for at most ``drain_grace_seconds``; then uvicorn closes the connections and `serve` returns
+(exit 0). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any, AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.api_router import GENERATIONS_PATH, ApiKeys, router
+from gateway.backends import BackendPool, format_address
+from gateway.errors import GatewayError, create_error_response, outcome_of
+from gateway.images_store import ImageStore
+from gateway.metrics import GatewayMetrics
+from gateway.serving import GatewayState, OpenAIServingImages, Orchestrator, new_request_id
+from mammoth_core import grpc_common
+from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+from mammoth_core.runtime import write_ready_file
+from mammoth_core.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+AR_SERVICE = "mammoth.v1.AR"
+DIT_SERVICE = "mammoth.v1.DiT"
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (client's ``x-request-id`` if well formed) and start time,
+    and adds ``x-request-id`` to every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        raw = headers.get(b"x-request-id")
+        request_id = new_request_id(raw.decode("latin-1") if raw else None)
+        scope.setdefault("state", {})
+        scope["state"]["request_id"] = request_id
+        scope["state"]["started"] = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                hdrs = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                hdrs.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": hdrs}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _channel_options(settings: GatewaySettings) -> list[tuple[str, Any]]:
+    """Message limits and keepalive matching the stage servers (`mammoth_core.grpc_common`)."""
+    return grpc_common.channel_options(settings.max_message_bytes)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document, without FastAPI's 422 responses (validation answers 400)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                         routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearerAuth"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "API key (required only when the gateway has `api_keys_file`)"}
+    app.openapi_schema = schema
+    return schema
+
+
+def build_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway FastAPI app for ``settings``.
+
+    Backend pools (discovery and health watches), the stage auth token and the image-store sweeper
+    start in the app's lifespan, so the app must run under an ASGI server with lifespan enabled.
+    ``app.state`` holds ``settings``, ``metrics`` (`GatewayMetrics`), ``store`` (`ImageStore`),
+    ``gateway_state`` (`GatewayState`: ``draining``) and, once started, ``serving``.
+    """
+    metrics = GatewayMetrics()
+
+    def on_store_change(count: int, size: int) -> None:
+        metrics.stored_images.set(count)
+        metrics.stored_image_bytes.set(size)
+
+    store = ImageStore(settings.image_ttl_seconds,
+                       max_bytes=int(getattr(settings, "image_store_max_bytes", 1 << 30)),
+                       on_change=on_store_change)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.gateway_state = GatewayState()
+        ar_pool = BackendPool("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub, metrics,
+                              settings.health_interval_seconds, _channel_options(settings))
+        dit_pool = BackendPool("dit", settings.dit, DIT_SERVICE, pb_grpc.DiTStub, metrics,
+                               settings.health_interval_seconds, _channel_options(settings))
+        await ar_pool.start()
+        await dit_pool.start()
+        orchestrator = Orchestrator(settings, ar_pool, dit_pool, metrics,
+                                    settings.read_auth_token())
+        app.state.serving = OpenAIServingImages(settings, orchestrator, store, metrics,
+                                                app.state.gateway_state)
+        sweeper = asyncio.create_task(store.run_sweeper())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await ar_pool.close()
+            await dit_pool.close()
+            store.clear()
+
+    app = FastAPI(
+        title="Mammoth Pipeline gateway",
+        version="0.1.0",
+        description="OpenAI-compatible images API serving MammothModa2 as a disaggregated AR -> "
+                    "DiT pipeline. See docs/API.md.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.store = store
+    app.state.api_keys = ApiKeys(settings.api_keys_file)
+    app.state.created = int(time.time())
+    app.state.gateway_state = GatewayState()
+
+    async def handle(request: Request, exc: Exception):
+        if request.url.path == GENERATIONS_PATH and request.method == "POST":
+            serving = getattr(request.app.state, "serving", None)
+            if serving is not None:
+                serving.record(outcome_of(exc), getattr(request.state, "started", time.perf_counter()))
+        return create_error_response(exc, getattr(request.state, "request_id", None))
+
+    for exc_class in (Exception, RequestValidationError, StarletteHTTPException, GatewayError):
+        app.add_exception_handler(exc_class, handle)
+    app.include_router(router)
+    app.add_middleware(RequestIdMiddleware)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling (`serve` drains first)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+async def serve(settings: GatewaySettings, ready_file: str | None = None) -> None:
+    """Serve the gateway on ``settings.host:settings.port`` until SIGTERM/SIGINT, then drain.
+
+    Args:
+        settings: gateway settings (``port`` 0 picks a free port).
+        ready_file: written (`mammoth_core.runtime.write_ready_file`, ``{"address": "host:port"}``)
+            once the socket listens and at least one AR and one DiT are SERVING.
+    """
+    app = build_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
+                            log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    drain_task: asyncio.Task | None = None
+
+    async def drain() -> None:
+        state: GatewayState = app.state.gateway_state
+        state.draining = True
+        logger.info("draining: %d request(s) in flight, grace %.0fs", state.active,
+                    settings.drain_grace_seconds)
+        if state.active:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(state.idle.wait(), settings.drain_grace_seconds)
+        server.should_exit = True
+
+    def on_signal(sig: int) -> None:
+        nonlocal drain_task
+        if drain_task is None:
+            logger.info("received %s", signal.Signals(sig).name)
+            drain_task = loop.create_task(drain())
+        else:
+            server.force_exit = True
+            server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, on_signal, sig)
+    serve_task = asyncio.create_task(server.serve())
+    try:
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            logger.info("gateway listening on http://%s:%d", host, port)
+            if ready_file:
+                await _wait_backends_ready(app, serve_task)
+                write_ready_file(ready_file, format_address(settings.host, port))
+        await serve_task
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+
+
+async def _wait_backends_ready(app: FastAPI, serve_task: asyncio.Task) -> None:
+    """Return once >= 1 AR and >= 1 DiT are SERVING (or the server stopped)."""
+    while not serve_task.done():
+        serving = getattr(app.state, "serving", None)
+        if serving is not None and serving.orchestrator.ar_pool.serving() \
+                and serving.orchestrator.dit_pool.serving():
+            return
+        await asyncio.sleep(0.05)

@@ -1,0 +1,288 @@
+"""Backend discovery, health and least-in-flight selection for one stage (AR or DiT).
+
+Targets (``GatewaySettings.ar`` / ``.dit``), any mix of:
+
+- ``host:port`` (static; local mode), dialled as written;
+- ``dns:///name:port`` (or ``dns://authority/name:port``, the authority is ignored): the A/AAAA
+  records of ``name`` (a Kubernetes headless Service) are resolved every ``refresh_seconds``; each
+  address becomes its own backend ``ip:port``, so requests are balanced over pods by the gateway
+  and the DiT address handed to the AR is a pod address the AR can dial.
+
+Health comes from ``grpc.health.v1.Health/Watch`` on the stage's service name (``mammoth.v1.AR`` /
+``mammoth.v1.DiT``), falling back to polling ``Check`` when Watch is unimplemented. A backend is
+eligible only while SERVING. `BackendPool.pick` returns the eligible backend with the fewest open
+calls from this gateway (ties rotate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True)
+class Target:
+    """One configured target: a static address or a DNS name to resolve."""
+
+    host: str
+    port: int
+    dns: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Target":
+        """Parse ``host:port``, ``[v6]:port`` or ``dns:///name:port``.
+
+        Raises:
+            ValueError: the text has no valid port.
+        """
+        raw = text.strip()
+        dns = False
+        if raw.startswith("dns:"):
+            dns = True
+            rest = raw[len("dns:"):]
+            if rest.startswith("//"):
+                rest = rest[2:]
+                rest = rest.split("/", 1)[1] if "/" in rest else rest
+            raw = rest
+        if raw.startswith("["):
+            host, _, port = raw[1:].partition("]:")
+        else:
+            host, _, port = raw.rpartition(":")
+        if not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise ValueError(f"backend target {text!r}: expected host:port or dns:///name:port")
+        return cls(host=host, port=int(port), dns=dns)
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port`` with IPv6 hosts bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(eq=False)
+class Backend:
+    """One replica of a stage.
+
+    Attributes:
+        address: ``host:port`` the gateway dials (and hands to the AR as ``dit_address``).
+        channel: the `grpc.aio.Channel` to it.
+        stub: the generated stub (`mammoth_pb2_grpc.ARStub` / ``DiTStub``) on ``channel``.
+        status: last ``grpc.health.v1`` status (``SERVING`` = 1).
+        in_flight: open ``Generate`` calls from this gateway.
+    """
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    status: int = health_pb2.HealthCheckResponse.UNKNOWN
+    in_flight: int = 0
+    retired: bool = False
+    watch_task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def serving(self) -> bool:
+        return self.status == SERVING and not self.retired
+
+
+class BackendPool:
+    """The backends of one stage, kept in sync with the targets and their health.
+
+    Args:
+        stage: ``"ar"`` or ``"dit"`` (metric label).
+        targets: target strings (see module docstring).
+        service_name: health service name checked (``mammoth.v1.AR`` / ``mammoth.v1.DiT``).
+        stub_factory: builds the stage stub from a channel.
+        metrics: gateway metrics (``backends_serving``, ``backend_in_flight``).
+        refresh_seconds: DNS refresh and health retry period.
+        channel_options: gRPC channel options (message size limits).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        targets: list[str],
+        service_name: str,
+        stub_factory: Callable[[grpc.aio.Channel], Any],
+        metrics: GatewayMetrics,
+        refresh_seconds: float = 2.0,
+        channel_options: list[tuple[str, Any]] | None = None,
+    ) -> None:
+        self.stage = stage
+        self.targets = [Target.parse(t) for t in targets]
+        self.service_name = service_name
+        self._stub_factory = stub_factory
+        self._metrics = metrics
+        self.refresh_seconds = refresh_seconds
+        self._options = channel_options or []
+        self.backends: dict[str, Backend] = {}
+        self._rr = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Create backends for static targets and start DNS refresh and health watches."""
+        await self._refresh_dns(initial=True)
+        if any(t.dns for t in self.targets):
+            self._tasks.append(asyncio.create_task(self._dns_loop(), name=f"{self.stage}-dns"))
+
+    async def close(self) -> None:
+        """Stop every background task and close every channel."""
+        for t in self._tasks:
+            t.cancel()
+        for b in list(self.backends.values()):
+            await self._remove(b)
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            await self._refresh_dns()
+
+    async def _resolve(self, target: Target) -> set[str] | None:
+        if not target.dns:
+            return {target.address}
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.warning("%s: cannot resolve %s: %s", self.stage, target.host, exc)
+            return None
+        return {format_address(info[4][0], target.port) for info in infos}
+
+    async def _refresh_dns(self, initial: bool = False) -> None:
+        wanted: set[str] = set()
+        for target in self.targets:
+            addresses = await self._resolve(target)
+            if addresses is None:  # resolution failed: keep what we have for this target
+                wanted |= {a for a in self.backends if target.dns}
+            else:
+                wanted |= addresses
+        for address in sorted(wanted - set(self.backends)):
+            self._add(address)
+        for address in set(self.backends) - wanted:
+            logger.info("%s: backend %s left DNS", self.stage, address)
+            await self._remove(self.backends[address])
+
+    def _add(self, address: str) -> None:
+        channel = grpc.aio.insecure_channel(address, options=self._options)
+        backend = Backend(address=address, channel=channel, stub=self._stub_factory(channel))
+        self.backends[address] = backend
+        backend.watch_task = asyncio.create_task(self._watch(backend), name=f"{self.stage}-health")
+        logger.info("%s: backend %s added", self.stage, address)
+
+    async def _remove(self, backend: Backend) -> None:
+        backend.retired = True
+        self.backends.pop(backend.address, None)
+        if backend.watch_task is not None:
+            backend.watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await backend.watch_task
+        self._update_gauges()
+        if backend.in_flight == 0:
+            await backend.channel.close()
+            with contextlib.suppress(KeyError):
+                self._metrics.backend_in_flight.remove(self.stage, backend.address)
+
+    # ---------------------------------------------------------------- health
+
+    def _set_status(self, backend: Backend, status: int) -> None:
+        if backend.status != status:
+            logger.info("%s: backend %s is %s", self.stage, backend.address,
+                        health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+        backend.status = status
+        self._update_gauges()
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _update_gauges(self) -> None:
+        self._metrics.backends_serving.labels(self.stage).set(len(self.serving()))
+
+    async def _watch(self, backend: Backend) -> None:
+        stub = health_pb2_grpc.HealthStub(backend.channel)
+        request = health_pb2.HealthCheckRequest(service=self.service_name)
+        use_watch = True
+        while not backend.retired:
+            try:
+                if use_watch:
+                    async for response in stub.Watch(request):
+                        self._set_status(backend, response.status)
+                else:
+                    response = await stub.Check(request, timeout=max(1.0, self.refresh_seconds))
+                    self._set_status(backend, response.status)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and use_watch:
+                    use_watch = False
+                    continue
+                self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep watching whatever happens
+                logger.exception("%s: health watch of %s failed", self.stage, backend.address)
+                self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
+            await asyncio.sleep(self.refresh_seconds)
+
+    def mark_failed(self, backend: Backend) -> None:
+        """Take ``backend`` out of rotation after a transport failure, until health says SERVING."""
+        if backend.status == SERVING:
+            self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
+
+    # ---------------------------------------------------------------- selection
+
+    def serving(self) -> list[Backend]:
+        """Backends currently SERVING."""
+        return [b for b in self.backends.values() if b.serving]
+
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Backend | None:
+        """The SERVING backend not in ``exclude`` (addresses) with the fewest open calls, or None."""
+        candidates = [b for b in self.serving() if b.address not in exclude]
+        if not candidates:
+            return None
+        least = min(b.in_flight for b in candidates)
+        tied = [b for b in candidates if b.in_flight == least]
+        return tied[next(self._rr) % len(tied)]
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when any backend's health changes, or after ``timeout`` seconds."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    @contextlib.contextmanager
+    def lease(self, backend: Backend) -> Iterator[Backend]:
+        """Count one open call on ``backend`` for the duration of the block."""
+        backend.in_flight += 1
+        gauge = self._metrics.backend_in_flight.labels(self.stage, backend.address)
+        gauge.set(backend.in_flight)
+        try:
+            yield backend
+        finally:
+            backend.in_flight -= 1
+            gauge.set(backend.in_flight)
+            if backend.retired and backend.in_flight == 0:
+                asyncio.get_running_loop().create_task(backend.channel.close())
+
+    @property
+    def in_flight(self) -> int:
+        return sum(b.in_flight for b in self.backends.values())
+

@@ -1,0 +1,222 @@
+"""The OpenAI error envelope and the one function that turns any exception into it.
+
+Every error the gateway answers has the body ``{"error": {"message", "type", "param", "code"}}``
+(OpenAI's envelope; vLLM's ``ErrorResponse{error: ErrorInfo}``), never FastAPI's ``{"detail": ...}``
+and never a 422. `create_error_response` maps exception classes to HTTP status codes:
+
+==============================  ======  =========================  ==========================
+exception                       status  ``type``                   ``code``
+==============================  ======  =========================  ==========================
+`InvalidRequestError`           400     ``invalid_request_error``  per case (e.g. ``invalid_size``)
+pydantic / FastAPI validation   400     ``invalid_request_error``  ``invalid_value``
+`AuthenticationError`           401     ``authentication_error``   ``invalid_api_key``
+`NotFoundError`                 404     ``invalid_request_error``  ``model_not_found`` / ``not_found``
+`OverloadedError`               429     ``rate_limit_error``       ``queue_full`` (+ Retry-After)
+`UnavailableError`              503     ``service_unavailable``    ``no_backend`` / ``draining`` (+ Retry-After)
+`DeadlineExceededError`         504     ``timeout``                ``deadline_exceeded``
+`BackendError`                  502     ``backend_error``          ``backend_failure``
+anything else                   500     ``server_error``           ``internal_error``
+==============================  ======  =========================  ==========================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorInfo(BaseModel):
+    """Body of an OpenAI error: ``message``, ``type``, ``param`` (the offending field), ``code``."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error envelope ``{"error": ErrorInfo}``."""
+
+    error: ErrorInfo
+
+
+class GatewayError(Exception):
+    """Base class of every error the gateway answers on purpose.
+
+    Attributes:
+        status_code: HTTP status.
+        type: OpenAI error ``type``.
+        code: OpenAI error ``code``.
+        param: the request field at fault, or None.
+        retry_after: seconds for a ``Retry-After`` header, or None.
+        outcome: label value of the ``outcome`` metric.
+    """
+
+    status_code = 500
+    type = "server_error"
+    code = "internal_error"
+    outcome = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+
+class InvalidRequestError(GatewayError):
+    """The request is invalid (HTTP 400); ``param`` names the field."""
+
+    status_code = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+    outcome = "invalid_request"
+
+
+class AuthenticationError(GatewayError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+    outcome = "auth_error"
+
+
+class NotFoundError(GatewayError):
+    """Unknown model, expired image URL or unknown route (HTTP 404)."""
+
+    status_code = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    outcome = "not_found"
+
+
+class OverloadedError(GatewayError):
+    """The admission queue is full (HTTP 429 with ``Retry-After``)."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    outcome = "overloaded"
+
+
+class UnavailableError(GatewayError):
+    """No serving backend of a stage, or the gateway is draining (HTTP 503 with ``Retry-After``)."""
+
+    status_code = 503
+    type = "service_unavailable"
+    code = "no_backend"
+    outcome = "unavailable"
+
+
+class DeadlineExceededError(GatewayError):
+    """The request's time budget ran out (HTTP 504)."""
+
+    status_code = 504
+    type = "timeout"
+    code = "deadline_exceeded"
+    outcome = "deadline"
+
+
+class BackendError(GatewayError):
+    """A stage failed and retries within the deadline did not help (HTTP 502)."""
+
+    status_code = 502
+    type = "backend_error"
+    code = "backend_failure"
+    outcome = "backend_error"
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "size")`` -> ``"size"``; ``("body", "cfg_range", 0)`` -> ``"cfg_range"``."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [p for p in parts if not p.isdigit()]
+    if parts and parts[0] == "extra_body" and len(parts) > 1:
+        parts = parts[1:]
+    return parts[0] if parts else None
+
+
+def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
+    """Status, envelope body and extra headers for ``exc`` (see the module table)."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, GatewayError):
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        if isinstance(exc, AuthenticationError):
+            headers["WWW-Authenticate"] = "Bearer"
+        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+        return exc.status_code, info, headers
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = tuple(first.get("loc", ()))
+        param = _validation_param(loc)
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return 400, ErrorInfo(
+                message=f"request body is not valid JSON: {msg}",
+                type="invalid_request_error",
+                code="invalid_json",
+            ), headers
+        if first.get("type") == "missing":
+            text = f"missing required parameter: '{param}'"
+            code = "missing_required_parameter"
+        else:
+            text = f"invalid value for '{param}': {msg}" if param else msg
+            code = "invalid_value"
+        return 400, ErrorInfo(message=text, type="invalid_request_error", param=param, code=code), headers
+    if isinstance(exc, StarletteHTTPException):
+        status = exc.status_code
+        if status == 404:
+            info = ErrorInfo(message="not found", type="invalid_request_error", code="not_found")
+        elif status == 405:
+            info = ErrorInfo(message="method not allowed", type="invalid_request_error",
+                             code="method_not_allowed")
+        else:
+            info = ErrorInfo(message=str(exc.detail), type="invalid_request_error" if status < 500
+                             else "server_error", code=None)
+        return status, info, dict(exc.headers or {})
+    logger.exception("internal error", exc_info=exc)
+    return 500, ErrorInfo(
+        message=f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"
+    ), headers
+
+
+def create_error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+    """The OpenAI error envelope for any exception, with its status code and headers.
+
+    Args:
+        exc: any exception; `GatewayError` subclasses keep their status, request validation errors
+            become 400 ``invalid_request_error`` naming the field, everything else 500.
+        request_id: added as the ``x-request-id`` header when given.
+    """
+    status, info, headers = error_info(exc)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The ``outcome`` metric label for an exception (``internal_error`` when unknown)."""
+    if isinstance(exc, GatewayError):
+        return exc.outcome
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        return "invalid_request"
+    return "internal_error"

@@ -1,0 +1,189 @@
+"""Request validation, the OpenAI error envelope, auth, models, health and OpenAPI, over real HTTP.
+
+Validation runs before any stage work, so most of these need no stage at all; the ones that check
+"the service answers the next valid request" use fake stages (tests/gateway/fake_stages.py).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+GEN = "/v1/images/generations"
+
+
+@pytest.fixture
+def gw(gateway_factory):
+    return gateway_factory()
+
+
+def assert_envelope(response: httpx.Response, status: int, param: str | None = None,
+                    code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    assert response.headers.get("x-request-id")
+    return err
+
+
+@pytest.mark.parametrize("size", ["100000x10000", "1024x", "0x512", "-512x512", "abc", "100x100",
+                                  "64x65", "64X64 ", "", "4096x4096", "16x0"])
+def test_invalid_sizes_are_400_with_param_size(gw, size):
+    r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": size})
+    err = assert_envelope(r, 400, "size")
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({}, "prompt", "missing_required_parameter"),
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": "   "}, "prompt", None),
+    ({"prompt": "x" * 201}, "prompt", "string_above_max_length"),
+    ({"prompt": "p", "n": 11}, "n", None),
+    ({"prompt": "p", "n": 0}, "n", None),
+    ({"prompt": "p", "n": "three"}, "n", None),
+    ({"prompt": "p", "response_format": "file"}, "response_format", None),
+    ({"prompt": "p", "output_format": "gif"}, "output_format", None),
+    ({"prompt": "p", "output_format": "png", "output_compression": 50}, "output_compression", None),
+    ({"prompt": "p", "output_format": "jpeg", "output_compression": 101}, "output_compression",
+     None),
+    ({"prompt": "p", "quality": "ultra"}, "quality", None),
+    ({"prompt": "p", "background": "transparent"}, "background", None),
+    ({"prompt": "p", "style": "baroque"}, "style", None),
+    ({"prompt": "p", "moderation": "low"}, "moderation", "unsupported_parameter"),
+    ({"prompt": "p", "moderation": "auto"}, "moderation", "unsupported_parameter"),
+    ({"prompt": "p", "complexity": "low"}, "complexity", "unsupported_parameter"),
+    ({"prompt": "p", "frame_count": 4}, "frame_count", "unsupported_parameter"),
+    ({"prompt": "p", "svg": {}}, "svg", "unsupported_parameter"),
+    ({"prompt": "p", "partial_images": 2}, "partial_images", None),
+    ({"prompt": "p", "stream": True, "partial_images": 4}, "partial_images", None),
+    ({"prompt": "p", "user": "u" * 300}, "user", None),
+    ({"prompt": "p", "seed": -1}, "seed", None),
+    ({"prompt": "p", "num_inference_steps": 0}, "num_inference_steps", None),
+    ({"prompt": "p", "num_inference_steps": 51}, "num_inference_steps", None),
+    ({"prompt": "p", "text_guidance_scale": -1}, "text_guidance_scale", None),
+    ({"prompt": "p", "cfg_range": [0.8, 0.2]}, "cfg_range", None),
+    ({"prompt": "p", "cfg_range": [0.1]}, "cfg_range", None),
+    ({"prompt": "p", "ar_guidance_scale": "high"}, "ar_guidance_scale", None),
+    ({"prompt": "p", "negative_prompt": "x" * 201}, "negative_prompt", "string_above_max_length"),
+    ({"prompt": "p", "quality": "low", "num_inference_steps": 3}, "quality",
+     "conflicting_parameter"),
+    ({"prompt": "p", "style": "natural", "text_guidance_scale": 3}, "style",
+     "conflicting_parameter"),
+    ({"prompt": "p", "extra_body": {"seed": -5}}, "seed", None),
+    ({"prompt": "p", "extra_body": {"sed": 5}}, "extra_body", None),
+    ({"prompt": "p", "seed": 1, "extra_body": {"seed": 2}}, "seed", "conflicting_parameter"),
+    ({"prompt": "p", "temperature": 0.5}, "temperature", "unknown_parameter"),
+])
+def test_invalid_fields_are_400_naming_the_field(gw, body, param, code):
+    r = httpx.post(gw.url + GEN, json=body)
+    assert_envelope(r, 400, param, code)
+
+
+def test_non_json_and_wrong_types_are_400_never_422(gw):
+    r = httpx.post(gw.url + GEN, content=b"{not json", headers={"content-type": "application/json"})
+    assert_envelope(r, 400, code="invalid_json")
+    r = httpx.post(gw.url + GEN, json=["a", "list"])
+    assert_envelope(r, 400)
+
+
+def test_unknown_model_is_404_model_not_found(gw):
+    r = httpx.post(gw.url + GEN, json={"prompt": "p", "model": "dall-e-3"})
+    err = assert_envelope(r, 404, "model", "model_not_found")
+    assert "dall-e-3" in err["message"]
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.images.generate(prompt="p", model="gpt-image-1")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_no_backend_is_503_with_retry_after(gw):
+    r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": "64x64"})
+    assert_envelope(r, 503, code="no_backend")
+    assert int(r.headers["retry-after"]) >= 1
+    assert httpx.get(gw.url + "/readyz").status_code == 503
+    assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+def test_unknown_route_and_method_use_the_envelope(gw):
+    assert_envelope(httpx.get(gw.url + "/v1/nope"), 404)
+    assert_envelope(httpx.get(gw.url + GEN), 405)
+
+
+def test_models_endpoint(gw):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["mammothmoda2"]
+    assert client.models.retrieve("mammothmoda2").id == "mammothmoda2"
+    assert_envelope(httpx.get(gw.url + "/v1/models/other"), 404, "model", "model_not_found")
+
+
+def test_api_keys_from_file(gateway_factory, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nsk-one\n\nsk-two  # trailing comment\n")
+    gw = gateway_factory(api_keys_file=str(keys))
+    err = assert_envelope(httpx.get(gw.url + "/v1/models"), 401, code="invalid_api_key")
+    assert err["type"] == "authentication_error"
+    assert_envelope(httpx.get(gw.url + "/v1/models", headers={"authorization": "Bearer nope"}), 401)
+    assert httpx.get(gw.url + "/v1/models",
+                     headers={"authorization": "Bearer sk-two"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="wrong", max_retries=0).images.generate(
+            prompt="p")
+    # health, readiness and metrics need no key
+    assert httpx.get(gw.url + "/healthz").status_code == 200
+    assert httpx.get(gw.url + "/metrics").status_code == 200
+    # the file is re-read when it changes (a rotated Secret)
+    import os
+    import time
+
+    keys.write_text("sk-three\n")
+    os.utime(keys, (time.time() + 5, time.time() + 5))
+    assert httpx.get(gw.url + "/v1/models",
+                     headers={"authorization": "Bearer sk-three"}).status_code == 200
+    assert httpx.get(gw.url + "/v1/models",
+                     headers={"authorization": "Bearer sk-one"}).status_code == 401
+
+
+def test_request_id_header_is_echoed_or_generated(gw):
+    r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"},
+                   headers={"x-request-id": "my-id-123"})
+    assert r.headers["x-request-id"] == "my-id-123"
+    r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"},
+                   headers={"x-request-id": "bad id with spaces"})
+    assert r.headers["x-request-id"].startswith("img-")
+
+
+def test_openapi_matches_behaviour(gw):
+    doc = httpx.get(gw.url + "/openapi.json").json()
+    op = doc["paths"]["/v1/images/generations"]["post"]
+    assert "422" not in op["responses"]
+    for status in ("400", "401", "404", "429", "502", "503", "504"):
+        assert status in op["responses"], status
+        ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    assert "text/event-stream" in op["responses"]["200"]["content"]
+    schema = doc["components"]["schemas"]["ImageGenerationRequest"]
+    for field in ("prompt", "model", "n", "size", "response_format", "output_format",
+                  "output_compression", "quality", "background", "style", "moderation", "user",
+                  "stream", "partial_images", "seed", "negative_prompt", "num_inference_steps",
+                  "text_guidance_scale", "cfg_range", "ar_guidance_scale", "extra_body"):
+        assert field in schema["properties"], field
+        assert schema["properties"][field].get("description"), field
+    assert schema["required"] == ["prompt"]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+def test_validation_errors_are_counted_by_outcome(gw):
+    before = gw.metric("mammoth_gateway_requests_total", outcome="invalid_request")
+    httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"})
+    httpx.post(gw.url + GEN, json={"prompt": "p", "n": 11})
+    assert gw.metric("mammoth_gateway_requests_total", outcome="invalid_request") == before + 2
