@@ -163,6 +163,58 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return config, generation
 
 
+#: Token ids of the real MammothModa2-Preview tokenizer (MODEL.md; Qwen2.5 base vocabulary).
+PREVIEW_TOKENS: dict[str, Any] = {
+    "vocab_size": 152064,
+    "gen_vocab_start_index": 152064,
+    "gen_vocab_size": 32800,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "eol_token_id": 152064,
+    "boi_token_id": 152069,
+    "eoi_token_id": 152071,
+    "visual_token_start_id": 152072,
+    "visual_token_end_id": 152072 + 16384,
+}
+
+
+def preview_config() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A configuration with MammothModa2-Preview's dimensions, for GPU sizing and benchmarks.
+
+    AR: Qwen2.5-VL-7B text dimensions (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate
+    18944) with generation experts on layers 14..27 (``ffn_attention-14:28``, ~3.3 B parameters: the
+    README's "7B + 3B"). DiT: upstream ``Transformer2DModel``'s class defaults (hidden 2304, 26 layers,
+    24 heads, 8 KV heads, 2 refiner layers, RoPE axes 32/32/32) (?), FLUX-style 16-channel VAE. Values marked
+    (?) in MODEL.md come from config-class defaults, not a real ``config.json``; a mounted real
+    checkpoint's own config always wins.
+    """
+    tokens = dict(PREVIEW_TOKENS)
+    config, generation = tiny_config(tokens)
+    config["llm_config"].update(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=32768, max_window_layers=28,
+        sliding_window=32768, moe_type="ffn_attention-14:28", torch_dtype="bfloat16",
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    )
+    config["llm_config"]["vision_config"].update(out_hidden_size=3584)
+    config["gen_dit_config"].update(
+        hidden_size=2304, num_layers=26, num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8,
+        multiple_of=256, ffn_dim_multiplier=None, axes_dim_rope=[32, 32, 32], axes_lens=[300, 512, 512],
+        text_feat_dim=3584, timestep_scale=1000.0,
+    )
+    config["gen_axes_dim_rope"] = [32, 32, 32]
+    config["gen_axes_lens"] = [300, 512, 512]
+    config["gen_image_condition_refiner_config"].update(num_queries=128, num_layers=2, num_heads=28)
+    config["gen_vae_config"].update(
+        block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32, sample_size=1024,
+    )
+    config["gen_condition_mode"] = "image"
+    config["torch_dtype"] = "bfloat16"
+    return config, generation
+
+
 PRESETS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]] = {
     "tiny": tiny_config,
 }
