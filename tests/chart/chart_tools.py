@@ -22,7 +22,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "charts" / "mammoth-operator"
 CRD_FILE = CHART_DIR / "crds" / "mammothpipelines.mammoth.dev.yaml"
-EXAMPLE_PIPELINE = CHART_DIR / "examples" / "mammothpipeline.yaml"
+EXAMPLE_PIPELINE = CHART_DIR / "examples" / "mammothpipeline-cpu.yaml"
 CI_VALUES_DIR = CHART_DIR / "ci"
 KUBE_TOOLS_BIN = REPO_ROOT / ".cache" / "kube-tools" / "bin"
 WORKFLOW_FILE = REPO_ROOT / ".github" / "workflows" / "release.yaml"

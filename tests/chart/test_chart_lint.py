@@ -86,6 +86,6 @@ def test_notes_tell_what_to_apply_next(helm):
     proc = run([helm, "install", chart_tools.RELEASE_NAME, CHART_DIR, "--dry-run=client",
                 "--namespace", chart_tools.RELEASE_NAMESPACE], check=True)
     notes = proc.stdout.split("NOTES:", 1)[1]
-    assert "kubectl apply" in notes and "examples/mammothpipeline.yaml" in notes
+    assert "kubectl apply" in notes and "examples/mammothpipeline-cpu.yaml" in notes
     assert "/v1/images/generations" in notes
     assert "helm uninstall" in notes and "keeps the MammothPipeline" in notes

@@ -194,7 +194,7 @@ def test_default_images_are_the_ones_the_release_workflow_pushes(rendered_defaul
     assert container["image"] == f"{chart_tools.IMAGE_PREFIX}operator:{tag}"
     env = {e["name"]: e.get("value") for e in container["env"]}
     for stage in ("ar", "dit", "gateway"):
-        assert env[f"MAMMOTH_{stage.upper()}_IMAGE"] == f"{chart_tools.IMAGE_PREFIX}{stage}:{tag}"
+        assert env[f"MAMMOTH_OPERATOR_{stage.upper()}_IMAGE"] == f"{chart_tools.IMAGE_PREFIX}{stage}:{tag}"
 
 
 def test_image_digest_wins_over_tag(helm):
