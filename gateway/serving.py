@@ -84,6 +84,9 @@ DEFAULT_OUTPUT_COMPRESSION = 25
 MAX_AR_ATTEMPTS = 4
 MAX_DIT_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 1.0
+#: Stage answers that no retry can fix (configuration errors): answered with 502 at once.
+FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                         grpc.StatusCode.UNIMPLEMENTED})
 SSE_KEEPALIVE_SECONDS = 15.0
 
 _SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
@@ -517,6 +520,9 @@ class Orchestrator:
                     if code == grpc.StatusCode.INVALID_ARGUMENT:
                         raise InvalidRequestError(
                             f"the DiT stage rejected the image parameters: {exc.details()}") from exc
+                    if code in FATAL_CODES:
+                        raise BackendError(f"the DiT at {dit.address} refused the call: "
+                                           f"{code.name} {exc.details()}") from exc
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self.dit_pool.mark_failed(dit)
                     logger.warning("DiT %s refused a reservation: %s %s", dit.address, code.name,
@@ -586,6 +592,9 @@ class Orchestrator:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _deadline_error("in the DiT stage") from exc
+            if exc.code() in FATAL_CODES:
+                raise BackendError(f"the DiT at {address} failed: {exc.code().name} "
+                                   f"{exc.details()}") from exc
             raise _StageFailure("dit", exc.code().name, exc.details() or "", address) from exc
         finally:
             call.cancel()
@@ -645,6 +654,9 @@ class Orchestrator:
                         # the AR refused the request itself (a push refused by the DiT names it)
                         raise InvalidRequestError(
                             f"the AR stage rejected the request: {exc.details()}") from exc
+                    if code in FATAL_CODES:
+                        raise BackendError(f"the AR at {ar.address} refused the call: "
+                                           f"{code.name} {exc.details()}") from exc
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self.ar_pool.mark_failed(ar)
                     raise _StageFailure("ar", code.name, exc.details() or "", ar.address) from exc
