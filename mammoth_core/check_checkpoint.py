@@ -78,10 +78,13 @@ def check_checkpoint(path: str | os.PathLike) -> CheckReport:
         report.problems += exc.problems
         report.seconds = time.perf_counter() - t0
         return report
-    for key in ("llm_config", "gen_dit_config", "gen_vae_config", "gen_image_condition_refiner_config"):
-        if not isinstance(ckpt.config.get(key), dict):
-            report.problems.append(f"config.json: missing or invalid {key!r}")
-    if report.problems:
+    config_problems = [
+        f"config.json: missing or invalid {key!r}"
+        for key in ("llm_config", "gen_dit_config", "gen_vae_config", "gen_image_condition_refiner_config")
+        if not isinstance(ckpt.config.get(key), dict)
+    ]
+    report.problems += config_problems
+    if config_problems:
         report.seconds = time.perf_counter() - t0
         return report
     try:
