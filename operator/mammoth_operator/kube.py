@@ -1,0 +1,217 @@
+"""Create-or-patch of children through the official ``kubernetes`` client, patching only what differs.
+
+No server-side apply: an object that does not exist is created; one that exists gets a JSON merge
+patch (``application/merge-patch+json``) holding only the fields whose observed value differs from the
+desired one, so an unchanged spec patches nothing. Fields the operator set before but no longer
+wants are removed (``null`` in the patch): the previous desired state is kept in the child's
+``mammoth.dev/last-applied`` annotation, the way ``kubectl apply`` keeps its own.
+
+A field the server defaults (``terminationMessagePath``, ``protocol`` ...) is not a difference: the
+observed value only has to *contain* the desired one. Lists are compared item by item and replaced as
+a whole when they differ (merge-patch semantics).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from mammoth_operator.builders import Child, ChildRef, canonical_json
+
+LAST_APPLIED_ANNOTATION = "mammoth.dev/last-applied"
+MERGE_PATCH = "application/merge-patch+json"
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+# (apiVersion, kind) -> (API class, method suffix of its namespaced operations)
+_APIS: dict[tuple[str, str], tuple[type, str]] = {
+    ("v1", "ConfigMap"): (kubernetes.client.CoreV1Api, "config_map"),
+    ("v1", "Service"): (kubernetes.client.CoreV1Api, "service"),
+    ("apps/v1", "Deployment"): (kubernetes.client.AppsV1Api, "deployment"),
+    ("policy/v1", "PodDisruptionBudget"): (kubernetes.client.PolicyV1Api, "pod_disruption_budget"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): (kubernetes.client.AutoscalingV2Api, "horizontal_pod_autoscaler"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): (kubernetes.client.NetworkingV1Api, "network_policy"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyResult:
+    """What :func:`apply` did to one child: ``action`` is ``created``, ``patched`` or ``unchanged``."""
+
+    kind: str
+    name: str
+    action: str
+    patch: Mapping[str, Any] | None = None
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    """An API client from the in-cluster service account, else from the kubeconfig (``KUBECONFIG``)."""
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=configuration)
+    return kubernetes.client.ApiClient(configuration)
+
+
+class Children:
+    """Typed access to the kinds of children a pipeline has, by (apiVersion, kind)."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api_client = api_client
+        self._apis: dict[type, Any] = {}
+
+    def _method(self, api_version: str, kind: str, verb: str) -> Any:
+        try:
+            cls, suffix = _APIS[(api_version, kind)]
+        except KeyError:
+            raise ValueError(f"unsupported child kind {api_version}/{kind}") from None
+        if cls not in self._apis:
+            self._apis[cls] = cls(self.api_client)
+        return getattr(self._apis[cls], f"{verb}_namespaced_{suffix}")
+
+    def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as a plain dict (camelCase, as served), or None when it does not exist."""
+        try:
+            response = self._method(api_version, kind, "read")(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        method = self._method(manifest["apiVersion"], manifest["kind"], "create")
+        response = method(manifest["metadata"]["namespace"], manifest, _preload_content=False)
+        return json.loads(response.data)
+
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        method = self._method(api_version, kind, "patch")
+        response = method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
+        return json.loads(response.data)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete if present; True when something was deleted."""
+        try:
+            self._method(api_version, kind, "delete")(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+
+def covers(observed: Any, desired: Any) -> bool:
+    """True when ``observed`` already holds ``desired`` (extra observed keys are server defaults).
+
+    Dicts: every desired key covered. Lists: same length, item by item. Scalars: equal, with
+    ``1`` == ``"1"`` (quantities come back as strings). An absent field covers an empty desired one.
+    """
+    if observed is _MISSING:
+        return desired in ({}, [], None)
+    if isinstance(desired, Mapping):
+        return isinstance(observed, Mapping) and all(covers(observed.get(k, _MISSING), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(observed, list) and len(observed) == len(desired) and all(
+            covers(o, d) for o, d in zip(observed, desired))
+    if observed == desired and type(observed) is type(desired):
+        return True
+    if isinstance(desired, bool) or isinstance(observed, bool):
+        return observed is desired
+    if isinstance(desired, (int, float)) and isinstance(observed, (int, float)):
+        return observed == desired
+    if isinstance(desired, (int, str)) and isinstance(observed, (int, str)):
+        return str(observed) == str(desired)
+    return False
+
+
+def merge_patch(last: Mapping[str, Any], desired: Mapping[str, Any], observed: Mapping[str, Any]) -> dict[str, Any]:
+    """The smallest JSON merge patch turning ``observed`` into something covering ``desired``.
+
+    Keys present in ``last`` (the previous desired state) but not in ``desired`` are removed.
+    """
+    patch: dict[str, Any] = {}
+    for key, want in desired.items():
+        have = observed.get(key, _MISSING)
+        if isinstance(want, Mapping) and isinstance(have, Mapping):
+            prev = last.get(key)
+            sub = merge_patch(prev if isinstance(prev, Mapping) else {}, want, have)
+            if sub:
+                patch[key] = sub
+        elif not covers(have, want):
+            patch[key] = copy.deepcopy(want)
+    for key in last:
+        if key not in desired and key in observed:
+            patch[key] = None
+    return patch
+
+
+def _without(manifest: Mapping[str, Any], paths: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    result = copy.deepcopy(dict(manifest))
+    for path in paths:
+        node: Any = result
+        for key in path[:-1]:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return result
+
+
+def _with_last_applied(managed: Mapping[str, Any]) -> dict[str, Any]:
+    """``managed`` plus the annotation recording it (the annotation itself excluded from the record)."""
+    record = copy.deepcopy(dict(managed))
+    record.get("metadata", {}).get("annotations", {}).pop(LAST_APPLIED_ANNOTATION, None)
+    result = copy.deepcopy(dict(managed))
+    result.setdefault("metadata", {}).setdefault("annotations", {})[LAST_APPLIED_ANNOTATION] = canonical_json(record)
+    return result
+
+
+def apply(children: Children, child: Child) -> ApplyResult:
+    """Create ``child`` or patch the fields that differ; never touches its ``create_only`` fields once created.
+
+    The manifest must carry ``metadata.namespace`` (``kopf.adopt`` sets it).
+
+    Raises:
+        kubernetes.client.exceptions.ApiException: the API server refused (other than 404 on read).
+    """
+    manifest = child.manifest
+    api_version, kind = manifest["apiVersion"], manifest["kind"]
+    namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
+    managed = _with_last_applied(_without(manifest, child.create_only))
+    observed = children.read(api_version, kind, namespace, name)
+    if observed is None:
+        children.create(copy.deepcopy(dict(manifest)) | {"metadata": managed["metadata"]})
+        return ApplyResult(kind, name, "created")
+    raw_last = (observed.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED_ANNOTATION)
+    try:
+        last = json.loads(raw_last) if raw_last else {}
+    except ValueError:
+        last = {}
+    patch = merge_patch(last, managed, observed)
+    if not patch:
+        return ApplyResult(kind, name, "unchanged")
+    children.patch(api_version, kind, namespace, name, patch)
+    return ApplyResult(kind, name, "patched", patch)
+
+
+def delete_unwanted(children: Children, namespace: str, owner_uid: str, refs: list[ChildRef]) -> list[ChildRef]:
+    """Delete the optional children a spec no longer wants, if this owner owns them; returns those deleted."""
+    deleted = []
+    for ref in refs:
+        observed = children.read(ref.api_version, ref.kind, namespace, ref.name)
+        if observed is None:
+            continue
+        owners = observed.get("metadata", {}).get("ownerReferences") or []
+        if any(o.get("uid") == owner_uid and o.get("controller") for o in owners):
+            if children.delete(ref.api_version, ref.kind, namespace, ref.name):
+                deleted.append(ref)
+    return deleted

@@ -1,0 +1,362 @@
+"""A test-side extension of KMock's ``KubernetesEmulator`` that behaves enough like an API server.
+
+KMock 0.8's emulator stores objects and serves list/watch/get/create/patch/delete, but knows nothing
+of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubectl`` rely on:
+
+* ``metadata.uid``, ``resourceVersion`` (a global counter), ``generation`` (bumped when anything but
+  ``metadata``/``status`` changes), ``creationTimestamp``, the namespace from the URL;
+* the status subresource: a patch to ``.../status`` changes only ``status``, a patch to the object
+  ignores ``status`` (for the CRD and Deployments, as declared);
+* declared resources with full discovery info (kinds, verbs, namespaced, short names), including the
+  core group and ``v1/namespaces``, so ``kubectl`` can map kinds to resources;
+* for custom resources whose CRD was created: structural defaulting, pruning of unknown fields,
+  validation against the ``openAPIV3Schema`` (``jsonschema``) and evaluation of the
+  ``x-kubernetes-validations`` CEL rules (``cel-python``); a violation answers 422 ``Invalid`` like
+  the real API server;
+* a request log of writes (``writes``) to count what a client changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import itertools
+import re
+import uuid
+from typing import Any
+
+import attrs
+import celpy
+import celpy.adapter
+import jsonpatch
+import jsonpointer
+import jsonschema
+import kmock
+from kmock._internal import dicts, enums, k8s, parsing
+
+_original_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """KMock 0.8 reads ``/api/v1/namespaces[/NAME]`` as a namespaced path and fails: map it to the resource."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"]:
+        if len(parts) == 3:
+            return parsing.ParsedPath("", "v1", "namespaces")
+        if len(parts) == 4:
+            return parsing.ParsedPath("", "v1", "namespaces", None, parts[3])
+        if len(parts) == 5 and parts[4] in ("status", "finalize"):
+            return parsing.ParsedPath("", "v1", "namespaces", None, parts[3], parts[4])
+    return _original_parse_path(path)
+
+
+parsing.parse_path = _parse_path  # the request parser looks it up on the module at every request
+
+_RV = itertools.count(1000)
+
+# (group/version/plural, kind, namespaced, short names, subresources)
+BUILTIN_RESOURCES = [
+    ("v1/namespaces", "Namespace", False, ["ns"], ["status"]),
+    ("v1/configmaps", "ConfigMap", True, ["cm"], []),
+    ("v1/services", "Service", True, ["svc"], ["status"]),
+    ("v1/secrets", "Secret", True, [], []),
+    ("v1/pods", "Pod", True, ["po"], ["status"]),
+    ("v1/events", "Event", True, ["ev"], []),
+    ("apps/v1/deployments", "Deployment", True, ["deploy"], ["status", "scale"]),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["pdb"], ["status"]),
+    ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ["hpa"], ["status"]),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, ["netpol"], []),
+    ("events.k8s.io/v1/events", "Event", True, ["ev"], []),
+    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, ["crd", "crds"], ["status"]),
+]
+VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+class InvalidObject(k8s.KubernetesError):
+    pass
+
+
+def _invalid(kind: str, name: str, causes: list[str]) -> k8s.KubernetesError:
+    return k8s.KubernetesError(
+        status=422, reason="Invalid",
+        message=f'{kind} "{name}" is invalid: ' + "; ".join(causes),
+        details={"name": name, "kind": kind, "causes": [{"message": c} for c in causes]},
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Structural schema helpers (the subset CRDs use)
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fill ``default`` values of absent properties, recursively (as the API server does)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        props = schema.get("properties") or {}
+        for key, sub in props.items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+        for key, sub in props.items():
+            if key in value:
+                value[key] = apply_defaults(sub, value[key])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in value:
+                if key not in props:
+                    value[key] = apply_defaults(extra, value[key])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def prune(schema: dict[str, Any], value: Any, path: str, pruned: list[str], root: bool = False) -> Any:
+    """Drop fields the structural schema does not declare (unless it preserves unknown fields)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return value
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        result = {}
+        for key, sub in value.items():
+            if root and key in ("apiVersion", "kind", "metadata"):
+                result[key] = sub
+            elif key in props:
+                result[key] = prune(props[key], sub, f"{path}.{key}", pruned)
+            elif isinstance(extra, dict):
+                result[key] = prune(extra, sub, f"{path}.{key}", pruned)
+            elif extra is True:
+                result[key] = sub
+            else:
+                pruned.append(f"{path}.{key}".lstrip("."))
+        return result
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [prune(schema["items"], v, f"{path}[{i}]", pruned) for i, v in enumerate(value)]
+    return value
+
+
+def _to_cel(schema: dict[str, Any], value: Any) -> Any:
+    """JSON -> CEL values, with ``number`` fields as doubles (as Kubernetes types them)."""
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
+        return celpy.celtypes.MapType({
+            celpy.celtypes.StringType(k): _to_cel(props.get(k, extra), v) for k, v in value.items()})
+    if isinstance(value, list):
+        return celpy.celtypes.ListType([_to_cel(schema.get("items") or {}, v) for v in value])
+    if schema.get("type") == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return celpy.celtypes.DoubleType(float(value))
+    return celpy.adapter.json_to_cel(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _cel_program(rule: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def evaluate_rule(rule: str, self_value: Any, schema: dict[str, Any]) -> bool:
+    """Evaluate one ``x-kubernetes-validations`` rule with ``self`` bound; errors count as failures."""
+    try:
+        result = _cel_program(rule).evaluate({"self": _to_cel(schema, self_value)})
+    except celpy.CELEvalError:
+        return False
+    if isinstance(result, celpy.CELEvalError):
+        return False
+    return bool(result)
+
+
+def cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Every failing CEL rule under ``schema`` for ``value``, as ``path: message`` strings."""
+    found: list[str] = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        if not evaluate_rule(rule["rule"], value, schema):
+            field = path + rule.get("fieldPath", "")
+            found.append(f"{field.lstrip('.') or '<root>'}: Invalid value: {rule.get('message') or rule['rule']}")
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value and isinstance(sub, dict):
+                found.extend(cel_violations(sub, value[key], f"{path}.{key}"))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found.extend(cel_violations(schema["items"], item, f"{path}[{i}]"))
+    return found
+
+
+def schema_violations(schema: dict[str, Any], value: Any) -> list[str]:
+    """jsonschema errors of ``value`` against an OpenAPI v3 structural schema (x-kubernetes-* ignored)."""
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def validate_custom_resource(crd: dict[str, Any], obj: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(defaulted+pruned object, pruned field paths, violations) for a custom resource and its CRD."""
+    version = obj.get("apiVersion", "").split("/")[-1]
+    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version)
+    pruned: list[str] = []
+    result = prune(schema, copy.deepcopy(obj), "", pruned, root=True)
+    result = apply_defaults(schema, result)
+    violations = schema_violations(schema, result) + cel_violations(schema, result)
+    return result, pruned, violations
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _removal_patch(old: Any, new: Any) -> Any:
+    """A merge patch turning ``old`` into exactly ``new`` (``None`` for removed keys)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: dict[str, Any] = {}
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    for key, value in new.items():
+        if key in old and isinstance(old[key], dict) and isinstance(value, dict):
+            patch[key] = _removal_patch(old[key], value)
+        else:
+            patch[key] = value
+    return patch
+
+
+@attrs.define(kw_only=True)
+class MammothEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator plus metadata, status subresources, discovery and CRD validation (see module)."""
+
+    crds: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # "group/version/plural" -> CRD
+    status_subresources: set[str] = attrs.field(factory=set)
+    writes: list[dict[str, Any]] = attrs.field(factory=list)
+    pruned: list[str] = attrs.field(factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key, kind, namespaced, short, subresources in BUILTIN_RESOURCES:
+            self.resources[key] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=VERBS,
+                shortnames=short, subresources=subresources)
+            if "status" in subresources and key not in ("v1/namespaces",):
+                self.status_subresources.add(key)
+        self.objects["v1/namespaces", None, "default"] = {
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "default", "uid": str(uuid.uuid4()), "resourceVersion": "1"}}
+
+    # -- CRDs -------------------------------------------------------------------------------------
+
+    def _register_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            key = f"{spec['group']}/{version['name']}/{names['plural']}"
+            subresources = list((version.get("subresources") or {}).keys())
+            self.resources[key] = kmock.ResourceInfo(
+                kind=names["kind"], singular=names.get("singular", names["kind"].lower()),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced", verbs=VERBS,
+                shortnames=names.get("shortNames", []), categories=names.get("categories", []),
+                subresources=subresources)
+            if "status" in subresources:
+                self.status_subresources.add(key)
+            self.crds[key] = crd
+
+    # -- request interception -----------------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE):
+            async with self._lock:
+                self._prepare_write(request)
+        return await super()._handle(request)
+
+    def _key(self, request: kmock.Request) -> str:
+        r = request.resource
+        return f"{r.group}/{r.version}/{r.plural}" if r.group else f"{r.version}/{r.plural}"
+
+    def _prepare_write(self, request: kmock.Request) -> None:
+        """Turn the request body into what a real API server would store (mutating it in place)."""
+        if not isinstance(request.data, dict):
+            if request.action == enums.action.UPDATE and isinstance(request.data, list):
+                self._jsonpatch_to_merge(request)
+            else:
+                raise k8s.KubernetesError(status=415, reason="UnsupportedMediaType", message="body must be a JSON object")
+        key = self._key(request)
+        data: dict[str, Any] = request.data
+        if request.action == enums.action.CREATE:
+            meta = data.setdefault("metadata", {})
+            if request.namespace:
+                meta["namespace"] = request.namespace
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta["resourceVersion"] = str(next(_RV))
+            meta["generation"] = 1
+            meta["creationTimestamp"] = _now()
+            final = self._admit(key, copy.deepcopy(data), meta.get("name", ""))
+            data.clear()
+            data.update(final)
+            if key == "apiextensions.k8s.io/v1/customresourcedefinitions":
+                self._register_crd(final)
+            self.writes.append({"verb": "create", "resource": key, "namespace": meta.get("namespace"),
+                                "name": meta.get("name"), "body": copy.deepcopy(final)})
+            return
+
+        obj = self._stored(request)
+        if obj is None:
+            return  # the base class answers 404
+        old = copy.deepcopy(obj.raw)
+        patch = copy.deepcopy(data)
+        if key in self.status_subresources:
+            if request.subresource == "status":
+                patch = {"status": patch.get("status")} if "status" in patch else {}
+            else:
+                patch.pop("status", None)
+        new = dict(dicts.patch_dict(copy.deepcopy(old), patch))
+        new.setdefault("metadata", {})
+        for field in ("uid", "namespace", "name", "creationTimestamp", "generation"):
+            if field in old.get("metadata", {}):
+                new["metadata"][field] = old["metadata"][field]
+        final = self._admit(key, new, request.name or "")
+        strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
+        generation = int(old.get("metadata", {}).get("generation", 1))
+        if strip(final) != strip(old):
+            generation += 1
+        final["metadata"]["generation"] = generation
+        final["metadata"]["resourceVersion"] = str(next(_RV))
+        data.clear()
+        data.update(_removal_patch(old, final))
+        self.writes.append({"verb": "patch", "resource": key, "namespace": request.namespace, "name": request.name,
+                            "subresource": request.subresource, "body": patch})
+
+    def _jsonpatch_to_merge(self, request: kmock.Request) -> None:
+        obj = self._stored(request)
+        if obj is None:
+            return
+        old = copy.deepcopy(obj.raw)
+        try:
+            new = dicts.patch_dict(copy.deepcopy(old), request.data)
+        except jsonpatch.JsonPatchTestFailed as e:
+            raise k8s.KubernetesError(status=409, reason="Conflict", message=f"the object has been modified: {e}") from e
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+            raise k8s.KubernetesError(status=422, reason="Invalid", message=f"invalid JSON patch: {e}") from e
+        request.data.clear()  # type: ignore[union-attr]
+        object.__setattr__(request, "data", _removal_patch(old, dict(new)))
+
+    def _stored(self, request: kmock.Request) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        if not request.name or key not in self.objects:
+            return None
+        obj = self.objects[key]
+        return None if obj.deleted else obj
+
+    def _admit(self, key: str, obj: dict[str, Any], name: str) -> dict[str, Any]:
+        crd = self.crds.get(key)
+        if crd is None:
+            return obj
+        final, pruned, violations = validate_custom_resource(crd, obj)
+        self.pruned.extend(f"{name}: {p}" for p in pruned)
+        if violations:
+            raise _invalid(crd["spec"]["names"]["kind"], name, violations)
+        return final
+
+
+def is_invalid_error(text: str) -> bool:
+    return bool(re.search(r"is invalid", text))

@@ -1,0 +1,193 @@
+"""The CRD file: structure, defaults, status schema, and every CEL rule (accepted and rejected specs).
+
+The CEL rules run with ``cel-python`` (the emulator's admission code); every case also goes through
+the operator's own validation (:func:`mammoth_operator.spec.parse_spec`), which must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from conftest import CRD_FILE, EXAMPLE_FILE, load_yaml
+from mammoth_emulator import cel_violations, validate_custom_resource
+from mammoth_operator import builders, status
+from mammoth_operator.config import OperatorConfig
+from mammoth_operator.crd import load_crd, openapi_schema
+from mammoth_operator.spec import DEFAULTS, InvalidSpec, parse_spec
+
+IMAGES = OperatorConfig.from_env({}).images
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return load_yaml(CRD_FILE)
+
+
+def _walk(schema: dict[str, Any], path: str = ""):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_crd_identity_and_printer_columns(crd):
+    assert crd["metadata"]["name"] == "mammothpipelines.mammoth.dev"
+    assert crd["spec"]["group"] == "mammoth.dev"
+    assert crd["spec"]["names"]["kind"] == "MammothPipeline"
+    assert "mmp" in crd["spec"]["names"]["shortNames"]
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "AR", "DiT", "Endpoint", "Age"]
+    assert load_crd() == crd  # the operator package reads the same file
+
+
+def test_schema_is_structural_and_documented(crd):
+    schema = openapi_schema(crd)
+    for path, node in _walk(schema):
+        if path.startswith((".metadata",)) or path.endswith("{}"):
+            continue
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        if path.count(".") <= 4 and not path.endswith("[]") and path not in ("", ".apiVersion", ".kind"):
+            assert node.get("description"), f"{path} has no description"
+        if node.get("type") == "object":
+            assert ("properties" in node or "additionalProperties" in node
+                    or node.get("x-kubernetes-preserve-unknown-fields")), f"{path} is an object without a schema"
+
+
+def _crd_default(schema: dict[str, Any], dotted: str) -> Any:
+    node = schema["properties"]["spec"]
+    for part in dotted.split("."):
+        node = node["properties"][part]
+    return node["default"]
+
+
+@pytest.mark.parametrize("key,crd_path", [
+    ("stage.replicas", "ar.replicas"), ("stage.gpus", "dit.gpus"),
+    ("stage.startupTimeoutSeconds", "ar.startupTimeoutSeconds"),
+    ("stage.rollout.maxSurge", "ar.rollout.maxSurge"), ("stage.rollout.maxUnavailable", "dit.rollout.maxUnavailable"),
+    ("gateway.rollout.maxSurge", "gateway.rollout.maxSurge"),
+    ("gateway.rollout.maxUnavailable", "gateway.rollout.maxUnavailable"),
+    ("pdb.enabled", "ar.podDisruptionBudget.enabled"), ("pdb.maxUnavailable", "gateway.podDisruptionBudget.maxUnavailable"),
+    ("autoscaling.enabled", "ar.autoscaling.enabled"), ("autoscaling.minReplicas", "dit.autoscaling.minReplicas"),
+    ("autoscaling.maxReplicas", "ar.autoscaling.maxReplicas"), ("autoscaling.metric.type", "ar.autoscaling.metric.type"),
+    ("ar.autoscaling.metric.name", "ar.autoscaling.metric.name"),
+    ("dit.autoscaling.metric.name", "dit.autoscaling.metric.name"),
+    ("ar.maxRunningSequences", "ar.maxRunningSequences"), ("dit.slots", "dit.slots"),
+    ("imagePullPolicy", "ar.imagePullPolicy"), ("gateway.replicas", "gateway.replicas"),
+    ("gateway.service.type", "gateway.service.type"), ("gateway.service.port", "gateway.service.port"),
+    ("gateway.queueSize", "gateway.queueSize"), ("model.cache.sizeLimit", "model.cache.sizeLimit"),
+    ("transport.chunkRows", "transport.chunkRows"), ("transport.maxMessageBytes", "transport.maxMessageBytes"),
+    ("requestDefaults.steps", "requestDefaults.steps"), ("requestDefaults.guidanceScale", "requestDefaults.guidanceScale"),
+    ("requestDefaults.cfgRange", "requestDefaults.cfgRange"), ("requestDefaults.maxPixels", "requestDefaults.maxPixels"),
+    ("requestDefaults.minPixels", "requestDefaults.minPixels"),
+    ("requestDefaults.maxPromptChars", "requestDefaults.maxPromptChars"),
+    ("requestDefaults.requestTimeoutSeconds", "requestDefaults.requestTimeoutSeconds"),
+    ("runtime.device", "runtime.device"), ("runtime.dtype", "runtime.dtype"),
+    ("logging.format", "logging.format"), ("logging.level", "logging.level"),
+    ("networkPolicy.enabled", "networkPolicy.enabled"),
+])
+def test_operator_defaults_equal_crd_defaults(crd, key, crd_path):
+    assert DEFAULTS[key] == _crd_default(openapi_schema(crd), crd_path)
+
+
+def test_status_schema_declares_every_field_the_operator_writes(crd):
+    deployment = {"metadata": {"generation": 2}, "spec": {"replicas": 2},
+                  "status": {"observedGeneration": 2, "replicas": 2, "readyReplicas": 1, "availableReplicas": 1,
+                             "updatedReplicas": 2}}
+    service = {"metadata": {"name": "x-gateway", "namespace": "default"}, "spec": {"ports": [{"port": 80}]}}
+    observed = status.Observed({"ar": deployment, "dit": deployment, "gateway": deployment}, service, frozenset({"ar"}))
+    computed = status.compute_status(2, 2, observed, status.Problem("ApplyFailed", "boom"))
+    computed["conditions"] = status.merge_conditions(None, computed["conditions"], status.now_iso())
+    computed["observedGeneration"] = 2
+    computed["kopf"] = {"progress": {"reconcile": {"retries": 1}}}
+    body = {"apiVersion": "mammoth.dev/v1alpha1", "kind": "MammothPipeline", "metadata": {"name": "x"},
+            "spec": {"model": {"source": "builtin://tiny"}}, "status": computed}
+    final, pruned, violations = validate_custom_resource(crd, body)
+    assert pruned == [] and violations == []
+    assert final["status"] == computed
+
+
+def test_example_resource_validates(crd):
+    body = load_yaml(EXAMPLE_FILE)
+    final, pruned, violations = validate_custom_resource(crd, body)
+    assert pruned == [] and violations == []
+    parse_spec(body["metadata"]["name"], "default", final["spec"], IMAGES)
+
+
+def test_unknown_fields_are_pruned(crd):
+    body = load_yaml(EXAMPLE_FILE)
+    body["spec"]["ar"]["colour"] = "blue"
+    _, pruned, _ = validate_custom_resource(crd, body)
+    assert pruned == [".spec.ar.colour".lstrip(".")]
+
+
+def _body(name: str = "tiny", **spec: Any) -> dict[str, Any]:
+    base = {"model": {"source": "builtin://tiny"}}
+    base.update(copy.deepcopy(spec))
+    return {"apiVersion": "mammoth.dev/v1alpha1", "kind": "MammothPipeline", "metadata": {"name": name}, "spec": base}
+
+
+# (rule id, accepted body, rejected body): one pair per CEL rule of the CRD.
+CEL_CASES = [
+    ("name-length", _body("a" * 47), _body("a" * 48)),
+    ("model-scheme-pvc", _body(model={"source": "pvc://models/mammoth/v1"}), _body(model={"source": "pvc://Models/x"})),
+    ("model-scheme-file", _body(model={"source": "file:///mnt/models/mammoth"}), _body(model={"source": "file://relative"})),
+    ("model-scheme-hf", _body(model={"source": "hf://bytedance/MammothModa2@abc123"}),
+     _body(model={"source": "s3://bucket/model"})),
+    ("model-scheme-builtin", _body(model={"source": "builtin://tiny"}), _body(model={"source": "builtin://huge"})),
+    ("hf-revision", _body(model={"source": "hf://org/repo@main"}), _body(model={"source": "hf://org/repo"})),
+    ("ar-rollout", _body(ar={"rollout": {"maxSurge": 0, "maxUnavailable": "25%"}}),
+     _body(ar={"rollout": {"maxSurge": 0, "maxUnavailable": 0}})),
+    ("dit-rollout", _body(dit={"rollout": {"maxSurge": 1, "maxUnavailable": 0}}),
+     _body(dit={"rollout": {"maxSurge": "0%", "maxUnavailable": 0}})),
+    ("gateway-rollout", _body(gateway={"rollout": {"maxSurge": "25%", "maxUnavailable": "0%"}}),
+     _body(gateway={"rollout": {"maxSurge": "0%", "maxUnavailable": "0%"}})),
+    ("ar-autoscaling-bounds", _body(ar={"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2}}),
+     _body(ar={"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}})),
+    ("dit-autoscaling-bounds", _body(dit={"autoscaling": {"minReplicas": 1, "maxReplicas": 8}}),
+     _body(dit={"autoscaling": {"minReplicas": 9, "maxReplicas": 8}})),
+    ("chunk-fits-message", _body(transport={"chunkRows": 4096, "maxMessageBytes": 67108864}),
+     _body(transport={"chunkRows": 4096, "maxMessageBytes": 67108863})),
+    ("image-size-limits", _body(requestDefaults={"minPixels": 1048576, "maxPixels": 1048576}),
+     _body(requestDefaults={"minPixels": 1048577, "maxPixels": 1048576})),
+    ("cfg-range", _body(requestDefaults={"cfgRange": [0, 0.5]}), _body(requestDefaults={"cfgRange": [0.6, 0.5]})),
+]
+
+
+def test_every_cel_rule_has_a_case(crd):
+    rules = [r["rule"] for _, node in _walk(openapi_schema(crd)) for r in node.get("x-kubernetes-validations") or []]
+    # Rules on shared sub-schemas (rollout, autoscaling, source) appear once per use; the cases above
+    # cover each use: 1 name + 2 model + 3 rollout + 2 autoscaling + 1 transport + 2 requestDefaults.
+    assert len(rules) == 11
+
+
+@pytest.mark.parametrize("case,accepted,rejected", CEL_CASES, ids=[c[0] for c in CEL_CASES])
+def test_cel_rule_accepts_and_rejects(crd, case, accepted, rejected):
+    good, _, violations = validate_custom_resource(crd, accepted)
+    assert violations == [], violations
+    _, _, violations = validate_custom_resource(crd, rejected)
+    assert violations, f"{case}: the rejected spec passed"
+    assert any("Invalid value" in v for v in violations) or case.startswith("model-scheme"), violations
+    # The operator's own re-check agrees on both.
+    parse_spec(accepted["metadata"]["name"], "default", good["spec"], IMAGES)
+    with pytest.raises(InvalidSpec):
+        parse_spec(rejected["metadata"]["name"], "default", rejected["spec"], IMAGES)
+
+
+def test_cel_rule_messages_name_the_field(crd):
+    schema = openapi_schema(crd)
+    found = cel_violations(schema, _body(transport={"chunkRows": 4096, "maxMessageBytes": 1048576}))
+    assert found == ["spec.transport.chunkRows: Invalid value: a chunk (chunkRows rows of up to 4096 float32 values) "
+                     "must fit in maxMessageBytes"]
+
+
+def test_children_names_fit_dns_labels():
+    names = builders.child_names("a" * 47)
+    assert max(len(n) for n in vars(names).values()) <= 63
