@@ -163,3 +163,53 @@ def gateway_factory():
     yield make
     for gw in started:
         gw.stop()
+
+
+@dataclasses.dataclass
+class RealStage:
+    """A real ``mammoth ar|dit`` process started by `spawn_stage`."""
+
+    role: str
+    proc: subprocess.Popen
+    address: str
+    metrics_url: str
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.metrics_url.rsplit("/metrics", 1)[0], name, **labels)
+
+
+def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str) -> RealStage:
+    """Start ``python -m mammoth_core.cli ROLE`` on a free port; wait for its ready file."""
+    n = len(list(tmp.glob(f"real-{role}-*.ready")))
+    ready = tmp / f"real-{role}-{n}.ready"
+    cmd = [sys.executable, "-m", "mammoth_core.cli", role, "--host", "127.0.0.1", "--checkpoint",
+           str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
+           "--log-level", "warning", "--ready-file", str(ready), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache")}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (ready.exists() and ready.stat().st_size):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{role} did not start")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return RealStage(role, proc, info["address"],
+                     f"http://127.0.0.1:{info['metrics_port']}/metrics")
+
+
+@pytest.fixture
+def real_stages(tiny_checkpoint, tmp_path):
+    """Factory of real stage processes, killed at teardown."""
+    started: list[RealStage] = []
+
+    def make(role: str, *args: str) -> RealStage:
+        stage = spawn_stage(role, tiny_checkpoint, tmp_path, *args)
+        started.append(stage)
+        return stage
+
+    yield make
+    for stage in started:
+        if stage.proc.poll() is None:
+            stage.proc.kill()
+            stage.proc.wait()

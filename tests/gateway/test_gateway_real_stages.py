@@ -1,0 +1,166 @@
+"""The gateway against the real ``mammoth ar`` / ``mammoth dit`` processes (tiny checkpoint on CPU),
+through the official ``openai`` client (sync and streaming) and raw HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+GEN = "/v1/images/generations"
+STEPS = 2
+
+
+@pytest.fixture
+def real(real_stages, gateway_factory):
+    dit = real_stages("dit", "--slots", "2")
+    ar = real_stages("ar")
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120)
+    gw.wait_ready(60)
+    return gw, ar, dit
+
+
+def client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_fields_and_errors_against_real_stages(real):
+    gw, ar, dit = real
+    c = client(gw)
+    ext = {"seed": 21, "num_inference_steps": STEPS}
+    # n=3: distinct images in order, reproducible with the seed; size is honoured (W x H)
+    three = c.images.generate(prompt="a cat", n=3, size="64x32", extra_body=ext)
+    images = [d.b64_json for d in three.data]
+    assert len(set(images)) == 3
+    assert [d.model_extra.get("seed") for d in three.data] == [21, 22, 23]
+    assert all(png(b).size == (64, 32) for b in images)
+    again = c.images.generate(prompt="a cat", size="64x32", extra_body={**ext, "seed": 22})
+    assert again.data[0].b64_json == images[1]
+    assert three.usage.output_tokens == 3 * 2 * (4 + 1)
+    assert three.usage.input_tokens > 0
+    # extensions change the image
+    neg = c.images.generate(prompt="a cat", size="64x32",
+                            extra_body={**ext, "negative_prompt": "blurry"})
+    assert neg.data[0].b64_json != images[0]
+    guided = c.images.generate(prompt="a cat", size="64x32",
+                               extra_body={**ext, "text_guidance_scale": 2.0, "cfg_range": [0, 0.5]})
+    assert guided.data[0].b64_json != images[0]
+    # output formats and compression
+    jpeg_sizes = []
+    for compression in (0, 90):
+        r = c.images.generate(prompt="a cat", size="64x64", output_format="jpeg",
+                              output_compression=compression, extra_body=ext)
+        data = base64.b64decode(r.data[0].b64_json)
+        assert data[:3] == b"\xff\xd8\xff"
+        jpeg_sizes.append(len(data))
+    assert jpeg_sizes[0] > jpeg_sizes[1]
+    webp = c.images.generate(prompt="a cat", size="32x32", output_format="webp", extra_body=ext)
+    assert base64.b64decode(webp.data[0].b64_json)[:4] == b"RIFF"
+    # url
+    u = c.images.generate(prompt="a cat", size="32x32", response_format="url", extra_body=ext)
+    got = httpx.get(u.data[0].url)
+    assert got.status_code == 200 and got.content[:8] == b"\x89PNG\r\n\x1a\n"
+    # invalid sizes -> 400 param size, then the next valid request works
+    for size in ("100000x10000", "1024x", "0x512", "-512x512", "abc", "40x40"):
+        r = httpx.post(gw.url + GEN, json={"prompt": "a cat", "size": size})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "size", size
+    with pytest.raises(openai.BadRequestError):
+        c.images.generate(prompt="a cat", n=11)
+    with pytest.raises(openai.NotFoundError):
+        c.images.generate(prompt="a cat", model="dall-e-2")
+    ok = c.images.generate(prompt="a cat", size="32x32", extra_body=ext)
+    assert png(ok.data[0].b64_json).size == (32, 32)
+
+
+def test_stream_one_progress_event_per_step_completed_last(real):
+    gw, _, _ = real
+    steps = 3
+    events = list(client(gw).images.generate(
+        prompt="a boat", size="32x32", stream=True, partial_images=1,
+        extra_body={"seed": 4, "num_inference_steps": steps}))
+    assert events[-1].type == "image_generation.completed"
+    dit_steps = [e.step for e in events if e.type == "image_generation.progress"
+                 and e.stage == "dit" and e.phase == "denoising"]
+    assert dit_steps == list(range(1, steps + 1))
+    assert any(e.type == "image_generation.progress" and e.stage == "ar" for e in events)
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    if partial:  # real partial images when the DiT implements previews
+        assert png(partial[0].b64_json).size == (32, 32)
+    final = events[-1]
+    plain = client(gw).images.generate(prompt="a boat", size="32x32",
+                                       extra_body={"seed": 4, "num_inference_steps": steps})
+    assert plain.data[0].b64_json == final.b64_json
+
+
+def test_disconnect_frees_both_stages_within_a_second(real):
+    gw, ar, dit = real
+    with httpx.stream("POST", gw.url + GEN, json={"prompt": "a long one", "size": "256x256",
+                                                   "stream": True, "num_inference_steps": 50,
+                                                   "seed": 1}, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"stage":"ar"' in line:
+                break
+    t_close = time.monotonic()
+
+    def ar_stopped() -> float:  # AR Generate calls that ended without finishing
+        return sum(ar.metric("mammoth_ar_requests_total", outcome=o)
+                   for o in ("cancelled", "push_failed"))
+
+    while time.monotonic() - t_close < 1.0:
+        if dit.metric("mammoth_dit_slots_in_use") == 0 and ar_stopped() == 1:
+            break
+        time.sleep(0.05)
+    took = time.monotonic() - t_close
+    assert dit.metric("mammoth_dit_slots_in_use") == 0
+    assert ar_stopped() == 1
+    assert ar.metric("mammoth_ar_requests_total", outcome="ok") == 0
+    assert took < 1.0
+    for name in ("mammoth_gateway_active_requests", "mammoth_gateway_active_pipelines",
+                 "mammoth_gateway_slots_in_use", "mammoth_gateway_queue_depth",
+                 "mammoth_gateway_backend_in_flight"):
+        assert gw.metric(name) == 0, name
+    # and the service answers the next request
+    assert client(gw).images.generate(prompt="x", size="32x32",
+                                      extra_body={"num_inference_steps": 1}).data
+
+
+def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gateway_factory):
+    dit = real_stages("dit", "--slots", "2")
+    ar1 = real_stages("ar")
+    ar2 = real_stages("ar")
+    gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address],
+                         request_timeout_seconds=120)
+    gw.wait_ready(60)
+    body = {"prompt": "a lighthouse", "size": "512x512", "seed": 8, "num_inference_steps": 1}
+    reference = httpx.post(gw.url + GEN, json=body, timeout=120).json()["data"][0]["b64_json"]
+    killed = None
+    with httpx.stream("POST", gw.url + GEN, json={**body, "stream": True}, timeout=120) as r:
+        completed = None
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if killed is None and event.get("stage") == "ar" and event.get("tokens_generated"):
+                for stage in (ar1, ar2):
+                    if gw.metric("mammoth_gateway_backend_in_flight", stage="ar",
+                                 backend=stage.address):
+                        stage.proc.kill()
+                        killed = stage
+            if event.get("stage") == "dit" and event.get("phase") == "denoising":
+                assert killed is not None
+            if event.get("type") == "image_generation.completed":
+                completed = event
+    assert killed is not None, "no AR progress seen before the DiT started denoising"
+    assert completed is not None
+    assert gw.metric("mammoth_gateway_retries_total", stage="ar") == 1
+    assert completed["b64_json"] == reference
