@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import re
 import secrets
@@ -53,7 +54,6 @@ from gateway.errors import (
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
-    EXTENSION_FIELDS,
     INT64_MAX,
     UNSUPPORTED_OPENAI_FIELDS,
     ImageGenCompletedEvent,
@@ -770,8 +770,7 @@ def _usage(results: list[ImageResult]) -> ImageUsage:
 
 
 def _sse(event: str, payload: dict) -> bytes:
-    import json
-
+    """One server-sent event: ``event: <type>`` and a one-line JSON ``data``."""
     return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
