@@ -192,6 +192,12 @@ class GatewaySettings(BaseSettings):
     queue_size: int = field(default=64, metadata=_doc("requests waiting for a slot, at most"))
     api_keys_file: str | None = field(default=None, metadata=_doc("file of API keys, one a line"))
     image_ttl_seconds: float = field(default=3600.0, metadata=_doc("lifetime of url images"))
+    image_store_max_bytes: int = field(
+        default=1 << 30, metadata=_doc("memory cap of stored url images in bytes (oldest evicted first)")
+    )
+    public_base_url: str | None = field(
+        default=None, metadata=_doc("base URL for url responses when a proxy rewrites the Host header")
+    )
     health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period"))
     section: typing.ClassVar[str] = "gateway"
 

@@ -175,6 +175,8 @@ class ARServicer(pb_grpc.ARServicer):
             loop.call_soon_threadsafe(events.put_nowait, ("progress", (sampled, total)))
 
         def on_done(exc: BaseException | None, stats: JobStats) -> None:
+            # Engine thread, after the job left the engine: the gauge is exact here.
+            AR_RUNNING.set(self.engine.running)
             loop.call_soon_threadsafe(events.put_nowait, ("done", (exc, stats)))
 
         s = request.sampling
