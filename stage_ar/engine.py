@@ -1,14 +1,24 @@
 """The AR decode engine: one dedicated thread runs every sequence, off the asyncio event loop.
 
 Structure (DESIGN.md, "Request path"): gRPC I/O runs on asyncio; decoding runs here, in its own
-thread, and never waits on the network. Requests join and leave between decode steps. After every
-step the new hidden-state row is handed to the request's `RowSink` (the hidden-state sender), whose
-``put_rows`` never blocks: a slow or absent consumer cannot stall the loop for other requests.
+thread, and never waits on the network. Requests join and leave between decode steps (continuous
+batching): a new request is prefilled on its own (`T2ISequence.prefill`, writing its keys/values
+straight into a slot of the shared `KVPool`) and then joins the next batched step of
+`stage_ar.batch_engine.BatchedDecoder`, which advances every running request by one token in one
+forward with fused on-device grid-constrained sampling (CUDA graphs per batch bucket on CUDA). A
+request leaves the batch as soon as its last grid token is fed, or when it is cancelled; its slots
+are reused by the next join.
 
-This is the simple, correct engine: each running sequence advances one token per engine iteration
-with its own KV cache (round-robin). Admission is bounded by ``max_running_sequences`` (the KV-cache
-budget): `DecodeEngine.submit` raises `EngineFull` instead of queueing, and the caller answers
-``RESOURCE_EXHAUSTED`` so the gateway can try another replica.
+After every step each request's new hidden-state row is handed to its `RowSink` (the hidden-state
+sender), whose ``put_rows`` never blocks. The step's ids are read back one step late (the host
+launches step t+1 before waiting for step t's ids), so the device never idles on the host.
+
+Admission is bounded by ``max_running_sequences`` (the KV pool holds twice that many slots, enough
+for every request to use AR-side CFG): `DecodeEngine.submit` raises `EngineFull` instead of
+queueing, and the caller answers ``RESOURCE_EXHAUSTED`` so the gateway can try another replica.
+
+If the batched decoder cannot serve the model (grid ids that are not generation ids), every
+sequence is stepped on its own with `T2ISequence.step` (the B=1 path).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from mammoth_core.pb import mammoth_pb2 as pb
+from stage_ar.batch_engine import BatchedDecoder, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +115,18 @@ class SequenceFactory(Protocol):
     def __call__(self, job: DecodeJob) -> Any: ...
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Running:
     job: DecodeJob
     seq: Any
     stats: JobStats
     started: float
     last_progress: float = 0.0
+    slot: int | None = None  # first pool slot while in the batched decoder
+    closed: bool = False
+
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 4608  # 1024x1024 (64*65 = 4160 grid tokens) + a 448-token prompt
 
 
 class DecodeEngine:
@@ -118,9 +134,17 @@ class DecodeEngine:
 
     Args:
         make_sequence: builds a `T2ISequence` for a job (model, sampler, device already bound).
-        max_running_sequences: admission bound (KV caches alive at once).
+        max_running_sequences: admission bound (requests prefilled or decoding at once).
         progress_interval_s: minimum seconds between progress callbacks of one job (the last step
             always reports).
+        model: the AR model; with ``grid_ids`` the batched decoder (and its CUDA graphs) is built when
+            the thread starts, otherwise at the first job from that job's sequence.
+        grid_ids: ``(eol_token_id, visual_token_start_id, visual_token_end_id)``.
+        max_sequence_length: positions per KV-pool slot (prompt + grid of the largest request);
+            capped by the model's ``max_position_embeddings``. A longer request fails with ValueError.
+        batched: use the batched decoder (default True; False = `T2ISequence.step` per request).
+        decoder_options: extra keyword arguments for `BatchedDecoder` (``exact_rows``,
+            ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``).
     """
 
     def __init__(
@@ -128,10 +152,22 @@ class DecodeEngine:
         make_sequence: SequenceFactory,
         max_running_sequences: int,
         progress_interval_s: float = 0.05,
+        *,
+        model: Any = None,
+        grid_ids: tuple[int, int, int] | None = None,
+        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+        batched: bool = True,
+        decoder_options: dict[str, Any] | None = None,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
         self._progress_interval = progress_interval_s
+        self._model = model
+        self._grid_ids = grid_ids
+        self._max_len = max_sequence_length
+        self._batched = batched
+        self._decoder_options = dict(decoder_options or {})
+        self.decoder: BatchedDecoder | None = None
         self._inbox: "queue.Queue[DecodeJob]" = queue.Queue()
         self._lock = threading.Lock()
         self._admitted = 0
@@ -139,11 +175,12 @@ class DecodeEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ar-decode", daemon=True)
         self.steps_total = 0
+        self.ready = threading.Event()
 
     # -- control (any thread) -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the decode thread."""
+        """Start the decode thread (it builds the decoder and captures graphs first; see `ready`)."""
         self._thread.start()
 
     def stop_accepting(self) -> None:
@@ -182,9 +219,41 @@ class DecodeEngine:
 
     # -- engine thread ------------------------------------------------------------------------
 
+    def _build_decoder(self, model: Any, grid_ids: tuple[int, int, int]) -> None:
+        if self.decoder is not None or not self._batched:
+            return
+        capacity = min(self._max_len, int(model.config.max_position_embeddings))
+        try:
+            self.decoder = BatchedDecoder(
+                model,
+                2 * self.max_running_sequences,
+                capacity,
+                eol_token_id=grid_ids[0],
+                visual_token_start_id=grid_ids[1],
+                visual_token_end_id=grid_ids[2],
+                **self._decoder_options,
+            )
+        except ValueError as exc:
+            logger.warning("batched decoder unavailable (%s); stepping each sequence alone", exc)
+            self._batched = False
+            return
+        t0 = time.perf_counter()
+        self.decoder.capture()
+        logger.info(
+            "batched decoder: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s (%.1f s)",
+            self.decoder.num_slots, self.decoder.capacity, self.decoder.pool.nbytes / 2**30,
+            self.decoder.exact_rows, self.decoder.cuda_graphs, time.perf_counter() - t0,
+        )
+
     def _release(self, run: _Running, exc: BaseException | None) -> None:
+        if run.closed:
+            return
+        run.closed = True
         with self._lock:
             self._admitted -= 1
+        if run.slot is not None and self.decoder is not None:
+            self.decoder.deactivate(run.slot, key=run)  # no-op when it already left the batch
+            run.slot = None
         if run.seq is not None:
             run.seq.release()  # frees the KV cache now, whatever happens to the request
         try:
@@ -195,8 +264,7 @@ class DecodeEngine:
         finally:
             run.job.on_done(exc, run.stats)
 
-    def _admit_new(self, running: list[_Running]) -> None:
-        block = not running
+    def _admit_new(self, running: list[_Running], block: bool) -> None:
         while True:
             try:
                 job = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
@@ -220,25 +288,35 @@ class DecodeEngine:
     def _prefill(self, run: _Running) -> None:
         job = run.job
         t0 = time.perf_counter()
-        run.seq = self._make_sequence(job)
-        rows = run.seq.prefill()
+        run.seq = seq = self._make_sequence(job)
+        if self._batched:
+            s = seq.sampler
+            self._build_decoder(seq.model, (s.eol_token_id, s.visual_token_start_id, s.visual_token_end_id))
+        first = self.decoder.reserve(seq) if self._batched else None
+        try:
+            rows = seq.prefill()
+        except BaseException:
+            if first is not None:
+                self.decoder.unreserve(first, seq.cache_batch)
+            raise
         job.sink.put_rows(pb.CONDITION, rows.hidden, _ids(rows.token_ids))
         run.stats.rows_sent += int(rows.hidden.shape[0])
         if job.row_times is not None:
             job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
         if job.negative_ids:
-            neg = run.seq.negative_rows()
+            neg = seq.negative_rows()
             job.sink.put_rows(pb.NEGATIVE, neg.hidden, _ids(neg.token_ids))
+        if first is not None:
+            self.decoder.activate(run, seq, first)
+            run.slot = first
         run.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.last_progress = time.perf_counter()
-        job.on_progress(run.seq.tokens_sampled, run.seq.total_samples)
+        job.on_progress(seq.tokens_sampled, seq.total_samples)
 
-    @torch.inference_mode()
-    def _step(self, run: _Running) -> bool:
-        """One decode step for ``run``; True when the sequence finished."""
-        rows = run.seq.step()
-        run.job.sink.put_rows(pb.CONDITION, rows.hidden, _ids(rows.token_ids))
-        run.stats.rows_sent += int(rows.hidden.shape[0])
+    def _after_row(self, run: _Running, hidden: torch.Tensor, token: int) -> bool:
+        """Hand one decoded row to the sink, report progress; True when the sequence finished."""
+        run.job.sink.put_rows(pb.CONDITION, hidden, [int(token)])
+        run.stats.rows_sent += 1
         if run.job.row_times is not None:
             run.job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
         self.steps_total += 1
@@ -253,26 +331,69 @@ class DecodeEngine:
             run.stats.last_row_unix_ms = time.time() * 1e3
         return finished
 
+    def _emit(self, pending: PendingStep) -> None:
+        """Read a launched step's ids back (the one host sync per step) and emit its rows."""
+        fed, sampled = self.decoder.collect(pending)
+        for entry in pending.entries:
+            run: _Running = entry.key
+            if run.closed:
+                continue  # cancelled after the launch
+            if entry.finished:
+                run.slot = None  # already out of the batch
+            try:
+                run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
+                done = self._after_row(run, pending.hidden[entry.slot : entry.slot + 1], fed[entry.slot])
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("emitting a row failed for %s", run.job.request_id)
+                self._release(run, exc)
+                continue
+            if done:
+                self._release(run, None)
+
+    @torch.inference_mode()
+    def _step_alone(self, run: _Running) -> bool:
+        rows = run.seq.step()
+        return self._after_row(run, rows.hidden, rows.token_ids[0])
+
     def _loop(self) -> None:
+        if self._batched and self._model is not None and self._grid_ids is not None:
+            try:
+                self._build_decoder(self._model, self._grid_ids)
+            except Exception:  # noqa: BLE001 - fall back to the B=1 path, keep serving
+                logger.exception("building the batched decoder failed; stepping each sequence alone")
+                self.decoder, self._batched = None, False
+        self.ready.set()
         running: list[_Running] = []
+        pending: PendingStep | None = None
         while not self._stop.is_set():
-            self._admit_new(running)
-            still: list[_Running] = []
+            self._admit_new(running, block=not running and pending is None)
             for run in running:
                 if run.job.cancelled.is_set():
                     self._release(run, EngineCancelled(run.job.request_id))
-                    continue
+            launched = None
+            if self.decoder is not None and self.decoder.active_count:
                 try:
-                    done = self._step(run)
+                    launched = self.decoder.launch()
+                except Exception as exc:  # noqa: BLE001 - a broken step fails its requests
+                    logger.exception("batched decode step failed")
+                    for run in running:
+                        if run.slot is not None:
+                            self._release(run, exc)
+            if pending is not None:
+                self._emit(pending)
+            pending = launched
+            for run in running:
+                if run.closed or run.slot is not None or run.seq is None or run.seq.finished:
+                    continue
+                try:  # no batched decoder: the B=1 path
+                    if self._step_alone(run):
+                        self._release(run, None)
                 except Exception as exc:  # noqa: BLE001
                     logger.exception("decode step failed for %s", run.job.request_id)
                     self._release(run, exc)
-                    continue
-                if done:
-                    self._release(run, None)
-                else:
-                    still.append(run)
-            running = still
+            running = [r for r in running if not r.closed]
+        if pending is not None:
+            self._emit(pending)
         for run in running:
             self._release(run, EngineStopped("AR engine stopped"))
         while True:

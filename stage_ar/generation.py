@@ -132,6 +132,61 @@ class T2ISequence:
         """The sequence's cache (``None`` before `prefill` and after `release`)."""
         return self._kv_cache
 
+    @property
+    def cache_batch(self) -> int:
+        """KV-cache rows this sequence needs: 2 with AR-side CFG (conditional, unconditional), else 1."""
+        return 2 if self.cfg else 1
+
+    @property
+    def next_token(self) -> int | None:
+        """The sampled token the next step feeds (``None`` before `prefill` and once finished)."""
+        return self._next_token
+
+    @property
+    def position_offsets(self) -> list[int]:
+        """Per cache row, RoPE position minus cache index of generated tokens (0; CFG uncond ``keep - P``)."""
+        return list(self._position_base)
+
+    def attach_kv_cache(self, cache: KVCache) -> None:
+        """Use ``cache`` (e.g. a `stage_ar.kv_pool.KVPool` view) instead of allocating one in `prefill`.
+
+        Raises:
+            RuntimeError: after `prefill`.
+            ValueError: wrong batch (`cache_batch`), too little capacity, or a non-empty cache.
+        """
+        if self.prefilled:
+            raise RuntimeError("attach_kv_cache() after prefill()")
+        if cache.batch_size != self.cache_batch or cache.capacity < self.total_rows or cache.length != 0:
+            raise ValueError(
+                f"cache batch {cache.batch_size}/capacity {cache.capacity}/length {cache.length} does not fit "
+                f"batch {self.cache_batch}, {self.total_rows} positions"
+            )
+        self._kv_cache = cache
+
+    def record_external_step(self, fed_token: int, sampled_token: int) -> None:
+        """Account for one decode step run outside `step` (the batched engine): ``fed_token`` was fed
+        (its row emitted) and ``sampled_token`` drawn. Keeps `generated_ids`, `tokens_sampled`,
+        `rows_emitted`, `finished` and `lookahead_id` as `step` would.
+
+        Raises:
+            RuntimeError: before `prefill`, after `finished`, or ``fed_token`` is not the pending token.
+        """
+        if not self.prefilled or self.finished or self._next_token is None:
+            raise RuntimeError("record_external_step() needs a prefilled, unfinished sequence")
+        if int(fed_token) != self._next_token:
+            raise RuntimeError(f"fed token {fed_token} differs from the pending sample {self._next_token}")
+        self.generated_ids.append(int(fed_token))
+        self.rows_emitted += 1
+        self.tokens_sampled += 1
+        if len(self.generated_ids) == self.grid_tokens:
+            self.lookahead_id = int(sampled_token)
+            self.finished = True
+            self._next_token = None
+            self._kv_cache = None
+            self._key_mask = None
+        else:
+            self._next_token = int(sampled_token)
+
     @torch.inference_mode()
     def prefill(self) -> RowBatch:
         """Run the prompt, sample the first grid token and return the ``P`` prompt rows.
@@ -142,7 +197,8 @@ class T2ISequence:
         if self.prefilled:
             raise RuntimeError("prefill() already ran for this sequence")
         batch = 2 if self.cfg else 1
-        self._kv_cache = self.model.new_kv_cache(batch, self.total_rows)
+        if self._kv_cache is None:
+            self._kv_cache = self.model.new_kv_cache(batch, self.total_rows)
         ids = torch.tensor([self.prompt_ids] * batch, dtype=torch.long, device=self.device)
         positions = torch.arange(self.prompt_len, device=self.device).expand(batch, -1)
         attention_mask = None

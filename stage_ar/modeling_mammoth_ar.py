@@ -202,6 +202,29 @@ class KVCache:
         self.capacity = capacity
         self.batch_size = batch_size
 
+    @classmethod
+    def from_buffers(cls, key: torch.Tensor, value: torch.Tensor, length: int = 0) -> KVCache:
+        """A cache over existing tensors (e.g. slots of `stage_ar.kv_pool.KVPool`), no allocation.
+
+        Args:
+            key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` (views allowed;
+                writes go through to them).
+            length: positions already filled.
+
+        Raises:
+            ValueError: the two shapes differ, are not 5-D, or ``length`` is out of range.
+        """
+        if key.dim() != 5 or key.shape != value.shape:
+            raise ValueError(f"key/value must be equal 5-D shapes, got {tuple(key.shape)}, {tuple(value.shape)}")
+        if not 0 <= length <= key.shape[3]:
+            raise ValueError(f"length {length} outside [0, {key.shape[3]}]")
+        cache = cls.__new__(cls)
+        cache.key, cache.value = key, value
+        cache.length = int(length)
+        cache.capacity = int(key.shape[3])
+        cache.batch_size = int(key.shape[1])
+        return cache
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors."""

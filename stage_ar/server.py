@@ -328,8 +328,15 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     bundle = await asyncio.to_thread(
         load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype()
     )
-    engine = DecodeEngine(make_sequence_factory(bundle), settings.max_running_sequences)
+    gen = bundle.generation_config
+    engine = DecodeEngine(
+        make_sequence_factory(bundle),
+        settings.max_running_sequences,
+        model=bundle.model,
+        grid_ids=(gen.eol_token_id, gen.visual_token_start_id, gen.visual_token_end_id),
+    )
     engine.start()
+    await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
     servicer.bundle, servicer.engine = bundle, engine
     drained = grpc_common.install_drain_handler(
         server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting

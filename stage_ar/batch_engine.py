@@ -1,0 +1,491 @@
+"""Batched AR decode over a `KVPool`: one forward + fused grid-constrained sampling per step.
+
+`BatchedDecoder` keeps every running sequence's decode state on the device, one entry per pool slot
+(next token, cache index, RoPE offset, key start, sample index, grid width, sampling parameters, the
+uniform stream, the repetition-penalty "seen" mask). A step covers slots ``[0, bucket)`` — the
+smallest bucket (1, 2, 4, 8, 16, ...) holding the highest slot in use — and does, without any host
+round trip:
+
+1. embed the fed tokens (all generation ids: EOL or visual codes), run every decoder layer with the
+   generation experts where the layer has them, write the new key/value at each row's own cache
+   index and attend with a per-row length mask over the fixed pool width;
+2. final norm, then logits of only the visual-code rows of the output head
+   (``[visual_token_start, visual_token_end)``: the grid constraint never lets anything else be
+   sampled, and EOL positions are forced without logits);
+3. AR-CFG mix (row + partner row), repetition penalty, temperature, top-k, top-p, float64 softmax,
+   inverse-CDF draw with the row's next uniform, EOL forced where ``col == ar_width``;
+4. advance each active slot's state (next token, cache index, sample index).
+
+On CUDA each bucket's step is captured once as a CUDA graph over static buffers and replayed; the
+host only reads the fed/sampled ids back (one asynchronous copy and one event per step, waited one
+step later) and hands the hidden rows to the sender.
+
+Random numbers: sampling must draw exactly what `GridConstrainedSampler.sample` draws from the
+request's seeded CPU generator (one float64 uniform per non-EOL sample, none when greedy). At join
+the decoder draws the request's remaining uniforms from that same generator in one call
+(``torch.rand(n, dtype=float64)`` yields the same values as ``n`` scalar draws: CPU Mersenne
+Twister, sequential) and uploads them as the slot's uniform table indexed by sample number. The
+generator ends in the state the B=1 path would leave it in.
+
+``exact_rows`` (default on CPU): the linear layers, attention and output head run per request with
+exactly the shapes of the B=1 path (`MammothARForCausalLM.forward` on the slot's `KVCache` view,
+the full head then the visual slice), so rows and tokens are bit-identical to `T2ISequence.step`
+whatever else is in the batch; the sampler and all state handling are the same batched code. On
+CUDA the rows are computed batched (bf16 GEMMs whose kernels may depend on the batch size, so rows
+equal the B=1 path to bf16 rounding); ``pad_to_max_bucket`` pins every step to one shape, which makes
+each request's rows independent of the other requests (batch invariance) at a small cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stage_ar.generation import T2ISequence
+from stage_ar.kv_pool import KVPool
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, rotate_half
+from stage_ar.sampling import MIN_TOKENS_TO_KEEP
+
+__all__ = ["BatchedDecoder", "StepEntry", "PendingStep"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclasses.dataclass
+class StepEntry:
+    """One conditional row of a launched step.
+
+    Attributes:
+        key: the caller's handle given to `BatchedDecoder.activate`.
+        slot: the row's pool slot.
+        finished: this step fed the sequence's last grid token (its sample is the look-ahead).
+    """
+
+    key: Any
+    slot: int
+    finished: bool
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose ids have not been read back yet (see `BatchedDecoder.collect`)."""
+
+    entries: list[StepEntry]
+    hidden: torch.Tensor  # (bucket, H) private copy of the step's rows
+    ids_host: torch.Tensor  # (2, bucket) int64: fed, sampled (pinned on CUDA)
+    event: Any
+
+
+@dataclasses.dataclass
+class _Slot:
+    key: Any
+    seq: T2ISequence
+    first: int  # conditional slot; CFG uncond at first + 1
+    count: int
+    steps_done: int = 0
+
+
+class BatchedDecoder:
+    """Continuous-batching decode state over a `KVPool`.
+
+    Args:
+        model: the AR model (eval, on its device/dtype).
+        num_slots: pool slots (a CFG request takes two adjacent ones).
+        capacity: positions per slot (prompt + grid of the largest request).
+        eol_token_id, visual_token_start_id, visual_token_end_id: the grid vocabulary
+            (`T2IGenerationConfig`); all must be generation ids (``>= gen_vocab_start_index``).
+        exact_rows: per-request B=1-shaped forwards (bit-identical rows); default True on CPU.
+        cuda_graphs: capture each bucket's step; default True on CUDA (ignored elsewhere/with exact_rows).
+        buckets: batch sizes a step may run at (slots ``[0, bucket)``).
+        pad_to_max_bucket: always run the largest bucket (one shape for every step).
+
+    Raises:
+        ValueError: a grid id below ``gen_vocab_start_index`` or an empty visual range.
+    """
+
+    def __init__(
+        self,
+        model: MammothARForCausalLM,
+        num_slots: int,
+        capacity: int,
+        *,
+        eol_token_id: int,
+        visual_token_start_id: int,
+        visual_token_end_id: int,
+        exact_rows: bool | None = None,
+        cuda_graphs: bool | None = None,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        pad_to_max_bucket: bool = False,
+    ) -> None:
+        cfg = model.config
+        if not visual_token_start_id < visual_token_end_id:
+            raise ValueError("empty visual range")
+        if min(eol_token_id, visual_token_start_id) < cfg.gen_vocab_start_index:
+            raise ValueError("the batched decoder needs EOL and visual codes to be generation ids")
+        if visual_token_end_id > cfg.full_vocab_size:
+            raise ValueError(f"visual_token_end_id {visual_token_end_id} > vocabulary {cfg.full_vocab_size}")
+        param = model.lm_head.weight
+        self.model = model
+        self.device, self.dtype = param.device, param.dtype
+        self.on_cuda = self.device.type == "cuda"
+        self.exact_rows = (not self.on_cuda) if exact_rows is None else bool(exact_rows)
+        want_graphs = self.on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        self.cuda_graphs = want_graphs and self.on_cuda and not self.exact_rows
+        self.pool = KVPool(cfg, num_slots, capacity, device=self.device, dtype=self.dtype)
+        self.capacity = self.pool.capacity
+        self.num_slots = num_slots
+        self.buckets = tuple(sorted({min(b, num_slots) for b in buckets} | {num_slots}))
+        self.pad_to_max_bucket = pad_to_max_bucket
+        self.eol = int(eol_token_id)
+        self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
+        self.vocab = self.vend - self.vstart
+        self.head_weight = self._visual_head_weight()
+        self._slots: dict[int, _Slot] = {}  # by conditional slot
+        self.steps_launched = 0
+
+        dev, n = self.device, num_slots
+        i64 = dict(device=dev, dtype=torch.long)
+        self.next_token = torch.full((n,), self.eol, **i64)
+        self.cache_pos = torch.zeros(n, **i64)
+        self.rope_off = torch.zeros(n, **i64)
+        self.key_start = torch.zeros(n, **i64)
+        self.sample_idx = torch.zeros(n, **i64)
+        self.width = torch.ones(n, **i64)
+        self.partner = torch.arange(n, **i64)
+        self.source = torch.arange(n, **i64)
+        self.top_k = torch.full((n,), self.vocab, **i64)
+        self.active = torch.zeros(n, device=dev, dtype=torch.bool)
+        self.has_partner = torch.zeros(n, device=dev, dtype=torch.bool)
+        self.greedy = torch.zeros(n, device=dev, dtype=torch.bool)
+        self.use_top_p = torch.zeros(n, device=dev, dtype=torch.bool)
+        f32 = dict(device=dev, dtype=torch.float32)
+        self.temperature = torch.ones(n, **f32)
+        self.top_p_cut = torch.zeros(n, **f32)  # 1 - top_p, computed in float64 on the host as upstream
+        self.penalty = torch.ones(n, **f32)
+        self.cfg_scale = torch.ones(n, **f32)
+        self.uniforms = torch.zeros(n, self.capacity + 1, device=dev, dtype=torch.float64)
+        self.seen = torch.zeros(n, self.vocab, device=dev, dtype=torch.bool)
+        self.rows = torch.arange(n, **i64)
+        self.key_index = torch.arange(self.capacity, **i64)
+        self.vocab_index = torch.arange(self.vocab, **i64)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._graph_pool = None
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def _visual_head_weight(self) -> torch.Tensor:
+        """Rows ``[vstart, vend)`` of the concatenated head ``[lm_head; gen_head]`` (a view when the
+        range lies in one head)."""
+        cfg, m = self.model.config, self.model
+        base = m.lm_head.weight
+        if self.vend <= cfg.vocab_size:
+            return base[self.vstart : self.vend]
+        gen = m.gen_head.weight
+        if self.vstart >= cfg.vocab_size:
+            return gen[self.vstart - cfg.vocab_size : self.vend - cfg.vocab_size]
+        return torch.cat([base[self.vstart :], gen[: self.vend - cfg.vocab_size]])
+
+    def capture(self) -> None:
+        """Capture one CUDA graph per bucket (no-op without ``cuda_graphs``). Call with no request active."""
+        if not self.cuda_graphs or self._graphs:
+            return
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for b in self.buckets:  # warm-up (cuBLAS handles, attention kernels) off the capture
+                for _ in range(2):
+                    self._step_impl(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        for b in sorted(self.buckets, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+                outs = self._step_impl(b)
+            if self._graph_pool is None:
+                self._graph_pool = graph.pool()
+            self._graphs[b] = (graph, outs)
+        torch.cuda.synchronize(self.device)
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    @property
+    def active_count(self) -> int:
+        """Requests decoding now."""
+        return len(self._slots)
+
+    def reserve(self, seq: T2ISequence) -> int:
+        """Allocate slots for ``seq`` and attach their `KVCache` view (call before ``seq.prefill()``).
+
+        Returns:
+            the first slot.
+
+        Raises:
+            ValueError: the sequence needs more positions than the pool's capacity.
+            stage_ar.kv_pool.PoolFull: no free slots.
+        """
+        if seq.total_rows > self.capacity:
+            raise ValueError(f"sequence needs {seq.total_rows} positions; the decode pool holds {self.capacity}")
+        count = seq.cache_batch
+        first = self.pool.alloc(count)
+        try:
+            seq.attach_kv_cache(self.pool.view(first, count))
+        except Exception:
+            self.pool.free(first, count)
+            raise
+        return first
+
+    def unreserve(self, first: int, count: int) -> None:
+        """Give back slots of a sequence that never became active (failed prefill)."""
+        self.pool.free(first, count)
+
+    @torch.inference_mode()
+    def activate(self, key: Any, seq: T2ISequence, first: int) -> None:
+        """Load a prefilled sequence's decode state into its slots; it joins the next step.
+
+        ``key`` comes back in `StepEntry.key`. Draws the request's remaining uniforms (see module doc).
+        """
+        if seq.finished or seq.next_token is None:
+            raise ValueError("activate() needs a prefilled, unfinished sequence")
+        s = seq.sampler
+        count = seq.cache_batch
+        g0 = len(seq.generated_ids)
+        samples_left = range(seq.tokens_sampled, seq.total_samples)
+        table = torch.zeros(self.capacity + 1, dtype=torch.float64)
+        if not s.greedy:
+            draws = [i for i in samples_left if not s.is_eol_position(i)]
+            if draws:
+                values = torch.rand(len(draws), generator=s.generator, dtype=torch.float64)
+                table[torch.tensor(draws)] = values
+        seen = torch.zeros(self.vocab, dtype=torch.bool)
+        if s.repetition_penalty != 1.0:
+            ids = torch.tensor(seq.prompt_ids + seq.generated_ids, dtype=torch.long) - self.vstart
+            seen[ids[(ids >= 0) & (ids < self.vocab)]] = True
+        k = self.vocab if s.top_k is None else min(max(s.top_k, MIN_TOKENS_TO_KEEP), self.vocab)
+        offsets = seq.position_offsets
+        key_starts = [0] * count
+        if seq.cfg:
+            key_starts[1] = int((~seq._key_mask[1]).sum())  # noqa: SLF001 - the uncond prefix cut
+        for r in range(count):
+            slot = first + r
+            ints = torch.tensor(
+                [
+                    seq.next_token, seq.prompt_len + g0, offsets[r], key_starts[r], seq.tokens_sampled,
+                    s.ar_width, first + 1 if (seq.cfg and r == 0) else slot, first if seq.cfg else slot, k,
+                ],
+                dtype=torch.long,
+            )
+            for tensor, value in zip(
+                (self.next_token, self.cache_pos, self.rope_off, self.key_start, self.sample_idx, self.width,
+                 self.partner, self.source, self.top_k),
+                ints.to(self.device),
+            ):
+                tensor[slot] = value
+            flags = torch.tensor([True, seq.cfg and r == 0, s.greedy, s.top_p < 1.0], device=self.device)
+            self.active[slot], self.has_partner[slot], self.greedy[slot], self.use_top_p[slot] = flags
+            floats = torch.tensor(
+                [s.temperature if not s.greedy else 1.0, 1.0 - s.top_p, s.repetition_penalty, seq.ar_guidance_scale],
+                dtype=torch.float32,
+            ).to(self.device)
+            self.temperature[slot], self.top_p_cut[slot], self.penalty[slot], self.cfg_scale[slot] = floats
+            self.uniforms[slot].copy_(table)
+            self.seen[slot].copy_(seen)
+        self._slots[first] = _Slot(key, seq, first, count, steps_done=g0)
+
+    def deactivate(self, first: int, key: Any = None) -> Any:
+        """Remove the request at ``first`` (finished or cancelled) and free its slots; returns its key.
+
+        With ``key``, only when that request still holds the slot (no-op otherwise).
+        """
+        st = self._slots.get(first)
+        if st is None or (key is not None and st.key is not key):
+            return None
+        del self._slots[first]
+        span = slice(first, first + st.count)
+        self.active[span] = False
+        self.has_partner[span] = False
+        self.partner[span] = self.rows[span]
+        self.source[span] = self.rows[span]
+        self.pool.free(first, st.count)
+        return st.key
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def _bucket(self) -> int:
+        if self.pad_to_max_bucket:
+            return self.buckets[-1]
+        need = max(st.first + st.count for st in self._slots.values())
+        return next(b for b in self.buckets if b >= need)
+
+    @torch.inference_mode()
+    def launch(self) -> PendingStep | None:
+        """Run one decode step for every active request (asynchronously on CUDA).
+
+        Requests whose last grid token this step feeds are deactivated (slots freed) right away;
+        their entries say ``finished``. Returns None when nothing is active.
+        """
+        if not self._slots:
+            return None
+        b = self._bucket()
+        if b in self._graphs:
+            graph, (hidden, fed, sampled) = self._graphs[b]
+            graph.replay()
+        else:
+            hidden, fed, sampled = self._step_impl(b)
+        self.steps_launched += 1
+        hidden = hidden.clone()  # the graph's buffers are overwritten by the next replay
+        ids = torch.stack([fed, sampled])
+        event = None
+        if self.on_cuda:
+            ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            ids_host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            ids_host = ids
+        entries: list[StepEntry] = []
+        for first in sorted(self._slots):
+            st = self._slots[first]
+            st.steps_done += 1
+            done = st.steps_done == st.seq.grid_tokens
+            entries.append(StepEntry(st.key, first, done))
+            if done:
+                self.deactivate(first)
+        return PendingStep(entries, hidden, ids_host, event)
+
+    @staticmethod
+    def collect(pending: PendingStep) -> tuple[list[int], list[int]]:
+        """Wait for ``pending``'s ids (host sync on its event) and return ``(fed, sampled)`` per slot."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        fed, sampled = pending.ids_host.tolist()
+        return fed, sampled
+
+    def _step_impl(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step over slots ``[0, b)``: returns ``(hidden (b, H), fed (b,), sampled (b,))``."""
+        active = self.active[:b]
+        fed = self.next_token[:b].clone()
+        pos = self.cache_pos[:b]
+        if self.exact_rows:
+            hidden, logits = self._forward_exact(b, fed)
+        else:
+            hidden = self._forward_batched(b, fed, pos)
+            logits = F.linear(hidden, self.head_weight).float()
+        vis = fed - self.vstart
+        in_vis = active & (vis >= 0) & (vis < self.vocab)
+        rows = self.rows[:b]
+        idx = vis.clamp(0, self.vocab - 1)
+        self.seen[rows, idx] = self.seen[rows, idx] | in_vis
+        tokens = self._sample(b, logits)
+        tokens = tokens[self.source[:b]]
+        self.next_token[:b] = torch.where(active, tokens, fed)
+        step = active.long()
+        self.cache_pos[:b] += step
+        self.sample_idx[:b] += step
+        return hidden, fed, tokens
+
+    def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """All-generation-token decode forward of ``b`` rows, one new position each."""
+        cfg = self.model.config
+        lm = self.model.language_model
+        if lm.gen_embed_tokens is not None:
+            x = lm.gen_embed_tokens(fed - cfg.gen_vocab_start_index)
+        else:
+            x = lm.embed_tokens(fed)
+        rope_pos = (pos + self.rope_off[:b])[:, None]
+        cos, sin = lm.rotary_emb(rope_pos, x.dtype)  # (b, 1, head_dim)
+        k_idx = self.key_index
+        mask = (k_idx[None, :] >= self.key_start[:b, None]) & (k_idx[None, :] <= pos[:, None])
+        mask = mask[:, None, None, :]
+        rows = self.rows[:b]
+        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for li, layer in enumerate(lm.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            exp = attn.has_experts
+            q = (attn.gen_q_proj if exp else attn.q_proj)(h).view(b, heads, hd)
+            k = (attn.gen_k_proj if exp else attn.k_proj)(h).view(b, kv_heads, hd)
+            v = (attn.gen_v_proj if exp else attn.v_proj)(h).view(b, kv_heads, hd)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            key_l, value_l = self.pool.key[li], self.pool.value[li]
+            key_l[rows, :, pos] = k
+            value_l[rows, :, pos] = v
+            out = F.scaled_dot_product_attention(
+                q.view(b, kv_heads, heads // kv_heads, hd), key_l[:b], value_l[:b], attn_mask=mask, scale=hd**-0.5
+            )
+            out = out.reshape(b, heads * hd)
+            x = x + (attn.gen_o_proj if exp else attn.o_proj)(out)
+            mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
+            x = x + mlp(layer.post_attention_layernorm(x))
+        return lm.norm(x)
+
+    def _forward_exact(self, b: int, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request, the B=1 path's exact forward (`MammothARForCausalLM.forward` on the slots'
+        `KVCache` view, full head, visual slice). Host-side state; CPU/debug only."""
+        hidden = torch.zeros(b, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
+        logits = torch.zeros(b, self.vocab, device=self.device, dtype=torch.float32)
+        fed_host = fed.tolist()
+        for first, st in self._slots.items():
+            seq, n = st.seq, st.count
+            g = st.steps_done
+            length = seq.prompt_len + g
+            cache = self.pool.view(first, n)
+            cache.length = length
+            ids = torch.tensor([[fed_host[first]]] * n, dtype=torch.long, device=self.device)
+            offsets = seq.position_offsets
+            positions = torch.tensor([[length + offsets[r]] for r in range(n)], dtype=torch.long, device=self.device)
+            mask = seq._key_mask[:, : length + 1] if seq.cfg else None  # noqa: SLF001
+            out = self.model(ids, positions, kv_cache=cache, attention_mask=mask, compute_logits=False)
+            last = out.last_hidden_state[:, -1]
+            hidden[first : first + n] = last
+            logits[first : first + n] = self.model.compute_logits(last)[:, self.vstart : self.vend]
+        return hidden, logits
+
+    def _sample(self, b: int, logits: torch.Tensor) -> torch.Tensor:
+        """Fused grid-constrained sampling of ``b`` rows; same operations as
+        `GridConstrainedSampler.sample` (after `T2ISequence`'s CFG mix), batched."""
+        partner = self.partner[:b]
+        uncond = logits[partner]
+        scale = self.cfg_scale[:b, None]
+        scores = torch.where(self.has_partner[:b, None], uncond + (logits - uncond) * scale, logits)
+        p = self.penalty[:b, None]
+        penalised = torch.where(scores < 0, scores * p, scores / p)
+        scores = torch.where(self.seen[:b] & (p != 1.0), penalised, scores)
+        greedy_idx = torch.argmax(scores, dim=-1)
+
+        s = scores / self.temperature[:b, None]
+        desc = torch.sort(s, dim=-1, descending=True).values
+        kth = desc.gather(1, (self.top_k[:b] - 1)[:, None])
+        s = s.masked_fill(s < kth, float("-inf"))
+        asc, order = torch.sort(s, dim=-1, descending=False)
+        cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= self.top_p_cut[:b, None]
+        keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
+        remove_sorted = remove_sorted & ~keep_tail[None, :] & self.use_top_p[:b, None]
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        s = s.masked_fill(remove, float("-inf"))
+        probs = torch.softmax(s, dim=-1, dtype=torch.float64)
+        cdf = torch.cumsum(probs, dim=-1)
+        sidx = self.sample_idx[:b]
+        u = self.uniforms[:b].gather(1, sidx.clamp(max=self.capacity)[:, None]) * cdf[:, -1:]
+        index = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab - 1)
+        # never land on a zero-probability entry: step back to the last positive one (as the sampler)
+        positive = torch.where(probs > 0, self.vocab_index[None, :], 0)
+        index = torch.cummax(positive, dim=-1).values.gather(1, index).squeeze(1)
+        index = torch.where(self.greedy[:b], greedy_idx, index)
+        width = self.width[:b]
+        is_eol = sidx % (width + 1) == width
+        return torch.where(is_eol, torch.full_like(index, self.eol), index + self.vstart)
+
+    # ---- bookkeeping for the caller --------------------------------------------------------------
+
+    def entry_sequence(self, key_slot: int) -> T2ISequence | None:
+        st = self._slots.get(key_slot)
+        return st.seq if st else None

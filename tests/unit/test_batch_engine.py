@@ -1,0 +1,249 @@
+"""Batched AR decode (`BatchedDecoder`, `DecodeEngine`) against the B=1 `T2ISequence` reference.
+
+CPU, float32, the reference fixture's tiny model. Staggered requests with different grid sizes and
+sampling settings (top-k, top-p, greedy, repetition penalty, AR-side CFG) share one batch; every
+request must produce exactly the tokens and hidden rows it produces alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mammoth_core.pb import mammoth_pb2 as pb
+from stage_ar.batch_engine import BatchedDecoder
+from stage_ar.engine import DecodeEngine, DecodeJob, EngineCancelled
+from stage_ar.generation import T2ISequence
+from stage_ar.kv_pool import KVPool, PoolFull
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
+from stage_ar.sampling import GridConstrainedSampler
+from stage_ar.tokenization_mammoth import MammothTokenizer, write_tokenizer_files
+
+FIXTURE = Path("/work/shared/fixtures/mammoth-tiny-reference")
+pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="reference fixture not present")
+
+# (width, height, seed, sampler overrides, ar_guidance_scale, join at step)
+SPECS = [
+    (3, 2, 1, {}, 0.0, 0),
+    (2, 3, 2, {"top_k": 5}, 0.0, 1),
+    (4, 1, 3, {"top_p": 0.7}, 3.0, 2),
+    (2, 2, 5, {"repetition_penalty": 1.3, "temperature": 0.7}, 0.0, 3),
+    (1, 2, 4, {"temperature": 0.0}, 0.0, 5),
+    (3, 1, 6, {"top_k": 20, "top_p": 0.9}, 2.0, 9),
+]
+PROMPTS = ["a red house", "two cats on a mat", "the sea at night", "a tree", "blue", "a small boat"]
+CAPACITY = 96
+
+
+@pytest.fixture(scope="module")
+def model() -> MammothARForCausalLM:
+    cfg = json.loads((FIXTURE / "tiny_config_save_pretrained.json").read_text())["llm_config"]
+    m = MammothARForCausalLM.from_llm_config(cfg)
+    m.load_state_dict(strip_llm_prefix(load_file(FIXTURE / "tiny_reference.safetensors")), strict=True)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> MammothTokenizer:
+    directory = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(directory, num_visual_tokens=256)
+    return MammothTokenizer.from_pretrained(directory, base_vocab_size=512)
+
+
+def grid_ids(tok: MammothTokenizer) -> tuple[int, int, int]:
+    return tok.eol_id, tok.visual_token_start_id, tok.visual_token_end_id
+
+
+def make_seq(model, tok, i: int) -> T2ISequence:
+    w, h, seed, overrides, scale, _ = SPECS[i]
+    params = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "repetition_penalty": 1.0} | overrides
+    sampler = GridConstrainedSampler(
+        w, h, *grid_ids(tok), params["temperature"], params["top_k"], params["top_p"],
+        torch.Generator().manual_seed(seed), repetition_penalty=params["repetition_penalty"],
+    )
+    return T2ISequence(model, tok.encode_t2i_prompt(PROMPTS[i], w, h), w, h, sampler, ar_guidance_scale=scale)
+
+
+@pytest.fixture(scope="module")
+def references(model, tokenizer):
+    out = []
+    for i in range(len(SPECS)):
+        seq = make_seq(model, tokenizer, i)
+        hidden, ids = seq.run()
+        out.append((hidden, ids, seq.lookahead_id, seq.sampler.generator.get_state()))
+    return out
+
+
+def run_staggered(model, tok, **options):
+    """Drive a `BatchedDecoder` directly: request i joins before step SPECS[i][5]."""
+    decoder = BatchedDecoder(model, 8, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
+                             "visual_token_end_id"), grid_ids(tok))), **options)
+    rows: dict[int, list[torch.Tensor]] = {}
+    seqs: dict[int, T2ISequence] = {}
+    batch_sizes = []
+    step = 0
+    while step == 0 or decoder.active_count or len(seqs) < len(SPECS):
+        for i, spec in enumerate(SPECS):
+            if spec[5] == step:
+                seqs[i] = seq = make_seq(model, tok, i)
+                first = decoder.reserve(seq)
+                rows[i] = [seq.prefill().hidden]
+                decoder.activate(i, seq, first)
+        batch_sizes.append(decoder.active_count)
+        pending = decoder.launch()
+        step += 1
+        if pending is None:
+            continue
+        fed, sampled = decoder.collect(pending)
+        for e in pending.entries:
+            seqs[e.key].record_external_step(fed[e.slot], sampled[e.slot])
+            rows[e.key].append(pending.hidden[e.slot : e.slot + 1])
+    assert decoder.pool.free_slots == decoder.num_slots  # every slot came back
+    assert max(batch_sizes) >= 4  # the requests really shared steps
+    return {i: (torch.cat(rows[i]), seqs[i]) for i in seqs}
+
+
+def test_exact_rows_mode_is_bit_identical_to_the_reference(model, tokenizer, references):
+    got = run_staggered(model, tokenizer)  # CPU default: exact_rows
+    for i, (hidden, seq) in got.items():
+        ref_hidden, ref_ids, ref_lookahead, ref_state = references[i]
+        assert seq.prompt_ids + seq.generated_ids == ref_ids, f"request {i}"
+        assert seq.lookahead_id == ref_lookahead
+        assert torch.equal(hidden, ref_hidden), f"request {i}: rows differ"
+        # the generator was consumed exactly as the B=1 path consumes it
+        assert torch.equal(seq.sampler.generator.get_state(), ref_state)
+
+
+def test_batched_rows_mode_matches_the_reference(model, tokenizer, references):
+    """The vectorised GPU code path (batched GEMMs, pool-wide masked attention, sliced head)."""
+    got = run_staggered(model, tokenizer, exact_rows=False)
+    for i, (hidden, seq) in got.items():
+        ref_hidden, ref_ids, ref_lookahead, _ = references[i]
+        assert seq.prompt_ids + seq.generated_ids == ref_ids, f"request {i}"
+        assert seq.lookahead_id == ref_lookahead
+        torch.testing.assert_close(hidden, ref_hidden, atol=2e-5, rtol=0)
+
+
+def test_pad_to_max_bucket_matches_too(model, tokenizer, references):
+    got = run_staggered(model, tokenizer, exact_rows=False, pad_to_max_bucket=True)
+    for i, (hidden, seq) in got.items():
+        assert seq.prompt_ids + seq.generated_ids == references[i][1]
+        torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
+
+
+def test_pool_allocation_and_views(model):
+    pool = KVPool(model.config, 4, 10, dtype=torch.float32)
+    assert pool.capacity == 16 and pool.free_slots == 4
+    a = pool.alloc(1)
+    b = pool.alloc(2)
+    assert (a, b) == (0, 1) and pool.high_water == 3
+    with pytest.raises(PoolFull):
+        pool.alloc(2)
+    pool.free(a)
+    assert pool.alloc(1) == 0  # lowest free first
+    view = pool.view(1, 2)
+    assert view.batch_size == 2 and view.capacity == 16 and view.length == 0
+    k = torch.randn(2, model.config.num_key_value_heads, 3, model.config.head_dim)
+    view.write(0, k, k)
+    assert torch.equal(pool.key[0, 1:3, :, :3], k)
+
+
+class RecordingSink:
+    """A `RowSink` keeping every row; can cancel its job after ``cancel_after`` CONDITION rows."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.rows: list[torch.Tensor] = []
+        self.ids: list[int] = []
+        self.finished = self.aborted = False
+        self.cancel_after = cancel_after
+        self.job: DecodeJob | None = None
+
+    def put_rows(self, role, hidden, token_ids):
+        assert role == pb.CONDITION
+        self.rows.append(hidden.clone())
+        self.ids.extend(int(t) for t in token_ids)
+        if self.cancel_after is not None and len(self.ids) >= self.cancel_after and self.job is not None:
+            self.job.cancel()
+
+    def finish(self):
+        self.finished = True
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, references):
+    def factory(job: DecodeJob) -> T2ISequence:
+        return make_seq(model, tokenizer, job.seed)  # the spec index travels as the seed
+
+    engine = DecodeEngine(factory, 5, model=model, grid_ids=grid_ids(tokenizer), max_sequence_length=CAPACITY)
+    engine.start()
+    assert engine.ready.wait(30) and engine.decoder is not None
+    done: dict[str, tuple[BaseException | None, object]] = {}
+    finished = threading.Event()
+
+    def submit(i: int, sink: RecordingSink) -> DecodeJob:
+        w, h = SPECS[i][:2]
+        job = DecodeJob(
+            request_id=f"r{i}-{id(sink)}", epoch=0, prompt_ids=make_seq(model, tokenizer, i).prompt_ids,
+            negative_ids=None, ar_width=w, ar_height=h, seed=i, temperature=0, top_k=0, top_p=0,
+            ar_guidance_scale=SPECS[i][4], sink=sink, on_progress=lambda a, b: None,
+            on_done=lambda exc, stats, rid=f"r{i}-{id(sink)}": (done.__setitem__(rid, (exc, stats)),
+                                                                 finished.set()),
+        )
+        sink.job = job
+        engine.submit(job)
+        return job
+
+    try:
+        sinks = {i: RecordingSink() for i in range(4)}
+        cancelled_sink = RecordingSink(cancel_after=len(make_seq(model, tokenizer, 1).prompt_ids) + 2)
+        jobs = {0: submit(0, sinks[0])}
+        deadline = time.monotonic() + 30
+        while len(sinks[0].ids) < 25 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        jobs[1] = submit(1, sinks[1])
+        jobs[9] = submit(1, cancelled_sink)
+        jobs[2] = submit(2, sinks[2])
+        jobs[3] = submit(3, sinks[3])
+        while len(done) < 5 and time.monotonic() < deadline:
+            finished.wait(0.05)
+        assert len(done) == 5, done
+        for i in range(4):
+            exc, stats = done[jobs[i].request_id]
+            assert exc is None and sinks[i].finished and not sinks[i].aborted
+            ref_hidden, ref_ids, _, _ = references[i]
+            assert sinks[i].ids == ref_ids  # rows reached the sink in order
+            assert torch.equal(torch.cat(sinks[i].rows), ref_hidden)
+            assert stats.rows_sent == len(ref_ids)
+        exc, _ = done[jobs[9].request_id]
+        assert isinstance(exc, EngineCancelled) and cancelled_sink.aborted and not cancelled_sink.finished
+        assert len(cancelled_sink.ids) < len(references[1][1])
+        assert engine.running == 0
+        assert engine.decoder.pool.free_slots == engine.decoder.num_slots  # the cancelled slot came back
+        assert engine.decoder.active_count == 0
+        # the freed slots serve a new request correctly
+        again = RecordingSink()
+        job = submit(5, again)
+        while job.request_id not in done and time.monotonic() < deadline + 30:
+            finished.wait(0.05)
+        assert done[job.request_id][0] is None
+        assert again.ids == references[5][1] and torch.equal(torch.cat(again.rows), references[5][0])
+    finally:
+        engine.stop()
+
+
+def test_too_long_request_fails_cleanly(model, tokenizer):
+    decoder = BatchedDecoder(model, 2, 16, eol_token_id=tokenizer.eol_id,
+                             visual_token_start_id=tokenizer.visual_token_start_id,
+                             visual_token_end_id=tokenizer.visual_token_end_id)
+    seq = make_seq(model, tokenizer, 0)
+    with pytest.raises(ValueError, match="positions"):
+        decoder.reserve(seq)
+    assert decoder.pool.free_slots == 2
