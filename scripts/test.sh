@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-bash scripts/fetch_kube_tools.sh
+bash scripts/fetch_kube_tools.sh >/dev/null
+bash scripts/fetch_actionlint.sh >/dev/null
 export PATH="$PWD/.cache/kube-tools/bin:$PATH"
 set +e
 .venv/bin/python -m pytest "$@"
