@@ -158,8 +158,9 @@ def timings(model, res: dict, steps: int) -> None:
     t: dict = {}
     w = h = TIMING_GRID
     capacity = len(PROMPT) + h * (w + 1) + 1
-    for label, opts in (("buckets", {}), ("pad8", {"pad_to_max_bucket": True})):
-        dec = make_decoder(model, 8, capacity, **opts)
+    for label, slots, opts in (("buckets", 8, {}), ("pad8", 8, {"pad_to_max_bucket": True}),
+                               ("pad16", 16, {"pad_to_max_bucket": True})):
+        dec = make_decoder(model, slots, capacity, **opts)
         t0 = time.perf_counter()
         dec.capture()
         t[f"{label}_capture_s"] = time.perf_counter() - t0
@@ -337,7 +338,7 @@ def main() -> int:
     print(f"| copy bandwidth (read+write) | {bw / 1e12:.2f} TB/s |")
     print(f"| bf16 matmul 8192^3 | {res['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |")
     print(f"| floor per token (B=1, pos {mid}) | {floor:.3f} ms ({res['floor']['total'] / 1e9:.2f} GB) |")
-    for key in ("buckets_B1", "pad8_B1", "buckets_B2", "buckets_B4", "buckets_B8"):
+    for key in ("buckets_B1", "pad8_B1", "pad16_B1", "buckets_B2", "buckets_B4", "buckets_B8"):
         if key in t:
             v = t[key]
             print(f"| {key} | {v['ms_per_step']:.3f} ms/step, {v['tokens_per_s']:.1f} tok/s, "

@@ -146,6 +146,7 @@ class BatchedDecoder:
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
         self.head_weight = self._visual_head_weight()
+        self._qkv = self._fused_qkv() if not self.exact_rows else []
         self._slots: dict[int, _Slot] = {}  # by conditional slot
         self.steps_launched = 0
 
@@ -190,6 +191,16 @@ class BatchedDecoder:
         if self.vstart >= cfg.vocab_size:
             return gen[self.vstart - cfg.vocab_size : self.vend - cfg.vocab_size]
         return torch.cat([base[self.vstart :], gen[: self.vend - cfg.vocab_size]])
+
+    def _fused_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the q/k/v projections a generation token uses, concatenated into one weight
+        ``(q_out + 2*kv_out, hidden)`` and bias: one GEMM instead of three (copies, taken now)."""
+        fused = []
+        for layer in self.model.language_model.layers:
+            a = layer.self_attn
+            mods = (a.gen_q_proj, a.gen_k_proj, a.gen_v_proj) if a.has_experts else (a.q_proj, a.k_proj, a.v_proj)
+            fused.append((torch.cat([m.weight for m in mods]), torch.cat([m.bias for m in mods])))
+        return fused
 
     def capture(self) -> None:
         """Capture one CUDA graph per bucket (no-op without ``cuda_graphs``). Call with no request active."""
@@ -401,26 +412,36 @@ class BatchedDecoder:
         rope_pos = (pos + self.rope_off[:b])[:, None]
         cos, sin = lm.rotary_emb(rope_pos, x.dtype)  # (b, 1, head_dim)
         k_idx = self.key_index
-        mask = (k_idx[None, :] >= self.key_start[:b, None]) & (k_idx[None, :] <= pos[:, None])
-        mask = mask[:, None, None, :]
+        valid = (k_idx[None, :] >= self.key_start[:b, None]) & (k_idx[None, :] <= pos[:, None])
+        # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, L)
+        bias = torch.zeros(valid.shape, device=x.device, dtype=torch.float32).masked_fill(~valid, float("-inf"))
+        bias = bias[:, None, None, :]
         rows = self.rows[:b]
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_out, kv_out = heads * hd, kv_heads * hd
+        scale = hd**-0.5
         for li, layer in enumerate(lm.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             exp = attn.has_experts
-            q = (attn.gen_q_proj if exp else attn.q_proj)(h).view(b, heads, hd)
-            k = (attn.gen_k_proj if exp else attn.k_proj)(h).view(b, kv_heads, hd)
-            v = (attn.gen_v_proj if exp else attn.v_proj)(h).view(b, kv_heads, hd)
+            w_qkv, b_qkv = self._qkv[li]
+            qkv = F.linear(h, w_qkv, b_qkv)
+            q = qkv[:, :q_out].view(b, heads, hd)
+            k = qkv[:, q_out : q_out + kv_out].view(b, kv_heads, hd)
+            v = qkv[:, q_out + kv_out :].view(b, kv_heads, hd)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             key_l, value_l = self.pool.key[li], self.pool.value[li]
             key_l[rows, :, pos] = k
             value_l[rows, :, pos] = v
-            out = F.scaled_dot_product_attention(
-                q.view(b, kv_heads, heads // kv_heads, hd), key_l[:b], value_l[:b], attn_mask=mask, scale=hd**-0.5
-            )
-            out = out.reshape(b, heads * hd)
+            # Decode attention as two batched GEMMs (the query heads of one KV head are the M rows);
+            # scores in the model dtype, softmax in float32 (as transformers' eager attention). A
+            # fused attention kernel here runs one CTA per (row, KV head) over the whole pool
+            # width, far below the memory bandwidth at this shape (profile in docs/PERFORMANCE.md).
+            qg = q.view(b, kv_heads, heads // kv_heads, hd)
+            scores = torch.matmul(qg, key_l[:b].transpose(-1, -2))
+            probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(x.dtype)
+            out = torch.matmul(probs, value_l[:b]).reshape(b, q_out)
             x = x + (attn.gen_o_proj if exp else attn.o_proj)(out)
             mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
             x = x + mlp(layer.post_attention_layernorm(x))

@@ -143,6 +143,9 @@ class DecodeEngine:
         max_sequence_length: positions per KV-pool slot (prompt + grid of the largest request);
             capped by the model's ``max_position_embeddings``. A longer request fails with ValueError.
         batched: use the batched decoder (default True; False = `T2ISequence.step` per request).
+        batch_invariant: run every batched step at the largest bucket (one GEMM shape), so a
+            request's rows and tokens do not depend on what else is decoding (issue 8); costs the
+            padded rows' attention (docs/PERFORMANCE.md). False: smallest bucket that fits.
         decoder_options: extra keyword arguments for `BatchedDecoder` (``exact_rows``,
             ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``).
     """
@@ -157,6 +160,7 @@ class DecodeEngine:
         grid_ids: tuple[int, int, int] | None = None,
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
         batched: bool = True,
+        batch_invariant: bool = True,
         decoder_options: dict[str, Any] | None = None,
     ):
         self._make_sequence = make_sequence
@@ -167,6 +171,7 @@ class DecodeEngine:
         self._max_len = max_sequence_length
         self._batched = batched
         self._decoder_options = dict(decoder_options or {})
+        self._decoder_options.setdefault("pad_to_max_bucket", batch_invariant)
         self.decoder: BatchedDecoder | None = None
         self._inbox: "queue.Queue[DecodeJob]" = queue.Queue()
         self._lock = threading.Lock()
