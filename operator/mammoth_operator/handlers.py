@@ -14,6 +14,7 @@ the tests) choose the settings; nothing registers on import.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -46,15 +47,24 @@ def _autoscaled(spec: PipelineSpec) -> frozenset[str]:
     return frozenset(stage.component for stage in (spec.ar, spec.dit) if stage.autoscaling.enabled)
 
 
-def write_status(patch: kopf.Patch, current: Mapping[str, Any] | None, generation: int,
-                 observed_generation: int | None, observed: pipeline_status.Observed, problem: pipeline_status.Problem | None) -> None:
-    """Put into ``patch.status`` the status keys that changed (nothing when nothing changed)."""
+def status_changes(current: Mapping[str, Any] | None, generation: int, observed_generation: int | None,
+                   observed: pipeline_status.Observed, problem: pipeline_status.Problem | None,
+                   applied: bool) -> dict[str, Any]:
+    """The status keys that changed (empty when nothing changed).
+
+    ``current`` must be a snapshot taken when the handler started (kopf's ``status`` is a live view).
+    Only the reconcile (``applied``) writes ``observedGeneration``; the timer never moves it.
+    """
     desired = pipeline_status.compute_status(generation, observed_generation, observed, problem)
-    desired["conditions"] = pipeline_status.merge_conditions((current or {}).get("conditions"), desired["conditions"], pipeline_status.now_iso())
-    if observed_generation is not None:
-        desired["observedGeneration"] = observed_generation
-    for key, value in pipeline_status.status_changes(current, desired).items():
-        patch.status[key] = value
+    desired["conditions"] = pipeline_status.merge_conditions((current or {}).get("conditions"), desired["conditions"],
+                                                             pipeline_status.now_iso())
+    if applied:
+        desired["observedGeneration"] = generation
+    return pipeline_status.status_changes(current, desired)
+
+
+def _snapshot(status: Mapping[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(dict(status))
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: OperatorConfig, **_: Any) -> None:
@@ -84,13 +94,16 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
     """
     config: OperatorConfig = memo.config
     children: kube.Children = memo.children
+    current = _snapshot(status)
     generation = int(meta.get("generation") or 1)
     try:
         pipeline = parse_spec(name, namespace, spec, config.images)
     except InvalidSpec as e:
         problem = pipeline_status.Problem("InvalidSpec", str(e))
         observed = observe(children, namespace, name, frozenset())
-        write_status(patch, status, generation, generation, observed, problem)
+        # kopf drops a failed handler's patch: write this status directly, then fail permanently.
+        children.patch_pipeline_status(namespace, name, status_changes(
+            current, generation, generation, observed, problem, applied=True))
         kopf.warn(body, reason="InvalidSpec", message=str(e))
         raise kopf.PermanentError(f"invalid spec: {e}") from e
 
@@ -103,8 +116,9 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
         message = f"{e.status} {e.reason}: {(e.body or '')[:500]}"
         permanent = e.status in (400, 403, 422)
         problem = pipeline_status.Problem("ApplyFailed", message)
-        write_status(patch, status, generation, status.get("observedGeneration"),
-                     observe(children, namespace, name, _autoscaled(pipeline)), problem)
+        children.patch_pipeline_status(namespace, name, status_changes(
+            current, generation, current.get("observedGeneration"),
+            observe(children, namespace, name, _autoscaled(pipeline)), problem, applied=False))
         kopf.warn(body, reason="ApplyFailed", message=message)
         if permanent:
             raise kopf.PermanentError(f"applying children failed: {message}") from e
@@ -125,15 +139,17 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
                               f"{getattr(builders.child_names(name), stage.component)}")
     changed = [r for r in results if r.action != "unchanged"]
     logger.info("Reconciled generation %s: %d children, %d changed.", generation, len(results), len(changed))
-    write_status(patch, status, generation, generation, observe(children, namespace, name, _autoscaled(pipeline)), None)
+    patch.status.update(status_changes(current, generation, generation,
+                                       observe(children, namespace, name, _autoscaled(pipeline)), None, applied=True))
 
 
 def report_status(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
                   patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Refresh conditions, replica counts and the endpoint from the children (never touches them)."""
     config: OperatorConfig = memo.config
+    current = _snapshot(status)
     generation = int(meta.get("generation") or 1)
-    observed_generation = status.get("observedGeneration")
+    observed_generation = current.get("observedGeneration")
     problem: pipeline_status.Problem | None = None
     autoscaled: frozenset[str] = frozenset()
     try:
@@ -141,12 +157,12 @@ def report_status(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: s
     except InvalidSpec as e:
         problem = pipeline_status.Problem("InvalidSpec", str(e))
     else:
-        degraded = pipeline_status.condition(status, "Degraded")
+        degraded = pipeline_status.condition(current, "Degraded")
         if (degraded and degraded.get("reason") == "ApplyFailed"
                 and (observed_generation is None or observed_generation < generation)):
             problem = pipeline_status.Problem("ApplyFailed", str(degraded.get("message") or ""))
-    write_status(patch, status, generation, observed_generation,
-                 observe(memo.children, namespace, name, autoscaled), problem)
+    patch.status.update(status_changes(current, generation, observed_generation,
+                                       observe(memo.children, namespace, name, autoscaled), problem, applied=False))
 
 
 def _paths(patch: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from mammoth_operator.builders import Child, ChildRef, canonical_json
 
 LAST_APPLIED_ANNOTATION = "mammoth.dev/last-applied"
+PIPELINE_GROUP, PIPELINE_VERSION, PIPELINE_PLURAL = "mammoth.dev", "v1alpha1", "mammothpipelines"
 MERGE_PATCH = "application/merge-patch+json"
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,15 @@ class Children:
         method = self._method(api_version, kind, "patch")
         response = method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
         return json.loads(response.data)
+
+    def patch_pipeline_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch ``status`` of a MammothPipeline through its status subresource (no-op when empty)."""
+        if not status:
+            return
+        api = kubernetes.client.CustomObjectsApi(self.api_client)
+        api.patch_namespaced_custom_object_status(
+            PIPELINE_GROUP, PIPELINE_VERSION, namespace, PIPELINE_PLURAL, name, {"status": dict(status)},
+            _content_type=MERGE_PATCH, _preload_content=False)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete if present; True when something was deleted."""

@@ -192,6 +192,10 @@ def kubeconfig(emulator_thread: EmulatorThread, tmp_path: pathlib.Path, monkeypa
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.setenv("KUBECONFIG", str(path))
+    # The kubernetes client reads $KUBECONFIG once, at import: point its default at this test's file.
+    import kubernetes.config.kube_config
+
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     return path
 
@@ -315,6 +319,7 @@ def running_operator(api: Api, crd_installed: dict[str, Any], operator_log: Oper
         process.stop()
         text = operator_log.text()
         assert "Patching failed with inconsistencies" not in text, text
+        assert api.emulator.pruned == [], "the operator wrote fields the CRD schema prunes"
 
 
 def child_writes(emulator: MammothEmulator, since: int = 0, verbs: tuple[str, ...] = ("create", "patch")) -> list[dict[str, Any]]:

@@ -231,6 +231,8 @@ class MammothEmulator(kmock.KubernetesEmulator):
     status_subresources: set[str] = attrs.field(factory=set)
     writes: list[dict[str, Any]] = attrs.field(factory=list)
     pruned: list[str] = attrs.field(factory=list)
+    openapi_paths: dict[str, Any] = attrs.field(factory=dict)
+    admission: bool = True  # False: store custom resources unchecked (an older CRD, a bypassed webhook)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -240,6 +242,7 @@ class MammothEmulator(kmock.KubernetesEmulator):
                 shortnames=short, subresources=subresources)
             if "status" in subresources and key not in ("v1/namespaces",):
                 self.status_subresources.add(key)
+        self.fallback["get /openapi/v3"] << (lambda request: {"paths": self.openapi_paths})
         self.objects["v1/namespaces", None, "default"] = {
             "apiVersion": "v1", "kind": "Namespace",
             "metadata": {"name": "default", "uid": str(uuid.uuid4()), "resourceVersion": "1"}}
@@ -260,6 +263,53 @@ class MammothEmulator(kmock.KubernetesEmulator):
             if "status" in subresources:
                 self.status_subresources.add(key)
             self.crds[key] = crd
+            self._serve_openapi(spec["group"], version["name"], names, version["schema"]["openAPIV3Schema"])
+
+    def _serve_openapi(self, group: str, version: str, names: dict[str, Any], schema: dict[str, Any]) -> None:
+        """An OpenAPI v3 group-version document, so kubectl's schema and ``fieldValidation`` checks work."""
+        gvk = {"group": group, "version": version, "kind": names["kind"]}
+        collection = f"/apis/{group}/{version}/namespaces/{{namespace}}/{names['plural']}"
+        params = [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}]
+        document = {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": "v1.35.0"},
+            "paths": {
+                collection: {"post": {"parameters": params, "x-kubernetes-group-version-kind": gvk,
+                                      "x-kubernetes-action": "post", "responses": {}}},
+                collection + "/{name}": {"patch": {"parameters": params, "x-kubernetes-group-version-kind": gvk,
+                                                   "x-kubernetes-action": "patch", "responses": {}}},
+            },
+            "components": {"schemas": {
+                f"{'.'.join(reversed(group.split('.')))}.{version}.{names['kind']}":
+                    dict(schema, **{"x-kubernetes-group-version-kind": [gvk]}),
+            }},
+        }
+        url = f"/openapi/v3/apis/{group}/{version}"
+        self.openapi_paths[url.removeprefix("/openapi/v3/")] = {"serverRelativeURL": url}
+        self.fallback[f"get {url}"] << document
+
+    # -- discovery and listing fixes for kubectl ----------------------------------------------------
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """Subresource entries (``x/status``) carry no short names or categories (kubectl warns otherwise)."""
+        payload = await super()._serve_version(request)
+        for entry in payload["resources"]:
+            if "/" in entry["name"]:
+                entry["shortNames"], entry["categories"] = [], []
+        return payload
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        """Lists carry ``kind``/``apiVersion`` and a real ``resourceVersion`` (kubectl decodes them)."""
+        payload = await super()._serve_list(request)
+        info = self.resources[self._key(request)]
+        r = request.resource
+        payload["kind"] = f"{info.kind}List"
+        payload["apiVersion"] = f"{r.group}/{r.version}" if r.group else r.version
+        payload["metadata"] = {"resourceVersion": str(next(_RV))}
+        for item in payload["items"]:
+            item.setdefault("kind", info.kind)
+            item.setdefault("apiVersion", payload["apiVersion"])
+        return payload
 
     # -- request interception -----------------------------------------------------------------------
 
@@ -286,11 +336,13 @@ class MammothEmulator(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if request.namespace:
                 meta["namespace"] = request.namespace
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.setdefault("uid", str(uuid.uuid4()))
             meta["resourceVersion"] = str(next(_RV))
             meta["generation"] = 1
             meta["creationTimestamp"] = _now()
-            final = self._admit(key, copy.deepcopy(data), meta.get("name", ""))
+            final = self._admit(key, copy.deepcopy(data), meta.get("name", ""), request)
             data.clear()
             data.update(final)
             if key == "apiextensions.k8s.io/v1/customresourcedefinitions":
@@ -314,7 +366,7 @@ class MammothEmulator(kmock.KubernetesEmulator):
         for field in ("uid", "namespace", "name", "creationTimestamp", "generation"):
             if field in old.get("metadata", {}):
                 new["metadata"][field] = old["metadata"][field]
-        final = self._admit(key, new, request.name or "")
+        final = self._admit(key, new, request.name or "", request)
         strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         generation = int(old.get("metadata", {}).get("generation", 1))
         if strip(final) != strip(old):
@@ -347,14 +399,16 @@ class MammothEmulator(kmock.KubernetesEmulator):
         obj = self.objects[key]
         return None if obj.deleted else obj
 
-    def _admit(self, key: str, obj: dict[str, Any], name: str) -> dict[str, Any]:
+    def _admit(self, key: str, obj: dict[str, Any], name: str, request: kmock.Request) -> dict[str, Any]:
         crd = self.crds.get(key)
-        if crd is None:
+        if crd is None or not self.admission:
             return obj
         final, pruned, violations = validate_custom_resource(crd, obj)
-        self.pruned.extend(f"{name}: {p}" for p in pruned)
+        if pruned and request.params.get("fieldValidation") == "Strict":
+            violations = [f'unknown field "{p}"' for p in pruned] + violations
         if violations:
             raise _invalid(crd["spec"]["names"]["kind"], name, violations)
+        self.pruned.extend(f"{name}: {p}" for p in pruned)
         return final
 
 
