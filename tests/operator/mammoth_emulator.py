@@ -22,7 +22,6 @@ import copy
 import datetime
 import functools
 import itertools
-import re
 import uuid
 from typing import Any
 
@@ -71,10 +70,6 @@ BUILTIN_RESOURCES = [
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, ["crd", "crds"], ["status"]),
 ]
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
-
-
-class InvalidObject(k8s.KubernetesError):
-    pass
 
 
 def _invalid(kind: str, name: str, causes: list[str]) -> k8s.KubernetesError:
@@ -411,6 +406,3 @@ class MammothEmulator(kmock.KubernetesEmulator):
         self.pruned.extend(f"{name}: {p}" for p in pruned)
         return final
 
-
-def is_invalid_error(text: str) -> bool:
-    return bool(re.search(r"is invalid", text))
