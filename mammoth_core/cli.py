@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", default="256x256")
     bench.add_argument("--steps", type=int, default=20)
     bench.add_argument("--json", default=None, help="write results as JSON to this file")
+    bench.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
     bench.set_defaults(func=cmd_bench)
     return parser
 
