@@ -30,7 +30,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 #: Bump when the built-in checkpoint's content changes: the cache folder name includes it.
-BUILTIN_FORMAT_VERSION = 1
+BUILTIN_FORMAT_VERSION = 2
 
 SHARD_BYTES = 2 * 1024 * 1024  # small shards, so the sharded layout is always exercised
 
@@ -73,9 +73,9 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 16384,
         "max_window_layers": 4,
-        "sliding_window": 4096,
+        "sliding_window": 16384,
         "use_sliding_window": False,
         "initializer_range": 0.02,
         "tie_word_embeddings": False,

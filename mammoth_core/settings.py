@@ -138,6 +138,10 @@ class ARSettings(StageSettings):
     max_running_sequences: int = field(
         default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)")
     )
+    max_sequence_length: int = field(
+        default=6400,
+        metadata=_doc("KV-cache positions per sequence (prompt + grid; 1024x1024 needs ~4,230)"),
+    )
     section: typing.ClassVar[str] = "ar"
 
     def validate(self) -> None:

@@ -199,6 +199,11 @@ class DecodeEngine:
         self._thread.join(timeout)
 
     @property
+    def max_sequence_length(self) -> int:
+        """Positions one request may use (prompt + grid); longer requests are refused."""
+        return self._max_len
+
+    @property
     def running(self) -> int:
         """Jobs admitted and not finished (queued for prefill or decoding)."""
         with self._lock:

@@ -144,7 +144,7 @@ class ARServicer(pb_grpc.ARServicer):
         prompt_ids = tok.encode_t2i_prompt(request.prompt, ar_w, ar_h)
         negative_ids = tok.encode_negative_prompt(request.negative_prompt) if request.negative_prompt else None
         total_rows = len(prompt_ids) + ar_h * (ar_w + 1)
-        max_pos = self.bundle.model.config.max_position_embeddings
+        max_pos = min(self.bundle.model.config.max_position_embeddings, self.engine.max_sequence_length)
         if total_rows > max_pos:
             AR_REQUESTS.labels("invalid").inc()
             await context.abort(
@@ -334,6 +334,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
         settings.max_running_sequences,
         model=bundle.model,
         grid_ids=(gen.eol_token_id, gen.visual_token_start_id, gen.visual_token_end_id),
+        max_sequence_length=min(settings.max_sequence_length, bundle.model.config.max_position_embeddings),
     )
     engine.start()
     await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
