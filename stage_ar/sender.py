@@ -1,0 +1,489 @@
+"""The AR side of the hidden-state stream: one `HiddenStateSender` per request.
+
+Two threads meet here:
+
+- the **decode thread** calls `HiddenStateSender.put_rows` after each step (and for prefill rows)
+  and `finish` at the end. `put_rows` never waits on the network: it copies the new rows into the
+  request's open staging block and returns. On CUDA the copy is issued on a side stream (after
+  the decode stream, via ``wait_stream``) into a pinned block and an event is recorded; the source
+  tensor is marked with ``record_stream`` so the caching allocator cannot reuse it early. On CPU
+  the same path copies synchronously and records no event. When the pinned pool is exhausted the
+  block is plain pageable memory, counted in ``mammoth_transport_pageable_fallback_total``.
+- the **event loop** runs `HiddenStateSender.run`, which drives the ``DiT.PushConditions`` client
+  stream: a sealed block (``rows_per_chunk`` rows, or the rest at `finish`) becomes one message
+  once its copy event has completed, then the block returns to the pool.
+
+Messages: sequence 0 carries the `StreamMetadata`; every message carries the reservation token
+and a header (request id, epoch, sequence, role, dtype, ``[rows, hidden]``, row offset within the
+role, token ids, ``sent_unix_ms``); the last message carries `StreamEnd` (totals and CRC-32 per
+role). If `finish` comes after the last block was already sent, the end travels in a message
+without rows. Memory is bounded by the request's own row count: a slow or absent consumer holds
+only this request's blocks, and never the decode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import grpc
+import torch
+
+from mammoth_core import transport_metrics as metrics
+from mammoth_core import wire
+from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_EVENT_POLL_S = 0.0002
+DEFAULT_STAGING_BLOCKS = 64
+
+
+class SenderAborted(Exception):
+    """`HiddenStateSender.abort` was called; the stream was cancelled."""
+
+
+class StagingPool:
+    """A fixed set of host staging blocks of ``block_bytes`` each (pinned when ``pin``).
+
+    Thread-safe. `acquire` never blocks: it returns None when the pool is exhausted (the caller then
+    falls back to pageable memory).
+    """
+
+    def __init__(self, block_bytes: int, blocks: int, pin: bool):
+        self.block_bytes = int(block_bytes)
+        self.pinned = bool(pin)
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        for _ in range(blocks):
+            try:
+                self._free.append(torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin))
+            except RuntimeError:  # pinned memory exhausted: a smaller pool
+                logger.warning("pinned staging pool: allocated %d of %d blocks", len(self._free), blocks)
+                break
+        self.capacity = len(self._free)
+
+    def acquire(self) -> torch.Tensor | None:
+        """A free block (``uint8`` tensor of ``block_bytes``), or None when exhausted."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, block: torch.Tensor) -> None:
+        """Return a block (only after any copy into it has completed)."""
+        with self._lock:
+            self._free.append(block)
+
+    @property
+    def available(self) -> int:
+        """Free blocks now."""
+        with self._lock:
+            return len(self._free)
+
+
+_default_pools: dict[tuple[bool, int], StagingPool] = {}
+_default_lock = threading.Lock()
+_copy_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+def default_staging_pool(block_bytes: int, pin: bool, blocks: int = DEFAULT_STAGING_BLOCKS) -> StagingPool:
+    """The process-wide staging pool for ``block_bytes`` blocks (created on first use)."""
+    with _default_lock:
+        key = (pin, block_bytes)
+        if key not in _default_pools:
+            _default_pools[key] = StagingPool(block_bytes, blocks, pin)
+        return _default_pools[key]
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The process-wide side stream for device->host copies on ``device``."""
+    with _default_lock:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _copy_streams:
+            _copy_streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+        return _copy_streams[index]
+
+
+async def _wait_event(event: "torch.cuda.Event | None") -> None:
+    while event is not None and not event.query():
+        await asyncio.sleep(_EVENT_POLL_S)
+
+
+@dataclass
+class _Block:
+    role: int
+    buf: torch.Tensor
+    pooled: bool
+    row_offset: int
+    rows: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    event: Any = None
+
+
+class HiddenStateSender:
+    """Stream one request's hidden-state rows to its DiT slot.
+
+    Args:
+        target: a ``DiTStub`` or a `grpc.aio.Channel` to the DiT holding the slot.
+        request_id, epoch: identity of this attempt (a retry uses ``epoch + 1``).
+        reservation_token: the DiT's `Reserved.reservation_token`.
+        hidden_size: row width ``H``.
+        dtype: the rows' dtype (bfloat16, float16 or float32); sent as is, no upcast.
+        answer_start_index: CONDITION rows ``>=`` this index are the answer (image) rows.
+        expected_rows: CONDITION rows that will be put (prompt + generated, no look-ahead).
+        expected_negative_rows: NEGATIVE rows that will be put (0: none).
+        chunk_rows: rows per message (lowered to fit ``max_message_bytes``).
+        max_message_bytes: the gRPC message limit, the same on both stages.
+        metadata: call metadata (e.g. `mammoth_core.grpc_common.auth_metadata(token)`).
+        timeout: deadline of the ``PushConditions`` call in seconds (None: none).
+        answer_boundary: the rule that produced ``answer_start_index`` (carried in the metadata).
+        staging: host staging pool; default the process-wide one (pinned when rows are on CUDA).
+
+    Raises:
+        ValueError: a dtype outside the allow-list, or one row does not fit in a message.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        request_id: str,
+        epoch: int,
+        reservation_token: str,
+        hidden_size: int,
+        dtype: torch.dtype,
+        answer_start_index: int,
+        expected_rows: int,
+        expected_negative_rows: int,
+        chunk_rows: int,
+        max_message_bytes: int,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout: float | None = None,
+        *,
+        answer_boundary: str = "prompt_length",
+        staging: StagingPool | None = None,
+    ):
+        try:
+            self._proto_dtype = wire.dtype_to_proto(dtype)
+        except wire.WireError as exc:
+            raise ValueError(exc.message) from None
+        self._stub = target if hasattr(target, "PushConditions") else pb_grpc.DiTStub(target)
+        self.request_id = request_id
+        self.epoch = int(epoch)
+        self.token = reservation_token
+        self.hidden_size = int(hidden_size)
+        self.dtype = dtype
+        self.itemsize = wire.itemsize(dtype)
+        self.rows_per_chunk = wire.rows_per_message(hidden_size, dtype, max_message_bytes, chunk_rows)
+        self.block_bytes = self.rows_per_chunk * self.hidden_size * self.itemsize
+        self.expected = {pb.CONDITION: int(expected_rows), pb.NEGATIVE: int(expected_negative_rows)}
+        self._metadata_msg = pb.StreamMetadata(
+            protocol_major=wire.PROTOCOL_MAJOR,
+            protocol_minor=wire.PROTOCOL_MINOR,
+            hidden_size=self.hidden_size,
+            dtype=self._proto_dtype,
+            answer_start_index=int(answer_start_index),
+            expected_rows=int(expected_rows),
+            expected_negative_rows=int(expected_negative_rows),
+            answer_boundary=answer_boundary,
+        )
+        self._call_metadata = tuple(metadata)
+        self._timeout = timeout
+        self._staging = staging
+
+        self._lock = threading.Lock()
+        self._open: dict[int, _Block | None] = {pb.CONDITION: None, pb.NEGATIVE: None}
+        self._ready: collections.deque[_Block] = collections.deque()
+        self._put = {pb.CONDITION: 0, pb.NEGATIVE: 0}
+        self._staged_rows = {pb.CONDITION: 0, pb.NEGATIVE: 0}  # rows in sealed blocks, per role
+        self._finished = False
+        self._closed = False  # no more put_rows accepted (finished, aborted or failed)
+        self._aborted = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._call: Any = None
+
+        self.pageable_fallbacks = 0
+        self.rows_sent = {pb.CONDITION: 0, pb.NEGATIVE: 0}
+        self.chunks_sent = 0
+        self.bytes_sent = 0
+        self.last_sent_unix_ms: float | None = None
+        self.error: BaseException | None = None
+
+    # -- decode thread -----------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        """False once the sender finished, was aborted or its stream failed (stop decoding)."""
+        return not self._closed
+
+    def put_rows(self, role: int, hidden: torch.Tensor, token_ids: Sequence[int]) -> bool:
+        """Stage new rows for sending. Thread-safe, never waits on the network.
+
+        Args:
+            role: ``pb.CONDITION`` or ``pb.NEGATIVE``.
+            hidden: `torch.Tensor` of shape ``(rows, hidden_size)`` in the sender's dtype, on any
+                device (rows on CUDA are copied on a side stream after the current stream's work).
+            token_ids: the ``rows`` token ids of these rows.
+
+        Returns:
+            True if staged; False when the sender no longer accepts rows (finished, aborted, or the
+            stream failed: the caller should stop producing for this request).
+
+        Raises:
+            ValueError: wrong role, shape, dtype or token count, or more rows than announced.
+        """
+        if role not in (pb.CONDITION, pb.NEGATIVE):
+            raise ValueError(f"role must be CONDITION or NEGATIVE, got {role}")
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be (rows, {self.hidden_size}), got {tuple(hidden.shape)}")
+        if hidden.dtype != self.dtype:
+            raise ValueError(f"hidden dtype {hidden.dtype} differs from the stream dtype {self.dtype}")
+        rows = hidden.shape[0]
+        if len(token_ids) != rows:
+            raise ValueError(f"{len(token_ids)} token ids for {rows} rows")
+        hidden = hidden.detach()
+        wake = False
+        with self._lock:
+            if self._closed:
+                return False
+            if self._put[role] + rows > self.expected[role]:
+                raise ValueError(
+                    f"{self._put[role] + rows} {pb.Role.Name(role)} rows exceed the announced {self.expected[role]}"
+                )
+            i = 0
+            while i < rows:
+                block = self._open[role] or self._new_block(role, hidden.is_cuda)
+                n = min(rows - i, self.rows_per_chunk - block.rows)
+                self._stage(block, hidden[i : i + n])
+                block.token_ids.extend(int(t) for t in token_ids[i : i + n])
+                block.rows += n
+                i += n
+                if block.rows == self.rows_per_chunk:
+                    self._seal(role)
+                    wake = True
+            self._put[role] += rows
+        if wake:
+            self._wakeup()
+        return True
+
+    def finish(self) -> None:
+        """No more rows: seal the partial blocks; the last message will carry `StreamEnd`.
+        Thread-safe; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for role in (pb.CONDITION, pb.NEGATIVE):
+                if self._open[role] is not None:
+                    self._seal(role)
+            self._finished = True
+            self._closed = True
+        self._wakeup()
+
+    def abort(self) -> None:
+        """Cancel the stream (thread-safe; idempotent). `run` raises `SenderAborted`."""
+        with self._lock:
+            self._aborted = True
+            self._closed = True
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._cancel_call)
+            except RuntimeError:  # loop already closed
+                pass
+
+    def _pool(self, on_cuda: bool) -> StagingPool:
+        if self._staging is None:
+            self._staging = default_staging_pool(self.block_bytes, pin=on_cuda)
+        return self._staging
+
+    def _new_block(self, role: int, on_cuda: bool) -> _Block:
+        pool = self._pool(on_cuda)
+        buf = pool.acquire() if pool.block_bytes >= self.block_bytes else None
+        pooled = buf is not None
+        if not pooled:
+            buf = torch.empty(self.block_bytes, dtype=torch.uint8)
+            self.pageable_fallbacks += 1
+            metrics.PAGEABLE_FALLBACK.labels(side="send").inc()
+        block = _Block(role=role, buf=buf, pooled=pooled, row_offset=self._staged_rows[role])
+        self._open[role] = block
+        return block
+
+    def _stage(self, block: _Block, rows: torch.Tensor) -> None:
+        start = block.rows * self.hidden_size * self.itemsize
+        nbytes = rows.shape[0] * self.hidden_size * self.itemsize
+        dst = block.buf[start : start + nbytes].view(self.dtype).view(rows.shape[0], self.hidden_size)
+        if rows.is_cuda:
+            stream = copy_stream(rows.device)
+            stream.wait_stream(torch.cuda.current_stream(rows.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            rows.record_stream(stream)
+            block.event = event
+        else:
+            dst.copy_(rows)
+
+    def _seal(self, role: int) -> None:
+        block = self._open[role]
+        self._open[role] = None
+        self._staged_rows[role] += block.rows
+        self._ready.append(block)
+
+    def _wakeup(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass
+
+    def _cancel_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- event loop --------------------------------------------------------------------------
+
+    async def run(self) -> pb.PushConditionsResponse:
+        """Drive ``DiT.PushConditions`` until `finish` has been sent and the DiT answered.
+
+        Returns:
+            The DiT's `PushConditionsResponse` (rows and chunks accepted).
+
+        Raises:
+            grpc.aio.AioRpcError: the DiT refused the stream (its status code says why) or the
+                call failed (deadline, connection lost).
+            SenderAborted: `abort` was called.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        result = "failed"
+        try:
+            if self._aborted:
+                raise SenderAborted(f"request {self.request_id} aborted before sending")
+            self._call = self._stub.PushConditions(
+                self._messages(), metadata=self._call_metadata, timeout=self._timeout
+            )
+            try:
+                response = await self._call
+            except asyncio.CancelledError:
+                if self._aborted:
+                    raise SenderAborted(f"request {self.request_id} aborted") from None
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if self._aborted and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise SenderAborted(f"request {self.request_id} aborted") from None
+                raise
+            result = "ok"
+            return response
+        except SenderAborted:
+            result = "aborted"
+            raise
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            metrics.STREAMS.labels(side="send", result=result).inc()
+            with self._lock:
+                self._closed = True
+                leftovers = list(self._ready) + [b for b in self._open.values() if b is not None]
+                self._ready.clear()
+                self._open = {pb.CONDITION: None, pb.NEGATIVE: None}
+            for block in leftovers:
+                await self._release_block(block)
+
+    async def _release_block(self, block: _Block) -> None:
+        # A block with a device->host copy in flight goes back only after that copy completed.
+        await _wait_event(block.event)
+        if block.pooled:
+            self._staging.release(block.buf)
+
+    def _next_ready(self) -> tuple[_Block | None, bool]:
+        """(next sealed block or None, whether the stream is finished after it)."""
+        with self._lock:
+            block = self._ready.popleft() if self._ready else None
+            return block, self._finished and not self._ready
+
+    def _end_message(self) -> pb.StreamEnd:
+        return pb.StreamEnd(
+            total_rows=self.rows_sent[pb.CONDITION],
+            total_negative_rows=self.rows_sent[pb.NEGATIVE],
+            crc32c=self._crc[pb.CONDITION],
+            negative_crc32c=self._crc[pb.NEGATIVE],
+        )
+
+    async def _messages(self):
+        self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
+        sequence = 0
+        while True:
+            self._wake.clear()
+            if self._aborted:
+                return
+            block, last = self._next_ready()
+            if block is None:
+                if last:  # finished and everything sent: the end travels alone
+                    msg = pb.HiddenStateChunk(
+                        reservation_token=self.token,
+                        header=pb.ChunkHeader(
+                            request_id=self.request_id, epoch=self.epoch, sequence=sequence,
+                            dtype=self._proto_dtype, sent_unix_ms=time.time() * 1000.0,
+                        ),
+                        end=self._end_message(),
+                    )
+                    if sequence == 0:
+                        msg.metadata.CopyFrom(self._metadata_msg)
+                    self.last_sent_unix_ms = msg.header.sent_unix_ms
+                    yield msg
+                    return
+                await self._wake.wait()
+                continue
+            try:
+                await _wait_event(block.event)  # D2H-ready: bytes leave only after the copy
+                nbytes = block.rows * self.hidden_size * self.itemsize
+                payload = wire.encode_staged(block.buf[:nbytes])
+            finally:
+                if block.pooled:
+                    self._staging.release(block.buf)
+            self._crc[block.role] = wire.crc32(payload, self._crc[block.role])
+            self.rows_sent[block.role] += block.rows
+            last = self._is_drained()
+            msg = pb.HiddenStateChunk(
+                reservation_token=self.token,
+                header=pb.ChunkHeader(
+                    request_id=self.request_id,
+                    epoch=self.epoch,
+                    sequence=sequence,
+                    role=block.role,
+                    dtype=self._proto_dtype,
+                    shape=[block.rows, self.hidden_size],
+                    row_offset=block.row_offset,
+                    token_ids=block.token_ids,
+                ),
+                data=payload,
+            )
+            if sequence == 0:
+                msg.metadata.CopyFrom(self._metadata_msg)
+            if last:
+                msg.end.CopyFrom(self._end_message())
+            msg.header.sent_unix_ms = time.time() * 1000.0
+            self.last_sent_unix_ms = msg.header.sent_unix_ms
+            self.chunks_sent += 1
+            self.bytes_sent += nbytes
+            metrics.CHUNKS.labels(side="send").inc()
+            metrics.BYTES.labels(side="send").inc(nbytes)
+            metrics.ROWS.labels(side="send").inc(block.rows)
+            yield msg
+            sequence += 1
+            if last:
+                return
+
+    def _is_drained(self) -> bool:
+        with self._lock:
+            return self._finished and not self._ready

@@ -1,0 +1,362 @@
+"""The DiT stage's gRPC server: the ``mammoth.v1.DiT`` servicer, health, metrics and drain.
+
+``Generate`` (gateway -> DiT, server stream): validate the image parameters, reserve a slot (fail
+fast with RESOURCE_EXHAUSTED when the pool is full), answer `Reserved`, stream RECEIVING progress
+while the AR pushes the conditions, run the pipeline in a worker thread (never on the event loop)
+with one DENOISING progress message per step, then DECODING, then the final `Image`. The slot
+lives exactly as long as this stream: it is released in ``finally`` (after the worker thread has
+stopped reading it), so closing or cancelling the stream makes any further push fail.
+
+``PushConditions`` (AR -> DiT, client stream): every chunk goes through `Slot.accept`; a violation
+aborts the call with the rule's status (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION for an
+unsupported protocol major, NOT_FOUND for an unknown token). The stream is acknowledged only when
+the conditions are resident on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+import grpc
+
+from mammoth_core import grpc_common
+from mammoth_core import transport_metrics as metrics
+from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+from mammoth_core.settings import DiTSettings
+from mammoth_core.wire import WireError
+from stage_dit.receiver import SlotPool
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "mammoth.v1.DiT"
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+MAX_SIDE = 4096
+MAX_STEPS = 1000
+
+
+class _StopRequested(Exception):
+    """Raised inside the pipeline callback when the Generate stream went away."""
+
+
+def validate_params(params: pb.ImageParams) -> str | None:
+    """Why ``params`` cannot be served, or None. Sizes in pixels (multiples of 16)."""
+    for name in ("width", "height"):
+        v = getattr(params, name)
+        if v < 16 or v > MAX_SIDE or v % 16:
+            return f"{name} must be a multiple of 16 in [16, {MAX_SIDE}], got {v}"
+    if not 1 <= params.num_inference_steps <= MAX_STEPS:
+        return f"num_inference_steps must be in [1, {MAX_STEPS}], got {params.num_inference_steps}"
+    if not 0.0 <= params.cfg_range_start <= params.cfg_range_end <= 1.0:
+        return "cfg_range must satisfy 0 <= start <= end <= 1"
+    fmt = (params.output_format or "png").lower()
+    if fmt not in OUTPUT_FORMATS and fmt != "jpg":
+        return f"output_format must be one of {', '.join(OUTPUT_FORMATS)}"
+    if params.output_compression > 100:
+        return "output_compression must be in [0, 100]"
+    return None
+
+
+class DiTServicer(pb_grpc.DiTServicer):
+    """``mammoth.v1.DiT``.
+
+    Args:
+        pipeline: the model (`stage_dit.pipeline.MammothDiTPipeline` or anything with its
+            ``prepare_conditions``/``generate`` methods and a ``dtype``); None until loaded
+            (then `set_model`), during which Generate answers UNAVAILABLE.
+        pool: the `SlotPool` (its ``hidden_size`` must equal the pipeline's AR hidden size).
+        condition_timeout_s: longest wait for the conditions when the RPC has no deadline.
+        progress_interval_s: at most one RECEIVING progress message per interval.
+    """
+
+    def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
+                 condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1):
+        self.pipeline = pipeline
+        self.pool = pool
+        self.condition_timeout_s = condition_timeout_s
+        self.progress_interval_s = progress_interval_s
+        self.draining = False
+        workers = len(pool.slots) if pool is not None else 4
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dit-pipeline")
+        self._image_encoder = None
+
+    def set_model(self, pipeline: Any, pool: SlotPool) -> None:
+        """Attach the loaded pipeline and its slot pool (Generate starts being served)."""
+        self.pool = pool
+        self.pipeline = pipeline
+        self._executor._max_workers = max(self._executor._max_workers, len(pool.slots))
+
+    def start_drain(self) -> None:
+        """Refuse new reservations; reserved slots finish their work."""
+        self.draining = True
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- Generate --------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.DiTGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DiTGenerateResponse]:
+        if self.pipeline is None or self.pool is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "DiT is draining")
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        why = validate_params(request.params)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        try:
+            slot = await self.pool.reserve(request.request_id, request.params, timeout=0)
+        except WireError as err:
+            await context.abort(err.code, err.message)
+
+        outcome = "consumer_lost"
+        worker: asyncio.Future | None = None
+        stop = threading.Event()
+        try:
+            yield pb.DiTGenerateResponse(
+                reserved=pb.Reserved(reservation_token=slot.token, slot_id=slot.slot_id)
+            )
+            # 1. Conditions arrive (RECEIVING progress), within the RPC deadline.
+            remaining = context.time_remaining()
+            budget = self.condition_timeout_s if remaining is None else min(remaining, self.condition_timeout_s)
+            wait_until = time.monotonic() + budget
+            last_rows, last_sent = -1, 0.0
+            while not slot.complete:
+                rows = slot.rows_received(pb.CONDITION) + slot.rows_received(pb.NEGATIVE)
+                now = time.monotonic()
+                if rows != last_rows and now - last_sent >= self.progress_interval_s:
+                    yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
+                        phase=pb.DiTProgress.RECEIVING, rows_received=rows))
+                    last_rows, last_sent = rows, now
+                if now >= wait_until:
+                    outcome = self._waiting_outcome(slot, timed_out=True)
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"conditions incomplete after {budget:.1f} s ({outcome})",
+                    )
+                await slot.wait_changed(min(wait_until - now, self.progress_interval_s))
+            conds = slot.conditions()
+            yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
+                phase=pb.DiTProgress.RECEIVING,
+                rows_received=conds.hidden.shape[0] + (0 if conds.negative is None else conds.negative.shape[0]),
+            ))
+
+            # 2. The pipeline runs in a worker thread; steps come back through a queue.
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+            params = request.params
+            worker = loop.run_in_executor(
+                self._executor, self._run_pipeline, conds, params, stop,
+                lambda *item: loop.call_soon_threadsafe(events.put_nowait, item),
+            )
+            total = params.num_inference_steps
+            while True:
+                kind, *rest = await events.get()
+                if kind == "step":
+                    step, total = rest
+                    yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
+                        phase=pb.DiTProgress.DENOISING, step=step, total_steps=total))
+                    if step == total:
+                        yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
+                            phase=pb.DiTProgress.DECODING, step=step, total_steps=total))
+                elif kind == "done":
+                    break
+            data, fmt, timings = await worker
+            t = slot.timings
+            timings.queue_ms = 1000.0 * ((t.first_chunk_at or t.reserved_at) - t.reserved_at)
+            timings.receive_ms = 1000.0 * ((t.last_chunk_at or 0.0) - (t.first_chunk_at or 0.0))
+            if t.last_sent_unix_ms and t.resident_unix_ms:
+                timings.transfer_tail_ms = max(0.0, t.resident_unix_ms - t.last_sent_unix_ms)
+            outcome = "completed"
+            yield pb.DiTGenerateResponse(image=pb.Image(
+                data=data, format=fmt, width=params.width, height=params.height, timings=timings,
+                condition_rows=conds.hidden.shape[0],
+                negative_rows=0 if conds.negative is None else conds.negative.shape[0],
+            ))
+        except asyncio.CancelledError:
+            outcome = self._waiting_outcome(slot, timed_out=_expired(context))
+            raise
+        except ValueError as err:  # the pipeline refused these conditions (e.g. no image rows)
+            outcome = "rejected"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception:
+            logger.exception("request %s: DiT generation failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "DiT generation failed")
+        finally:
+            if worker is not None and not worker.done():
+                # The worker still reads the slot: stop it and release once it has returned.
+                stop.set()
+                final = outcome
+                worker.add_done_callback(lambda _f: slot.release(final))
+            else:
+                slot.release(outcome)
+
+    @staticmethod
+    def _waiting_outcome(slot, timed_out: bool) -> str:
+        if slot.complete:
+            return "deadline" if timed_out else "cancelled"
+        if slot.last_rejection is not None:
+            return "rejected"
+        if slot.producer_lost:
+            return "producer_lost"
+        return "deadline" if timed_out else "cancelled"
+
+    def _run_pipeline(self, conds, params: pb.ImageParams, stop: threading.Event, post) -> tuple:
+        """Worker thread: conditions -> image bytes. Posts ("step", i, n) per step, then ("done",)."""
+        try:
+            pipe = self.pipeline
+            dtype = getattr(pipe, "dtype", conds.hidden.dtype)
+            condition = pipe.prepare_conditions(
+                conds.hidden.to(dtype), conds.token_ids, int(conds.metadata.answer_start_index)
+            )
+            negative = None if conds.negative is None else conds.negative.to(dtype)
+            t0 = time.perf_counter()
+            marks = {"last_step": t0}
+
+            def on_step(step_index: int, total_steps: int, _latents) -> None:
+                if stop.is_set():
+                    raise _StopRequested()
+                marks["last_step"] = time.perf_counter()
+                post("step", step_index + 1, total_steps)
+
+            image = pipe.generate(
+                condition, negative, width=params.width, height=params.height,
+                num_inference_steps=params.num_inference_steps,
+                text_guidance_scale=params.text_guidance_scale,
+                cfg_range=(params.cfg_range_start, params.cfg_range_end),
+                seed=params.seed, callback=on_step,
+            )
+            t1 = time.perf_counter()
+            fmt = (params.output_format or "png").lower()
+            fmt = "jpeg" if fmt == "jpg" else fmt
+            data = self._encode(image, fmt, params.output_compression)
+            t2 = time.perf_counter()
+            timings = pb.DiTTimings(
+                denoise_ms=1000.0 * (marks["last_step"] - t0), vae_ms=1000.0 * (t1 - marks["last_step"]),
+                encode_ms=1000.0 * (t2 - t1),
+            )
+            return data, fmt, timings
+        finally:
+            post("done")
+
+    def _encode(self, image, fmt: str, compression: int) -> bytes:
+        if self._image_encoder is None:
+            from stage_dit.images import encode_image
+
+            self._image_encoder = encode_image
+        return self._image_encoder(image, fmt, compression)
+
+    # -- PushConditions --------------------------------------------------------------------
+
+    async def PushConditions(
+        self, request_iterator: AsyncIterator[pb.HiddenStateChunk], context: grpc.aio.ServicerContext
+    ) -> pb.PushConditionsResponse:
+        if self.pool is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
+        token: str | None = None
+        slot = None
+        complete = False
+        try:
+            async for chunk in request_iterator:
+                if token is None:
+                    token = chunk.reservation_token
+                elif chunk.reservation_token != token:
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "reservation token changed mid-stream")
+                slot = self.pool.lookup(token)
+                result = slot.accept(chunk)
+                if result.complete:
+                    await slot.finish()  # H2D-complete before the acknowledgement
+                    complete = True
+            if not complete:
+                raise WireError(grpc.StatusCode.DATA_LOSS, "stream closed before its StreamEnd")
+            metrics.STREAMS.labels(side="receive", result="ok").inc()
+            return pb.PushConditionsResponse(
+                rows_accepted=slot.rows_received(pb.CONDITION),
+                negative_rows_accepted=slot.rows_received(pb.NEGATIVE),
+                chunks_accepted=slot.chunks_accepted,
+            )
+        except WireError as err:
+            metrics.REJECTED.labels(code=err.code.name).inc()
+            metrics.STREAMS.labels(side="receive", result="rejected").inc()
+            if slot is not None and token is not None and err.code == grpc.StatusCode.DATA_LOSS:
+                slot.mark_producer_lost(token)
+            await context.abort(err.code, err.message)
+        except asyncio.CancelledError:
+            metrics.STREAMS.labels(side="receive", result="lost").inc()
+            if slot is not None and token is not None:
+                slot.mark_producer_lost(token)
+            raise
+
+
+def _expired(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0.05
+
+
+def _write_ready_file(path: str, info: dict) -> None:
+    p = pathlib.Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, p)
+
+
+def start_metrics_server(host: str, port: int) -> int | None:
+    """Serve Prometheus ``/metrics`` on ``port`` (0: any free port, -1: off); returns the port."""
+    if port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port
+
+
+async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipeline: Any = None) -> None:
+    """Run the DiT stage until SIGTERM/SIGINT has drained it.
+
+    Order: metrics server and gRPC server (health NOT_SERVING) start first, so probes answer while
+    the model loads; then the pipeline loads (``stage_dit.loader.load_pipeline`` unless given),
+    the slot pool is allocated and health turns SERVING; the ready file (JSON ``address``, ``port``,
+    ``metrics_port``) is written last. On SIGTERM: NOT_SERVING, no new reservations, in-flight
+    requests get ``drain_grace_seconds``, then the function returns.
+    """
+    token = settings.read_auth_token()
+    metrics_port = start_metrics_server(settings.host, settings.metrics_port)
+    server = grpc_common.create_server(settings.max_message_bytes, token)
+    servicer = DiTServicer()
+    pb_grpc.add_DiTServicer_to_server(servicer, server)
+    health = grpc_common.HealthReporter(server, [SERVICE_NAME])
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    drained = grpc_common.install_drain_handler(
+        server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain
+    )
+    if pipeline is None:
+        from stage_dit.loader import load_pipeline
+
+        pipeline = await asyncio.to_thread(load_pipeline, settings)
+    hidden_size = int(getattr(pipeline, "llm_hidden_size", 0) or getattr(pipeline, "hidden_size"))
+    pool = SlotPool(
+        settings.slots, settings.max_rows_per_slot, hidden_size,
+        getattr(pipeline, "dtype", None) or settings.resolved_dtype(), settings.resolved_device(),
+    )
+    servicer.set_model(pipeline, pool)
+    await health.set_serving()
+    address = f"{settings.host}:{port}"
+    logger.info("DiT serving on %s (slots=%d, hidden=%d, metrics port %s)",
+                address, settings.slots, hidden_size, metrics_port)
+    if ready_file:
+        _write_ready_file(ready_file, {"address": address, "port": port, "metrics_port": metrics_port})
+    await drained.wait()
+    await server.wait_for_termination()
