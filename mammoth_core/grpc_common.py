@@ -189,12 +189,25 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-async def drain(server: grpc.aio.Server, health: HealthReporter, grace_seconds: float) -> None:
-    """Report NOT_SERVING, then stop the server: new RPCs are refused, in-flight ones get
-    ``grace_seconds`` to finish before they are cancelled."""
+async def drain(
+    server: grpc.aio.Server,
+    health: HealthReporter,
+    grace_seconds: float,
+    wait_idle: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Report NOT_SERVING, wait (within ``grace_seconds``) for ``wait_idle`` -- in-flight work that
+    still needs *new* RPCs, e.g. a DiT slot waiting for its ``PushConditions`` -- then stop the
+    server: new RPCs are refused and in-flight ones get the rest of the grace before cancellation."""
     await health.enter_graceful_shutdown()
-    logger.info("draining: NOT_SERVING, %.1f s grace for in-flight RPCs", grace_seconds)
-    await server.stop(grace_seconds)
+    logger.info("draining: NOT_SERVING, %.1f s grace for in-flight work", grace_seconds)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_seconds
+    if wait_idle is not None:
+        try:
+            await asyncio.wait_for(wait_idle(), grace_seconds)
+        except asyncio.TimeoutError:
+            logger.warning("drain: in-flight work did not finish within %.1f s", grace_seconds)
+    await server.stop(max(0.0, deadline - loop.time()))
 
 
 def install_drain_handler(
@@ -203,9 +216,11 @@ def install_drain_handler(
     grace_seconds: float,
     *,
     on_drain: Callable[[], None] | None = None,
+    wait_idle: Callable[[], Awaitable[None]] | None = None,
     signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
 ) -> asyncio.Event:
-    """On SIGTERM/SIGINT run `drain` once (``on_drain`` is called first, e.g. to refuse new work).
+    """On SIGTERM/SIGINT run `drain` once (``on_drain`` is called first, e.g. to refuse new work;
+    ``wait_idle`` is awaited within the grace before the server stops).
 
     Returns an `asyncio.Event` set when the drain has finished (the server is stopped).
     Must be called from the running event loop's thread.
@@ -216,7 +231,7 @@ def install_drain_handler(
 
     async def _run() -> None:
         try:
-            await drain(server, health, grace_seconds)
+            await drain(server, health, grace_seconds, wait_idle)
         finally:
             done.set()
 

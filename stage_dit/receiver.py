@@ -513,6 +513,8 @@ class SlotPool:
         self._by_token: dict[str, Slot] = {}
         self._waiters: list[asyncio.Future] = []
         self.closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         metrics.SLOTS_TOTAL.set(slots)
         metrics.SLOTS_IN_USE.set(0)
 
@@ -556,6 +558,7 @@ class SlotPool:
             if self.closed:
                 raise WireError(grpc.StatusCode.UNAVAILABLE, "DiT is draining; no new reservations")
         slot = self._free.pop()
+        self._idle.clear()
         slot._open(request_id, params)
         self._by_token[slot.token] = slot
         metrics.RESERVATIONS.labels(result="reserved").inc()
@@ -573,6 +576,11 @@ class SlotPool:
             raise WireError(grpc.StatusCode.NOT_FOUND, "unknown or expired reservation token")
         return slot
 
+    async def wait_idle(self) -> None:
+        """Return once every slot is free (used by the drain)."""
+        while self.in_use:
+            await self._idle.wait()
+
     def close(self) -> None:
         """Refuse new reservations (drain); reserved slots live on until released."""
         self.closed = True
@@ -586,6 +594,8 @@ class SlotPool:
     def _give_back(self, slot: Slot) -> None:
         self._free.append(slot)
         metrics.SLOTS_IN_USE.set(self.in_use)
+        if not self.in_use:
+            self._idle.set()
         for fut in self._waiters:
             if not fut.done():
                 fut.set_result(None)

@@ -100,6 +100,11 @@ class DiTServicer(pb_grpc.DiTServicer):
         if self.pool is not None:
             self.pool.close()
 
+    async def wait_idle(self) -> None:
+        """Return once no slot is reserved (every in-flight request finished)."""
+        if self.pool is not None:
+            await self.pool.wait_idle()
+
     # -- Generate --------------------------------------------------------------------------
 
     async def Generate(
@@ -199,7 +204,13 @@ class DiTServicer(pb_grpc.DiTServicer):
                 # The worker still reads the slot: stop it and release once it has returned.
                 stop.set()
                 final = outcome
-                worker.add_done_callback(lambda _f: slot.release(final))
+
+                def _release_after_worker(f: asyncio.Future) -> None:
+                    if not f.cancelled():
+                        f.exception()  # retrieved: _StopRequested or a late failure, not logged
+                    slot.release(final)
+
+                worker.add_done_callback(_release_after_worker)
             else:
                 slot.release(outcome)
 
@@ -340,7 +351,8 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     drained = grpc_common.install_drain_handler(
-        server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain
+        server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,
+        wait_idle=servicer.wait_idle,
     )
     if pipeline is None:
         from stage_dit.loader import load_pipeline
