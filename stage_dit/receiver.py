@@ -146,7 +146,8 @@ class Slot:
         else:
             self.staging = torch.empty(cap, dtype=torch.uint8)
             self.device_buffer = self.staging
-        self.token_buffer = torch.empty(pool.max_rows, dtype=torch.int64)
+        self.staging.zero_()  # fault the pages in now, not on the first request's hot path
+        self.token_buffer = torch.zeros(pool.max_rows, dtype=torch.int64)
         self._last_event: torch.cuda.Event | None = None
         self._reset_reservation()
         self.state = "free"
@@ -164,6 +165,9 @@ class Slot:
         self.producer_lost = False
         self.last_rejection: WireError | None = None
         self.timings = SlotTimings()
+        #: Accepted chunks of this reservation: (epoch, sequence, role, row_offset, rows, unix ms).
+        #: Kept for request traces (the ``trace_dir`` setting); a few dozen tuples per request.
+        self.chunk_log: list[tuple[int, int, int, int, int, float]] = []
         self._changed = asyncio.Event()
         self._final_chunks = 0
 
@@ -431,6 +435,7 @@ class Slot:
         st.chunks += 1
         self.timings.first_chunk_at = self.timings.first_chunk_at or now
         self.timings.last_chunk_at = now
+        self.chunk_log.append((st.epoch, h.sequence, result.role, h.row_offset, result.rows, time.time() * 1000.0))
         metrics.CHUNKS.labels(side="receive").inc()
         metrics.BYTES.labels(side="receive").inc(len(chunk.data))
         metrics.ROWS.labels(side="receive").inc(result.rows)

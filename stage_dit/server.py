@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import pathlib
 import threading
 import time
@@ -31,8 +30,10 @@ from mammoth_core import grpc_common
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
+from stage_dit.conditions import compute_answer_start_index
 from stage_dit.receiver import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,11 @@ class DiTServicer(pb_grpc.DiTServicer):
     """
 
     def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
-                 condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1):
+                 condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1,
+                 trace_dir: str | None = None, answer_boundary: str = "prompt_length"):
         self.pipeline = pipeline
+        self.trace_dir = trace_dir
+        self.answer_boundary = answer_boundary
         self.pool = pool
         self.condition_timeout_s = condition_timeout_s
         self.progress_interval_s = progress_interval_s
@@ -183,6 +187,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             if t.last_sent_unix_ms and t.resident_unix_ms:
                 timings.transfer_tail_ms = max(0.0, t.resident_unix_ms - t.last_sent_unix_ms)
             outcome = "completed"
+            self._write_trace(request.request_id, slot, conds)
             yield pb.DiTGenerateResponse(image=pb.Image(
                 data=data, format=fmt, width=params.width, height=params.height, timings=timings,
                 condition_rows=conds.hidden.shape[0],
@@ -214,6 +219,27 @@ class DiTServicer(pb_grpc.DiTServicer):
             else:
                 slot.release(outcome)
 
+    def _write_trace(self, request_id: str, slot, conds) -> None:
+        """``<trace_dir>/<request_id>.e<epoch>.dit.json``: when each chunk arrived, and the totals."""
+        if not self.trace_dir:
+            return
+        epoch = slot.chunk_log[-1][0] if slot.chunk_log else 0
+        chunks = [
+            {"epoch": e, "sequence": q, "role": pb.Role.Name(r), "row_offset": o, "rows": n, "arrived_unix_ms": t}
+            for e, q, r, o, n, t in slot.chunk_log
+            if e == epoch
+        ]
+        trace = {
+            "request_id": request_id,
+            "epoch": epoch,
+            "condition_rows": int(conds.hidden.shape[0]),
+            "negative_rows": 0 if conds.negative is None else int(conds.negative.shape[0]),
+            "resident_unix_ms": slot.timings.resident_unix_ms,
+            "chunks": chunks,
+        }
+        path = pathlib.Path(self.trace_dir) / f"{request_id}.e{epoch}.dit.json"
+        path.write_text(json.dumps(trace))
+
     @staticmethod
     def _waiting_outcome(slot, timed_out: bool) -> str:
         if slot.complete:
@@ -229,9 +255,12 @@ class DiTServicer(pb_grpc.DiTServicer):
         try:
             pipe = self.pipeline
             dtype = getattr(pipe, "dtype", conds.hidden.dtype)
-            condition = pipe.prepare_conditions(
-                conds.hidden.to(dtype), conds.token_ids, int(conds.metadata.answer_start_index)
+            # The AR sends the prompt length as answer_start_index and names the boundary rule.
+            rule = conds.metadata.answer_boundary or self.answer_boundary
+            answer_start = compute_answer_start_index(
+                int(conds.metadata.answer_start_index), int(conds.hidden.shape[0]), rule
             )
+            condition = pipe.prepare_conditions(conds.hidden.to(dtype), conds.token_ids, answer_start)
             negative = None if conds.negative is None else conds.negative.to(dtype)
             t0 = time.perf_counter()
             marks = {"last_step": t0}
@@ -316,23 +345,6 @@ def _expired(context: grpc.aio.ServicerContext) -> bool:
     return remaining is not None and remaining <= 0.05
 
 
-def _write_ready_file(path: str, info: dict) -> None:
-    p = pathlib.Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, p)
-
-
-def start_metrics_server(host: str, port: int) -> int | None:
-    """Serve Prometheus ``/metrics`` on ``port`` (0: any free port, -1: off); returns the port."""
-    if port < 0:
-        return None
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(port, addr=host)
-    return server.server_port
-
-
 async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipeline: Any = None) -> None:
     """Run the DiT stage until SIGTERM/SIGINT has drained it.
 
@@ -343,9 +355,9 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     requests get ``drain_grace_seconds``, then the function returns.
     """
     token = settings.read_auth_token()
-    metrics_port = start_metrics_server(settings.host, settings.metrics_port)
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     server = grpc_common.create_server(settings.max_message_bytes, token)
-    servicer = DiTServicer()
+    servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary)
     pb_grpc.add_DiTServicer_to_server(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
@@ -368,7 +380,6 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     address = f"{settings.host}:{port}"
     logger.info("DiT serving on %s (slots=%d, hidden=%d, metrics port %s)",
                 address, settings.slots, hidden_size, metrics_port)
-    if ready_file:
-        _write_ready_file(ready_file, {"address": address, "port": port, "metrics_port": metrics_port})
+    write_ready_file(ready_file, address, port=port, metrics_port=metrics_port)
     await drained.wait()
     await server.wait_for_termination()
