@@ -68,8 +68,12 @@ class RequestIdMiddleware:
 
 
 def _channel_options(settings: GatewaySettings) -> list[tuple[str, Any]]:
-    """Message limits and keepalive matching the stage servers (`mammoth_core.grpc_common`)."""
-    return grpc_common.channel_options(settings.max_message_bytes)
+    """Message limits and keepalive matching the stage servers (`mammoth_core.grpc_common`), and
+    the name checked in the stages' TLS certificates (``tls_server_name``)."""
+    options = grpc_common.channel_options(settings.max_message_bytes)
+    if settings.tls_ca_file and settings.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
+    return options
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -111,14 +115,17 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway_state = GatewayState()
+        credentials = settings.grpc_channel_credentials()
         ar_pool = BackendPool("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub, metrics,
-                              settings.health_interval_seconds, _channel_options(settings))
+                              settings.health_interval_seconds, _channel_options(settings),
+                              credentials)
         dit_pool = BackendPool("dit", settings.dit, DIT_SERVICE, pb_grpc.DiTStub, metrics,
-                               settings.health_interval_seconds, _channel_options(settings))
+                               settings.health_interval_seconds, _channel_options(settings),
+                               credentials)
         await ar_pool.start()
         await dit_pool.start()
         orchestrator = Orchestrator(settings, ar_pool, dit_pool, metrics,
-                                    settings.read_auth_token())
+                                    settings.client_token(grpc_common.ROLE_GATEWAY))
         app.state.serving = OpenAIServingImages(settings, orchestrator, store, metrics,
                                                 app.state.gateway_state)
         sweeper = asyncio.create_task(store.run_sweeper())

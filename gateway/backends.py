@@ -112,6 +112,7 @@ class BackendPool:
         metrics: gateway metrics (``backends_serving``, ``backend_in_flight``).
         refresh_seconds: DNS refresh and health retry period.
         channel_options: gRPC channel options (message size limits).
+        channel_credentials: TLS credentials to dial the backends with (None: plaintext).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class BackendPool:
         metrics: GatewayMetrics,
         refresh_seconds: float = 2.0,
         channel_options: list[tuple[str, Any]] | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.stage = stage
         self.targets = [Target.parse(t) for t in targets]
@@ -131,6 +133,7 @@ class BackendPool:
         self._metrics = metrics
         self.refresh_seconds = refresh_seconds
         self._options = channel_options or []
+        self._credentials = channel_credentials
         self.backends: dict[str, Backend] = {}
         self._rr = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -186,7 +189,10 @@ class BackendPool:
             await self._remove(self.backends[address])
 
     def _add(self, address: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=self._options)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+        else:
+            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
         backend = Backend(address=address, channel=channel, stub=self._stub_factory(channel))
         self.backends[address] = backend
         backend.watch_task = asyncio.create_task(self._watch(backend), name=f"{self.stage}-health")

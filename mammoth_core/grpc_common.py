@@ -4,9 +4,14 @@
   (``max_message_bytes``), so a message over the limit fails with RESOURCE_EXHAUSTED on whichever
   side sees it first instead of hanging; keepalive settings whose client ping period is longer than
   the server's minimum ping interval (a client pinging faster gets GOAWAY ``too_many_pings``).
-- `TokenAuthInterceptor`: the stage-to-stage shared token, ``authorization: Bearer <token>``;
-  every method except the ``grpc.health.v1.Health`` service answers UNAUTHENTICATED without it.
+- `TokenAuthInterceptor`: stage-to-stage tokens, ``authorization: Bearer <token>``; every method
+  except the ``grpc.health.v1.Health`` service answers UNAUTHENTICATED without a known token. With
+  per-role tokens (``gateway_token_file``, ``ar_token_file``) each token names its caller's role and
+  `METHOD_ROLES` says which role may call which RPC (PERMISSION_DENIED otherwise): a NetworkPolicy
+  cannot tell RPCs apart, the token can. The shared ``auth_token_file`` token grants every role.
 - `auth_metadata`: the matching client metadata.
+- `server_credentials` / `channel_credentials`: optional TLS (``tls_cert_file``, ``tls_key_file``,
+  ``tls_ca_file``; with a CA the server also requires client certificates).
 - `HealthReporter`: ``grpc.health.v1`` servicer with a status per service name (``""`` and e.g.
   ``mammoth.v1.DiT``); `install_drain_handler` flips everything to NOT_SERVING on SIGTERM, refuses
   new work (`Drain.draining`) and stops the server with ``drain_grace_seconds`` of grace.
@@ -17,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import pathlib
 import signal
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +34,18 @@ logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 AUTH_HEADER = "authorization"
+
+#: Caller roles of the per-role stage tokens. `ROLE_ANY` is the shared token's (every role).
+ROLE_GATEWAY = "gateway"
+ROLE_AR = "ar"
+ROLE_ANY = "*"
+#: Which caller role may call which RPC (full method name). Health is open; a method missing here
+#: is refused to every per-role token (only the shared token may call it).
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    "/mammoth.v1.DiT/Generate": frozenset({ROLE_GATEWAY}),
+    "/mammoth.v1.DiT/PushConditions": frozenset({ROLE_AR}),
+    "/mammoth.v1.AR/Generate": frozenset({ROLE_GATEWAY}),
+}
 
 # Keepalive (milliseconds). Clients ping an idle connection every 30 s and give up after 10 s
 # without an answer; servers accept pings every 10 s or slower (so the client never trips
@@ -68,9 +86,23 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def create_channel(target: str, max_message_bytes: int) -> grpc.aio.Channel:
-    """An insecure `grpc.aio` channel to ``target`` (``host:port`` or ``dns:///name:port``)."""
-    return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+def create_channel(
+    target: str,
+    max_message_bytes: int,
+    credentials: grpc.ChannelCredentials | None = None,
+    server_name: str | None = None,
+) -> grpc.aio.Channel:
+    """A `grpc.aio` channel to ``target`` (``host:port`` or ``dns:///name:port``).
+
+    Plaintext unless ``credentials`` (`channel_credentials`) is given; ``server_name`` overrides
+    the name the server certificate is checked against (pods are dialled by IP address).
+    """
+    options = channel_options(max_message_bytes)
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -116,13 +148,47 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Require ``authorization: Bearer <token>`` on every RPC except the health service.
 
     Args:
-        token: the shared stage token; None or empty disables the check (local mode).
+        token: the shared stage token (grants every role); None or empty: no shared token.
+        role_tokens: per-role tokens, role name (`ROLE_GATEWAY`, `ROLE_AR`) -> token; the role a
+            presented token belongs to must be listed for the method in ``method_roles``.
+        method_roles: full method name (``/mammoth.v1.DiT/Generate``) -> roles allowed to call it.
 
-    A missing or wrong token aborts the call with UNAUTHENTICATED (compared in constant time).
+    With neither a shared nor a per-role token the interceptor lets everything through (local
+    mode). A missing or unknown token aborts the call with UNAUTHENTICATED; a known token of a role
+    the method does not allow aborts it with PERMISSION_DENIED. Tokens are compared in constant
+    time, and every configured token is compared (the time does not tell which role matched).
     """
 
-    def __init__(self, token: str | None):
-        self._token = token or None
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        role_tokens: Mapping[str, str | None] | None = None,
+        method_roles: Mapping[str, frozenset[str]] = METHOD_ROLES,
+    ):
+        self._tokens: list[tuple[bytes, str]] = []
+        for role, value in (role_tokens or {}).items():
+            if value:
+                self._tokens.append((value.encode(), role))
+        if token:
+            self._tokens.append((token.encode(), ROLE_ANY))
+        self._method_roles = dict(method_roles)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any token is configured (otherwise every call passes)."""
+        return bool(self._tokens)
+
+    def role_of(self, presented: str | None) -> str | None:
+        """The role of ``presented`` (`ROLE_ANY` for the shared token), or None when unknown."""
+        if presented is None:
+            return None
+        candidate = presented.encode()
+        role = None
+        for value, name in self._tokens:
+            if hmac.compare_digest(candidate, value) and role is None:
+                role = name
+        return role
 
     async def intercept_service(
         self,
@@ -130,27 +196,88 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if self._token is None or handler is None:
+        if not self._tokens or handler is None:
             return handler
         method = handler_call_details.method or ""
         if method.startswith(f"/{HEALTH_SERVICE}/"):
             return handler
-        presented = _bearer(handler_call_details.invocation_metadata)
-        if presented is not None and hmac.compare_digest(
-            presented.encode(), self._token.encode()
-        ):
+        role = self.role_of(_bearer(handler_call_details.invocation_metadata))
+        if role is None:
+            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid stage token")
+        if role == ROLE_ANY or role in self._method_roles.get(method, frozenset()):
             return handler
-        return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid stage token")
+        return _abort_handler(
+            handler, grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not call {method}"
+        )
 
 
 def create_server(
-    max_message_bytes: int, auth_token: str | None, *, interceptors: Sequence[Any] = ()
+    max_message_bytes: int,
+    auth_token: str | None,
+    *,
+    interceptors: Sequence[Any] = (),
+    role_tokens: Mapping[str, str | None] | None = None,
 ) -> grpc.aio.Server:
-    """A `grpc.aio.server` with the shared options and the token interceptor (when a token is set)."""
+    """A `grpc.aio.server` with the shared options and the token interceptor (when any token is set).
+
+    Args:
+        max_message_bytes: send and receive limit of every message (bytes).
+        auth_token: the shared stage token (every role), or None.
+        interceptors: further server interceptors, run after the token check.
+        role_tokens: per-role tokens (see `TokenAuthInterceptor`).
+    """
     chain = list(interceptors)
-    if auth_token:
-        chain.insert(0, TokenAuthInterceptor(auth_token))
+    auth = TokenAuthInterceptor(auth_token, role_tokens=role_tokens)
+    if auth.enabled:
+        chain.insert(0, auth)
     return grpc.aio.server(interceptors=chain, options=server_options(max_message_bytes))
+
+
+def _read_bytes(path: str | None) -> bytes | None:
+    return pathlib.Path(path).read_bytes() if path else None
+
+
+def server_credentials(
+    cert_file: str | None, key_file: str | None, ca_file: str | None = None
+) -> grpc.ServerCredentials | None:
+    """TLS server credentials from PEM files, or None when ``cert_file`` is not set (plaintext).
+
+    With ``ca_file`` the server requires and verifies client certificates (mutual TLS).
+
+    Raises:
+        ValueError: a certificate without its key (or the other way round).
+        OSError: a file cannot be read.
+    """
+    if not cert_file and not key_file:
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+    ca = _read_bytes(ca_file)
+    return grpc.ssl_server_credentials(
+        [(_read_bytes(key_file), _read_bytes(cert_file))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def channel_credentials(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials (verify the server against ``ca_file``; present ``cert_file``/
+    ``key_file`` as client certificate when both are set), or None when ``ca_file`` is not set."""
+    if not ca_file:
+        return None
+    client = (_read_bytes(key_file), _read_bytes(cert_file)) if cert_file and key_file else (None, None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_bytes(ca_file), private_key=client[0], certificate_chain=client[1]
+    )
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on ``address`` (TLS when ``credentials`` is set); returns the bound port."""
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials)
 
 
 class HealthReporter:

@@ -56,7 +56,37 @@ class BaseSettings:
         metadata=_doc("gRPC max send AND receive message size in bytes (same on every component)"),
     )
     auth_token_file: str | None = field(
-        default=None, metadata=_doc("file holding the stage-to-stage shared token (from a Secret)")
+        default=None,
+        metadata=_doc("file holding the stage-to-stage shared token (from a Secret); it grants every role"),
+    )
+    gateway_token_file: str | None = field(
+        default=None,
+        metadata=_doc(
+            "file holding the gateway role's stage token: the gateway presents it; stages accept it "
+            "on AR.Generate and DiT.Generate only"
+        ),
+    )
+    ar_token_file: str | None = field(
+        default=None,
+        metadata=_doc(
+            "file holding the AR role's stage token: the AR presents it; the DiT accepts it on "
+            "DiT.PushConditions only"
+        ),
+    )
+    tls_cert_file: str | None = field(
+        default=None, metadata=_doc("PEM certificate chain: stages serve gRPC over TLS with it")
+    )
+    tls_key_file: str | None = field(default=None, metadata=_doc("PEM private key of tls_cert_file"))
+    tls_ca_file: str | None = field(
+        default=None,
+        metadata=_doc(
+            "PEM CA bundle: clients verify stages against it (TLS on); stages with a certificate "
+            "also require client certificates signed by it (mutual TLS)"
+        ),
+    )
+    tls_server_name: str | None = field(
+        default=None,
+        metadata=_doc("name checked in the stages' certificates (pods are dialled by IP address)"),
     )
     drain_grace_seconds: float = field(
         default=30.0, metadata=_doc("on SIGTERM, seconds in-flight work may take before exit")
@@ -75,12 +105,48 @@ class BaseSettings:
             raise SettingsError("max_message_bytes must be >= 1 MiB")
         if self.drain_grace_seconds < 0:
             raise SettingsError("drain_grace_seconds must be >= 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise SettingsError("tls_cert_file and tls_key_file go together")
 
     def read_auth_token(self) -> str | None:
         """The shared stage token, stripped, or None when no file is configured."""
         if not self.auth_token_file:
             return None
         return pathlib.Path(self.auth_token_file).read_text().strip() or None
+
+    def read_role_tokens(self) -> dict[str, str]:
+        """Per-role stage tokens, ``{"gateway": ..., "ar": ...}``, for the files configured.
+
+        Raises:
+            SettingsError: a configured token file is empty.
+            OSError: a configured token file cannot be read.
+        """
+        tokens: dict[str, str] = {}
+        for role, path in (("gateway", self.gateway_token_file), ("ar", self.ar_token_file)):
+            if path:
+                token = pathlib.Path(path).read_text().strip()
+                if not token:
+                    raise SettingsError(f"{role}_token_file {path} is empty")
+                tokens[role] = token
+        return tokens
+
+    def client_token(self, role: str) -> str | None:
+        """The token this component presents when it calls a stage as ``role`` (``gateway``/``ar``):
+        the role's own token when configured, else the shared token, else None."""
+        return self.read_role_tokens().get(role) or self.read_auth_token()
+
+    def grpc_server_credentials(self) -> "typing.Any":
+        """`grpc.ServerCredentials` for ``tls_*`` (None: plaintext)."""
+        from mammoth_core.grpc_common import server_credentials
+
+        return server_credentials(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+    def grpc_channel_credentials(self) -> "typing.Any":
+        """`grpc.ChannelCredentials` to call stages (None: plaintext); presents the certificate
+        ``tls_cert_file`` as client certificate when one is configured."""
+        from mammoth_core.grpc_common import channel_credentials
+
+        return channel_credentials(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
 
 
 @dataclass

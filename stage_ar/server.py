@@ -76,7 +76,10 @@ class ARServicer(pb_grpc.ARServicer):
     def _stub(self, address: str) -> pb_grpc.DiTStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc_common.create_channel(address, self.settings.max_message_bytes)
+            channel = grpc_common.create_channel(
+                address, self.settings.max_message_bytes, self.settings.grpc_channel_credentials(),
+                self.settings.tls_server_name,
+            )
             self._channels[address] = channel
         return pb_grpc.DiTStub(channel)
 
@@ -315,12 +318,13 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     The gRPC port opens first with health NOT_SERVING (so probes see the process while the model
     loads); the model loads in a worker thread; then health turns SERVING.
     """
-    token = settings.read_auth_token()
-    server = grpc_common.create_server(settings.max_message_bytes, token)
+    server = grpc_common.create_server(
+        settings.max_message_bytes, settings.read_auth_token(), role_tokens=settings.read_role_tokens()
+    )
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
-    servicer = ARServicer(None, None, settings, token)
+    servicer = ARServicer(None, None, settings, settings.client_token(grpc_common.ROLE_AR))
     pb_grpc.add_ARServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
     await server.start()
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)

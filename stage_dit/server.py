@@ -356,11 +356,13 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     """
     token = settings.read_auth_token()
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
-    server = grpc_common.create_server(settings.max_message_bytes, token)
+    server = grpc_common.create_server(
+        settings.max_message_bytes, token, role_tokens=settings.read_role_tokens()
+    )
     servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary)
     pb_grpc.add_DiTServicer_to_server(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
     await server.start()
     drained = grpc_common.install_drain_handler(
         server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,
