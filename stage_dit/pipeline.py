@@ -188,20 +188,35 @@ class MammothDiTPipeline:
             raise ValueError(f"{name} must be (rows, {self.llm_hidden_size}), got {tuple(condition.shape)}")
         return condition.to(self.device, self.dtype)
 
-    def _velocity(
-        self, latents: torch.Tensor, t: torch.Tensor, conditions: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """One batched transformer forward over several conditions of possibly different lengths.
+    def _batch_conditions(self, conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad conditions of possibly different lengths into the transformer's inputs.
 
-        Returns one float32 velocity `(1, C, h, w)` per condition.
+        Returns `(text (batch, max_len, llm_hidden) pipeline dtype, mask bool (batch, max_len))`; built
+        once per request by `denoise` and reused at every step.
         """
         batch = len(conditions)
         max_len = max(c.shape[0] for c in conditions)
-        text = latents.new_zeros(batch, max_len, self.llm_hidden_size, dtype=self.dtype)
+        text = torch.zeros(batch, max_len, self.llm_hidden_size, dtype=self.dtype, device=self.device)
         mask = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
         for i, c in enumerate(conditions):
             text[i, : c.shape[0]] = c
             mask[i, : c.shape[0]] = True
+        return text, mask
+
+    def _velocity(
+        self,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        conditions: list[torch.Tensor] | None,
+        batched: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """One batched transformer forward over several conditions of possibly different lengths.
+
+        `batched` (from `_batch_conditions`) replaces `conditions` when given. Returns one float32
+        velocity `(1, C, h, w)` per condition.
+        """
+        text, mask = batched if batched is not None else self._batch_conditions(conditions or [])
+        batch = text.shape[0]
         v = self.transformer(
             hidden_states=latents.expand(batch, -1, -1, -1),
             timestep=t.reshape(1).expand(batch).to(self.device, torch.float32),
@@ -258,13 +273,16 @@ class MammothDiTPipeline:
         timesteps = scheduler.set_timesteps(num_inference_steps, num_tokens=latents.shape[-2] * latents.shape[-1])
         latents = latents.to(self.device, torch.float32)
         total = len(timesteps)
+        both = alone = None  # padded condition batches, built once per request
         for i, t in enumerate(timesteps):
             guided = text_guidance_scale > 1.0 and cfg_range[0] <= i / total <= cfg_range[1]
             if guided:
-                v_cond, v_uncond = self._velocity(latents, t, [condition, unconditional])
+                both = both or self._batch_conditions([condition, unconditional])
+                v_cond, v_uncond = self._velocity(latents, t, None, both)
                 v = v_uncond + text_guidance_scale * (v_cond - v_uncond)
             else:
-                (v,) = self._velocity(latents, t, [condition])
+                alone = alone or self._batch_conditions([condition])
+                (v,) = self._velocity(latents, t, None, alone)
             latents = scheduler.step(v, i, latents)
             if callback is not None:
                 callback(i, total, latents)

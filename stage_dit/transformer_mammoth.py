@@ -20,7 +20,14 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from stage_dit.modules import RMSNorm, SwiGLUFeedForward, apply_rotary_emb, masked_attention, rotary_axis_table
+from stage_dit.modules import (
+    RMSNorm,
+    SwiGLUFeedForward,
+    apply_rotary_emb_complex,
+    masked_attention,
+    rotary_axis_table,
+    rotary_complex,
+)
 
 
 class MammothAttention(nn.Module):
@@ -48,14 +55,17 @@ class MammothAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        rotary_emb: torch.Tensor,
+        key_lengths: list[int] | None = None,
     ) -> torch.Tensor:
         """Attend over one sequence.
 
         Args:
             hidden_states: `(batch, seq, dim)`.
             attention_mask: bool `(batch, seq)`, True = real token; None = no padding.
-            rotary_emb: float32 `(cos, sin)`, each `(batch, seq, head_dim)`.
+            rotary_emb: complex64 `(batch, seq, head_dim / 2)` (`modules.rotary_complex`).
+            key_lengths: host ints, real rows per element when the padding is on the right (the fast
+                path of `masked_attention`); None = use `attention_mask`.
 
         Returns:
             `(batch, seq, dim)`.
@@ -65,9 +75,9 @@ class MammothAttention(nn.Module):
         query = self.norm_q(self.to_q(hidden_states).view(b, s, self.num_heads, self.head_dim))
         key = self.norm_k(self.to_k(hidden_states).view(b, s, self.num_kv_heads, self.head_dim))
         value = self.to_v(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
-        query = apply_rotary_emb(query, *rotary_emb).to(dtype)
-        key = apply_rotary_emb(key, *rotary_emb).to(dtype)
-        out = masked_attention(query, key, value, attention_mask).to(dtype)
+        query = apply_rotary_emb_complex(query, rotary_emb).to(dtype)
+        key = apply_rotary_emb_complex(key, rotary_emb).to(dtype)
+        out = masked_attention(query, key, value, attention_mask, key_lengths).to(dtype)
         return self.to_out[0](out)
 
 
@@ -122,19 +132,21 @@ class MammothTransformerBlock(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        rotary_emb: torch.Tensor,
         temb: torch.Tensor | None = None,
+        key_lengths: list[int] | None = None,
     ) -> torch.Tensor:
-        """hidden_states `(batch, seq, dim)`, mask bool `(batch, seq)` or None, temb `(batch, temb_dim)`."""
+        """hidden_states `(batch, seq, dim)`, mask bool `(batch, seq)` or None, rotary complex64
+        `(batch, seq, head_dim / 2)`, temb `(batch, temb_dim)`, key_lengths host ints (right padding)."""
         if self.modulation:
             if temb is None:
                 raise ValueError("a modulated block needs temb")
             normed, gate_msa, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
-            attn_out = self.attn(normed, attention_mask, rotary_emb)
+            attn_out = self.attn(normed, attention_mask, rotary_emb, key_lengths)
             hidden_states = hidden_states + gate_msa[:, None].tanh() * self.norm2(attn_out)
             ffn_out = self.feed_forward(self.ffn_norm1(hidden_states) * (1 + scale_mlp[:, None]))
             return hidden_states + gate_mlp[:, None].tanh() * self.ffn_norm2(ffn_out)
-        attn_out = self.attn(self.norm1(hidden_states), attention_mask, rotary_emb)
+        attn_out = self.attn(self.norm1(hidden_states), attention_mask, rotary_emb, key_lengths)
         hidden_states = hidden_states + self.norm2(attn_out)
         return hidden_states + self.ffn_norm2(self.feed_forward(self.ffn_norm1(hidden_states)))
 
@@ -292,10 +304,11 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
     # -- rotary positions -------------------------------------------------------------------------
 
     def _rope_tables(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-axis float32 `(cos, sin)` tables `(axes_lens[i], axes_dim_rope[i])`, built once per device."""
+        """Per-axis float32 half tables `(cos, sin)`, each `(axes_lens[i], axes_dim_rope[i] / 2)` (one
+        entry per rotated pair), built once per device."""
         if device not in self._rope_cache:
             self._rope_cache[device] = [
-                (cos.to(device), sin.to(device))
+                (cos[:, 0::2].contiguous().to(device), sin[:, 0::2].contiguous().to(device))
                 for cos, sin in (
                     rotary_axis_table(d, n, self.config.rope_theta)
                     for d, n in zip(self.config.axes_dim_rope, self.config.axes_lens)
@@ -303,19 +316,23 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             ]
         return self._rope_cache[device]
 
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids long `(batch, seq, 3)` -> float32 `(cos, sin)`, each `(batch, seq, head_dim)`.
+    def _rope(self, position_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """position_ids long `(batch, seq, 3)` -> complex64 rotations `(batch, seq, head_dim / 2)`.
+
+        With `check` the positions are compared to `axes_lens` on the device (one host sync); the
+        forward pass checks them on the host instead and passes `check=False`.
 
         Raises:
             ValueError: if a position is outside its axis table (`axes_lens`).
         """
-        limits = torch.tensor(self.config.axes_lens, device=position_ids.device)
-        if position_ids.numel() and bool((position_ids.reshape(-1, 3).amax(dim=0) >= limits).any()):
-            raise ValueError(f"a rotary position exceeds axes_lens {list(self.config.axes_lens)}")
+        if check:
+            limits = torch.tensor(self.config.axes_lens, device=position_ids.device)
+            if position_ids.numel() and bool((position_ids.reshape(-1, 3).amax(dim=0) >= limits).any()):
+                raise ValueError(f"a rotary position exceeds axes_lens {list(self.config.axes_lens)}")
         tables = self._rope_tables(position_ids.device)
         cos = torch.cat([tables[i][0][position_ids[..., i]] for i in range(3)], dim=-1)
         sin = torch.cat([tables[i][1][position_ids[..., i]] for i in range(3)], dim=-1)
-        return cos, sin
+        return torch.complex(cos, sin)
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -357,12 +374,23 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         cap_lens = text_mask.sum(dim=1)  # (B,)
         cond_len = text_mask.shape[1]
         arange_cond = torch.arange(cond_len, device=text_mask.device)
-        if not torch.equal(text_mask, arange_cond[None, :] < cap_lens[:, None]):
+        # one host sync for the lengths and the padding check together
+        not_right_padded = (text_mask != (arange_cond[None, :] < cap_lens[:, None])).any()
+        host = torch.cat([not_right_padded.reshape(1).long(), cap_lens.long()]).tolist()
+        if host[0]:
             raise ValueError("text_attention_mask must be right-padded (real rows first)")
+        cap_lens_host = [int(n) for n in host[1:]]
         device = hidden_states.device
         dtype = self.x_embedder.weight.dtype
         h_tokens, w_tokens = height // p, width // p
         num_img = h_tokens * w_tokens
+        # rotary range check on the host: caption row i -> (i, i, i), image patch -> (cap_len, r, c)
+        max_cap = max(cap_lens_host, default=0)
+        axes_lens = list(self.config.axes_lens)
+        if (max_cap and max_cap - 1 >= min(axes_lens)) or (num_img and (
+            max_cap >= axes_lens[0] or h_tokens - 1 >= axes_lens[1] or w_tokens - 1 >= axes_lens[2]
+        )):
+            raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
 
         # 1. Time and caption embedding
         temb, caption = self.time_caption_embed(timestep.to(device), text_hidden_states.to(device, dtype))
@@ -384,16 +412,16 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         cap_pos = cap_pos * cap_mask[..., None]  # padding rows at position 0 (never seen by real rows)
 
         # 4. Refine the caption (unmodulated) and the image patches (modulated) separately
-        cap_rope = self._rope(cap_pos)
-        cap_key_mask = None if bool(cap_mask.all()) else cap_mask  # None lets SDPA pick flash attention
+        cap_rope = self._rope(cap_pos, check=False)
+        # padding is always on the right: attend over each element's real keys (flash on CUDA)
+        cap_lengths = None if all(n == cond_len for n in cap_lens_host) else cap_lens_host
         for block in self.context_refiner:
-            caption = block(caption, cap_key_mask, cap_rope)
-        img_rope = self._rope(img_pos)
+            caption = block(caption, None, cap_rope, key_lengths=cap_lengths)
+        img_rope = self._rope(img_pos, check=False)
         for block in self.noise_refiner:
             x = block(x, None, img_rope, temb)
 
         # 5. Joint sequence per element: [its cap_len caption rows; image patches; padding]
-        max_cap = int(cap_lens.max()) if batch and cond_len else 0
         joint_len = max_cap + num_img
         j = torch.arange(joint_len, device=device)[None, :]
         lens = cap_lens.to(device)[:, None]
@@ -404,10 +432,11 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         joint = torch.gather(torch.cat([caption, x], dim=1), 1, source[..., None].expand(-1, -1, x.shape[-1]))
         joint_pos = torch.gather(torch.cat([cap_pos, img_pos], dim=1), 1, source[..., None].expand(-1, -1, 3))
         joint_pos = joint_pos * joint_mask[..., None]
-        joint_rope = self._rope(joint_pos)
-        mask = None if bool(joint_mask.all()) else joint_mask
+        joint_rope = self._rope(joint_pos, check=False)
+        joint_lengths = [n + num_img for n in cap_lens_host]
+        key_lengths = None if all(n == joint_len for n in joint_lengths) else joint_lengths
         for block in self.layers:
-            joint = block(joint, mask, joint_rope, temb)
+            joint = block(joint, None, joint_rope, temb, key_lengths=key_lengths)
 
         # 6. Output norm and projection
         out = self.norm_out(joint, temb)
