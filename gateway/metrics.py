@@ -5,9 +5,15 @@ Names (all prefixed ``mammoth_gateway_``):
 - ``requests_total{outcome}`` / ``request_duration_seconds{outcome}``: HTTP image requests by outcome
   (``success``, ``invalid_request``, ``auth_error``, ``not_found``, ``overloaded``, ``unavailable``,
   ``deadline``, ``backend_error``, ``internal_error``, ``cancelled``).
-- ``stage_duration_seconds{stage}``: per-image breakdown: ``queue`` (waiting for a DiT slot, gateway
-  clock), ``ar`` (prefill + decode, AR clock), ``transfer`` (last row sent -> conditions resident,
-  the transfer tail reported by the DiT), ``dit`` (denoise + VAE + encode, DiT clock).
+- ``stage_duration_seconds{stage}``: per-image breakdown, one label per stage, which partition the
+  image's time (`gateway.serving.STAGES`): ``queue`` (waiting for a DiT slot, gateway clock),
+  ``ar_prefill`` (AR call -> first rows sent: tokenisation, engine admission, prefill),
+  ``ar_decode`` (grid decode to the last row, AR clock), ``transfer`` (last row sent -> conditions
+  resident, the transfer tail reported by the DiT), ``dit_denoise`` (condition preparation and the
+  denoising steps), ``dit_vae`` (VAE decode), ``dit_encode`` (image encoding), DiT clock. The same
+  numbers come back per request in the ``Server-Timing`` response header.
+- ``cancellations_total{cause}``: requests whose stage work was cancelled: ``client_disconnect``,
+  ``deadline``.
 - ``queue_depth``: requests admitted and still waiting for their DiT slots.
 - ``slots_in_use``: DiT slots this gateway holds (open ``DiT.Generate`` streams that got ``Reserved``).
 - ``active_requests``, ``active_pipelines``: per-request state alive now (0 when idle).
@@ -39,6 +45,10 @@ class GatewayMetrics:
         self.stage_duration = Histogram(p + "stage_duration_seconds",
                                         "Per-image stage time: queue, ar, transfer, dit (seconds)",
                                         ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.cancellations_total = Counter(p + "cancellations_total",
+                                           "Requests cancelled, by cause", ["cause"], registry=r)
+        for cause in ("client_disconnect", "deadline"):
+            self.cancellations_total.labels(cause)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for DiT slots", registry=r)
         self.slots_in_use = Gauge(p + "slots_in_use", "DiT slots held by this gateway", registry=r)
         self.active_requests = Gauge(p + "active_requests", "Image requests in progress", registry=r)

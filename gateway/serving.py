@@ -88,6 +88,8 @@ RETRY_AFTER_SECONDS = 1.0
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                          grpc.StatusCode.UNIMPLEMENTED})
 SSE_KEEPALIVE_SECONDS = 15.0
+#: Request outcome -> ``mammoth_gateway_cancellations_total{cause}`` (work cancelled in the stages).
+CANCELLATION_CAUSES = {"cancelled": "client_disconnect", "deadline": "deadline"}
 
 _SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -373,6 +375,29 @@ class ImageResult:
     dit_attempts: int = 1
     dit_address: str = ""
     ar_address: str = ""
+    #: Per-stage seconds of this image (`STAGES` order), each measured by the component that did
+    #: the work; they partition the image's time from admission to the final image.
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+#: The stages of one image, in pipeline order (metric label ``stage`` and ``Server-Timing`` names):
+#: ``queue`` (gateway: waiting for a DiT slot), ``ar_prefill`` / ``ar_decode`` (AR clock: prompt
+#: prefill incl. tokenisation and engine admission, then grid decode to the last row),
+#: ``transfer`` (last row sent by the AR -> conditions resident on the DiT device), ``dit_denoise``
+#: (DiT: condition preparation and the denoising steps), ``dit_vae`` (VAE decode), ``dit_encode``
+#: (PNG/JPEG/WebP encoding).
+STAGES = ("queue", "ar_prefill", "ar_decode", "transfer", "dit_denoise", "dit_vae", "dit_encode")
+
+
+def server_timing(timings: dict[str, float], total: float | None = None) -> str:
+    """A W3C ``Server-Timing`` header value (durations in milliseconds) for ``timings`` (seconds).
+
+    Example: ``queue;dur=1.2, ar_prefill;dur=30.5, ..., total;dur=812.0``.
+    """
+    parts = [f"{name};dur={1000.0 * timings[name]:.3f}" for name in STAGES if name in timings]
+    if total is not None:
+        parts.append(f"total;dur={1000.0 * total:.3f}")
+    return ", ".join(parts)
 
 
 Emit = Callable[[object], None]
@@ -393,6 +418,7 @@ class _SlotState:
     conditions_complete: bool = False
     ar_address: str = ""
     ar_done: pb.ARDone | None = None
+    ar_started_unix_ms: float = 0.0
     excluded_ars: set[str] = field(default_factory=set)
 
 
@@ -451,7 +477,8 @@ class Orchestrator:
                 async with contextlib.AsyncExitStack() as stack:
                     emit(StageProgress(index, "dit", "queued"))
                     dit, call, reserved = await self._reserve(job, pipeline_id, seed, deadline, stack)
-                    self.metrics.stage_duration.labels("queue").observe(loop.time() - t_queue)
+                    queue_s = loop.time() - t_queue
+                    self.metrics.stage_duration.labels("queue").observe(queue_s)
                     if not reserved_once:
                         reserved_once = True
                         on_reserved()
@@ -473,6 +500,7 @@ class Orchestrator:
                         self.metrics.retries_total.labels("dit", failure.code).inc()
                         continue
                     result.dit_attempts = dit_attempt
+                    result.timings = {"queue": queue_s, **result.timings}
                     return result
             raise AssertionError("unreachable")
         finally:
@@ -628,6 +656,7 @@ class Orchestrator:
                 backoff = min(backoff * 2, 1.0)
                 continue
             state.ar_address = ar.address
+            state.ar_started_unix_ms = time.time() * 1e3
             with self.ar_pool.lease(ar):
                 call = ar.stub.Generate(request, timeout=remaining, metadata=self._metadata)
                 try:
@@ -732,18 +761,29 @@ class Orchestrator:
     def _result(self, index: int, seed: int, image: pb.Image, state: _SlotState, epoch: int,
                 dit: Backend) -> ImageResult:
         done = state.ar_done
-        if done is not None:
-            self.metrics.stage_duration.labels("ar").observe((done.prefill_ms + done.decode_ms) / 1e3)
         t = image.timings
-        self.metrics.stage_duration.labels("transfer").observe(t.transfer_tail_ms / 1e3)
-        self.metrics.stage_duration.labels("dit").observe(
-            (t.denoise_ms + t.vae_ms + t.encode_ms) / 1e3)
+        timings: dict[str, float] = {}
+        if done is not None:
+            prefill_ms = done.prefill_ms
+            if done.last_row_unix_ms and state.ar_started_unix_ms:
+                # AR call -> first rows sent: tokenisation and engine admission count as prefill
+                # (wall clocks of gateway and AR, like the transfer tail's; never below the AR's own)
+                wall_ms = done.last_row_unix_ms - state.ar_started_unix_ms - done.decode_ms
+                prefill_ms = max(prefill_ms, wall_ms)
+            timings["ar_prefill"] = prefill_ms / 1e3
+            timings["ar_decode"] = done.decode_ms / 1e3
+        timings["transfer"] = t.transfer_tail_ms / 1e3
+        timings["dit_denoise"] = t.denoise_ms / 1e3
+        timings["dit_vae"] = t.vae_ms / 1e3
+        timings["dit_encode"] = t.encode_ms / 1e3
+        for stage, seconds in timings.items():
+            self.metrics.stage_duration.labels(stage).observe(seconds)
         return ImageResult(
             index=index, seed=seed, data=image.data, format=image.format or "png",
             width=image.width, height=image.height,
             prompt_tokens=done.prompt_tokens if done is not None else 0,
             generated_tokens=done.generated_tokens if done is not None else 0,
-            epoch=epoch, dit_address=dit.address, ar_address=state.ar_address)
+            epoch=epoch, dit_address=dit.address, ar_address=state.ar_address, timings=timings)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -805,6 +845,9 @@ class OpenAIServingImages:
         """Count one finished request with its ``outcome`` and latency."""
         self.metrics.requests_total.labels(outcome).inc()
         self.metrics.request_duration.labels(outcome).observe(time.perf_counter() - started)
+        cause = CANCELLATION_CAUSES.get(outcome)
+        if cause is not None:
+            self.metrics.cancellations_total.labels(cause).inc()
 
     def _check_available(self) -> None:
         if self.state.draining:
@@ -840,13 +883,18 @@ class OpenAIServingImages:
                 self._stream(job, raw, ticket, deadline), media_type="text/event-stream",
                 headers={"x-request-id": request_id, "cache-control": "no-cache",
                          "x-accel-buffering": "no"})
+        started = getattr(raw.state, "started", None)
         with self._track():
             try:
                 results = await self._run_all(job, ticket, deadline, emit=lambda _e: None)
             finally:
                 ticket.leave()
-        return JSONResponse(self._response(job, results, raw).model_dump(exclude_none=True),
-                            headers={"x-request-id": request_id})
+        body = self._response(job, results, raw).model_dump(exclude_none=True)
+        # The slowest image decides the latency: its breakdown goes into Server-Timing.
+        slowest = max(results, key=lambda r: sum(r.timings.values()))
+        total = None if started is None else time.perf_counter() - started
+        return JSONResponse(body, headers={"x-request-id": request_id,
+                                           "server-timing": server_timing(slowest.timings, total)})
 
     async def _run_all(self, job: ImageJob, ticket: AdmissionTicket, deadline: float,
                        emit: Emit) -> list[ImageResult]:

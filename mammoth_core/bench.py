@@ -1,11 +1,12 @@
 """``mammoth bench``: a serving benchmark against any gateway URL.
 
-For each concurrency level: ``--warmup`` requests (not counted), then ``--requests`` requests kept
+For each image size, step count and concurrency level (comma lists): ``--warmup`` requests (not counted), then ``--requests`` requests kept
 ``concurrency`` in flight, each a non-streaming ``POST /v1/images/generations`` with the given size
 and steps and a distinct seed. Reports mean/p50/p95 latency (seconds), images per minute, errors,
-and the stage breakdown (AR, transfer tail, DiT: mean seconds per image) computed from the
-gateway's ``mammoth_gateway_stage_duration_seconds`` histogram scraped before and after the level.
-Prints a table; ``--json FILE`` writes the same results as JSON.
+and the stage breakdown per request — mean/p50/p95 seconds of each stage in
+`gateway.serving.STAGES` (queue, AR prefill and decode, transfer tail, DiT denoise, VAE, encode) —
+read from each response's ``Server-Timing`` header, where each stage was measured by the component
+that did the work. Prints a table; ``--json FILE`` writes the same results as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 import httpx
 
-STAGE_METRIC = "mammoth_gateway_stage_duration_seconds"
+#: Stage names of the gateway's ``Server-Timing`` header, in pipeline order (`gateway.serving.STAGES`).
+STAGES = ("queue", "ar_prefill", "ar_decode", "transfer", "dit_denoise", "dit_vae", "dit_encode")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -34,33 +36,34 @@ def _percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-async def _stage_sums(client: httpx.AsyncClient, url: str) -> dict[str, tuple[float, float]]:
-    """``{stage: (sum_seconds, count)}`` from the gateway's stage histogram (empty if unavailable)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = (await client.get(f"{url}/metrics", timeout=10)).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in (STAGE_METRIC + "_sum", STAGE_METRIC + "_count"):
-                stage = s.labels.get("stage", "?")
-                acc = out.setdefault(stage, [0.0, 0.0])
-                acc[0 if s.name.endswith("_sum") else 1] += s.value
-    return {k: (v[0], v[1]) for k, v in out.items()}
+def parse_server_timing(header: str | None) -> dict[str, float]:
+    """``"queue;dur=1.5, ar_decode;dur=700"`` -> ``{"queue": 0.0015, "ar_decode": 0.7}`` (seconds)."""
+    out: dict[str, float] = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";")
+        for param in rest.split(";"):
+            key, _, val = param.strip().partition("=")
+            if key == "dur" and name:
+                try:
+                    out[name] = float(val) / 1e3
+                except ValueError:
+                    pass
+    return out
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[bool, float, str]:
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+               headers: dict[str, str]) -> tuple[bool, float, str, dict[str, float]]:
+    """One request: (ok, latency s, error text, stage seconds from ``Server-Timing``)."""
     t0 = time.perf_counter()
+    stages: dict[str, float] = {}
     try:
         r = await client.post(f"{url}/v1/images/generations", json=body, headers=headers)
         ok = r.status_code == 200
         why = "" if ok else f"{r.status_code}: {r.text[:200]}"
+        stages = parse_server_timing(r.headers.get("server-timing")) if ok else {}
     except httpx.HTTPError as exc:
         ok, why = False, f"{type(exc).__name__}: {exc}"
-    return ok, time.perf_counter() - t0, why
+    return ok, time.perf_counter() - t0, why, stages
 
 
 async def run_level(
@@ -76,11 +79,10 @@ async def run_level(
                     "seed": seed_base + i, "response_format": "b64_json"}
 
         await asyncio.gather(*(_one(client, url, body(-1 - i), headers) for i in range(warmup)))
-        before = await _stage_sums(client, url)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(requests):
             queue.put_nowait(i)
-        results: list[tuple[bool, float, str]] = []
+        results: list[tuple[bool, float, str, dict[str, float]]] = []
 
         async def worker() -> None:
             while True:
@@ -93,13 +95,13 @@ async def run_level(
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        after = await _stage_sums(client, url)
     lat = [r[1] for r in results if r[0]]
-    stages = {}
-    for stage, (s1, c1) in after.items():
-        s0, c0 = before.get(stage, (0.0, 0.0))
-        if c1 > c0:
-            stages[stage] = (s1 - s0) / (c1 - c0)
+    stages: dict[str, dict[str, float]] = {}
+    for stage in STAGES:
+        values = [r[3][stage] for r in results if r[0] and stage in r[3]]
+        if values:
+            stages[stage] = {"mean_s": statistics.fmean(values), "p50_s": _percentile(values, 0.5),
+                             "p95_s": _percentile(values, 0.95)}
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -110,35 +112,58 @@ async def run_level(
         "p50_s": _percentile(lat, 0.5),
         "p95_s": _percentile(lat, 0.95),
         "images_per_min": 60.0 * len(lat) / wall if wall > 0 else 0.0,
-        "stage_mean_s": stages,
+        "stage_mean_s": {k: v["mean_s"] for k, v in stages.items()},
+        "stages": stages,
     }
 
 
 def render_table(results: list[dict[str, Any]]) -> str:
-    """A fixed-width table of the levels."""
-    head = f"{'conc':>4} {'ok':>5} {'mean s':>8} {'p50 s':>8} {'p95 s':>8} {'img/min':>8}  {'AR s':>7} {'xfer s':>7} {'DiT s':>7}"
+    """Two fixed-width tables: latency per level, then the per-stage breakdown (mean/p50/p95 s)."""
+    head = f"{'conc':>4} {'ok':>5} {'mean s':>8} {'p50 s':>8} {'p95 s':>8} {'img/min':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
-        st = r["stage_mean_s"]
         lines.append(
             f"{r['concurrency']:>4} {r['ok']:>2}/{r['requests']:<2} {r['mean_s']:>8.3f} {r['p50_s']:>8.3f} "
-            f"{r['p95_s']:>8.3f} {r['images_per_min']:>8.1f}  {st.get('ar', float('nan')):>7.3f} "
-            f"{st.get('transfer', float('nan')):>7.4f} {st.get('dit', float('nan')):>7.3f}"
+            f"{r['p95_s']:>8.3f} {r['images_per_min']:>8.1f}"
         )
+    head2 = f"{'conc':>4} {'stage':<12} {'mean s':>8} {'p50 s':>8} {'p95 s':>8}"
+    lines += ["", head2, "-" * len(head2)]
+    for r in results:
+        for stage in STAGES:
+            st = r.get("stages", {}).get(stage)
+            if st:
+                lines.append(f"{r['concurrency']:>4} {stage:<12} {st['mean_s']:>8.4f} {st['p50_s']:>8.4f} "
+                             f"{st['p95_s']:>8.4f}")
     return "\n".join(lines)
 
 
+def _csv(value: Any) -> list[str]:
+    return [v.strip() for v in str(value).split(",") if v.strip()]
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    """Implementation of ``mammoth bench``; exit code 1 when any request failed."""
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    """Implementation of ``mammoth bench``; exit code 1 when any request failed.
+
+    Levels: every combination of ``--size`` x ``--steps`` x ``--concurrency`` (comma lists).
+    """
     results = []
-    for c in levels:
-        r = asyncio.run(run_level(args.url.rstrip("/"), c, args.requests, args.warmup, args.size, args.steps,
-                                  getattr(args, "api_key", None)))
-        results.append(r)
-        print(f"concurrency {c}: {r['ok']}/{r['requests']} ok, p50 {r['p50_s']:.3f} s", file=sys.stderr)
-    print(render_table(results))
+    for size in _csv(args.size):
+        for steps in (int(s) for s in _csv(args.steps)):
+            for c in (int(c) for c in _csv(args.concurrency)):
+                r = asyncio.run(run_level(args.url.rstrip("/"), c, args.requests, args.warmup, size, steps,
+                                          getattr(args, "api_key", None)))
+                r.update(size=size, steps=steps)
+                results.append(r)
+                print(f"{size} {steps} steps, concurrency {c}: {r['ok']}/{r['requests']} ok, "
+                      f"p50 {r['p50_s']:.3f} s", file=sys.stderr)
+                if r["errors"]:
+                    print(f"  errors: {r['errors']}", file=sys.stderr)
+    for size in _csv(args.size):
+        for steps in (int(s) for s in _csv(args.steps)):
+            print(f"\n== {size}, {steps} steps ==")
+            print(render_table([r for r in results if r["size"] == size and r["steps"] == steps]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": args.url, "size": args.size, "steps": args.steps, "levels": results}, f, indent=2)
+            json.dump({"url": args.url, "sizes": _csv(args.size), "steps": [int(s) for s in _csv(args.steps)],
+                       "levels": results}, f, indent=2)
     return 0 if all(r["ok"] == r["requests"] for r in results) else 1

@@ -226,12 +226,24 @@ class DiTSettings(StageSettings):
     max_rows_per_slot: int = field(
         default=8192, metadata=_doc("largest CONDITION+NEGATIVE row count a slot accepts")
     )
+    profile_dir: str | None = field(
+        default=None,
+        metadata=_doc(
+            "folder for PyTorch profiler traces (default: <cache_dir>/profiles); "
+            "POST /debug/profile?requests=N on the metrics port arms the profiler"
+        ),
+    )
+    profile_requests: int = field(
+        default=0, metadata=_doc("profile the model work of the first N requests (0: off)")
+    )
     section: typing.ClassVar[str] = "dit"
 
     def validate(self) -> None:
         super().validate()
         if self.slots < 1:
             raise SettingsError("slots must be >= 1")
+        if not 0 <= self.profile_requests <= 100:
+            raise SettingsError("profile_requests must be in [0, 100]")
 
 
 @dataclass

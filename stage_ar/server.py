@@ -52,6 +52,10 @@ AR_DECODE = Histogram(
     "mammoth_ar_decode_seconds", "decode time per request",
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
+AR_TOKENS_PER_SECOND = Histogram(
+    "mammoth_ar_decode_tokens_per_second", "grid tokens decoded per second of decode, per request",
+    buckets=(10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400),
+)
 
 
 class ARServicer(pb_grpc.ARServicer):
@@ -255,6 +259,8 @@ class ARServicer(pb_grpc.ARServicer):
             AR_TOKENS.inc(stats.generated_tokens)
             AR_PREFILL.observe(stats.prefill_ms / 1e3)
             AR_DECODE.observe(stats.decode_ms / 1e3)
+            if stats.decode_ms > 0:
+                AR_TOKENS_PER_SECOND.observe(stats.generated_tokens / (stats.decode_ms / 1e3))
             outcome = "ok"
             self._write_trace(request, job, stats)
             yield pb.ARGenerateResponse(

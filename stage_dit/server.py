@@ -25,9 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from mammoth_core import grpc_common
 from mammoth_core import transport_metrics as metrics
+from mammoth_core.logging import request_id_var
+from mammoth_core.profiling import PROFILE_PATH, StageProfiler
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.runtime import start_metrics_server, write_ready_file
@@ -42,6 +45,20 @@ SERVICE_NAME = "mammoth.v1.DiT"
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MAX_SIDE = 4096
 MAX_STEPS = 1000
+
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+DIT_REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)",
+                       ["outcome"])
+DIT_DENOISE = Histogram("mammoth_dit_denoise_seconds",
+                        "condition preparation + every denoising step, per image", buckets=_SECONDS)
+DIT_STEP = Histogram("mammoth_dit_step_seconds", "one denoising step (both CFG branches)",
+                     buckets=_SECONDS)
+DIT_VAE = Histogram("mammoth_dit_vae_seconds", "VAE decode per image", buckets=_SECONDS)
+DIT_ENCODE = Histogram("mammoth_dit_encode_seconds", "image encoding (PNG/JPEG/WebP) per image",
+                       buckets=_SECONDS)
+DIT_STEPS = Counter("mammoth_dit_steps_total", "denoising steps run")
+for _outcome in metrics.SLOT_OUTCOMES:
+    DIT_REQUESTS.labels(_outcome)
 
 
 class _StopRequested(Exception):
@@ -80,8 +97,10 @@ class DiTServicer(pb_grpc.DiTServicer):
 
     def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
                  condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1,
-                 trace_dir: str | None = None, answer_boundary: str = "prompt_length"):
+                 trace_dir: str | None = None, answer_boundary: str = "prompt_length",
+                 profiler: StageProfiler | None = None):
         self.pipeline = pipeline
+        self.profiler = profiler
         self.trace_dir = trace_dir
         self.answer_boundary = answer_boundary
         self.pool = pool
@@ -114,6 +133,7 @@ class DiTServicer(pb_grpc.DiTServicer):
     async def Generate(
         self, request: pb.DiTGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DiTGenerateResponse]:
+        request_id_var.set(request.request_id or None)
         if self.pipeline is None or self.pool is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
         if self.draining:
@@ -165,7 +185,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             events: asyncio.Queue = asyncio.Queue()
             params = request.params
             worker = loop.run_in_executor(
-                self._executor, self._run_pipeline, conds, params, stop,
+                self._executor, self._run_profiled, request.request_id, conds, params, stop,
                 lambda *item: loop.call_soon_threadsafe(events.put_nowait, item),
             )
             total = params.num_inference_steps
@@ -218,6 +238,7 @@ class DiTServicer(pb_grpc.DiTServicer):
                 worker.add_done_callback(_release_after_worker)
             else:
                 slot.release(outcome)
+            DIT_REQUESTS.labels(outcome).inc()
 
     def _write_trace(self, request_id: str, slot, conds) -> None:
         """``<trace_dir>/<request_id>.e<epoch>.dit.json``: when each chunk arrived, and the totals."""
@@ -250,9 +271,17 @@ class DiTServicer(pb_grpc.DiTServicer):
             return "producer_lost"
         return "deadline" if timed_out else "cancelled"
 
+    def _run_profiled(self, request_id: str, *args) -> tuple:
+        """`_run_pipeline`, inside a profiler when one is armed (`mammoth_core.profiling`)."""
+        if self.profiler is None:
+            return self._run_pipeline(*args)
+        with self.profiler.capture(request_id):
+            return self._run_pipeline(*args)
+
     def _run_pipeline(self, conds, params: pb.ImageParams, stop: threading.Event, post) -> tuple:
         """Worker thread: conditions -> image bytes. Posts ("step", i, n) per step, then ("done",)."""
         try:
+            t0 = time.perf_counter()  # dit_denoise: condition preparation + the steps
             pipe = self.pipeline
             dtype = getattr(pipe, "dtype", conds.hidden.dtype)
             # The AR sends the prompt length as answer_start_index and names the boundary rule.
@@ -262,13 +291,15 @@ class DiTServicer(pb_grpc.DiTServicer):
             )
             condition = pipe.prepare_conditions(conds.hidden.to(dtype), conds.token_ids, answer_start)
             negative = None if conds.negative is None else conds.negative.to(dtype)
-            t0 = time.perf_counter()
-            marks = {"last_step": t0}
+            marks = {"last_step": time.perf_counter()}
 
             def on_step(step_index: int, total_steps: int, _latents) -> None:
                 if stop.is_set():
                     raise _StopRequested()
-                marks["last_step"] = time.perf_counter()
+                now = time.perf_counter()
+                DIT_STEP.observe(now - marks["last_step"])
+                DIT_STEPS.inc()
+                marks["last_step"] = now
                 post("step", step_index + 1, total_steps)
 
             image = pipe.generate(
@@ -287,6 +318,9 @@ class DiTServicer(pb_grpc.DiTServicer):
                 denoise_ms=1000.0 * (marks["last_step"] - t0), vae_ms=1000.0 * (t1 - marks["last_step"]),
                 encode_ms=1000.0 * (t2 - t1),
             )
+            DIT_DENOISE.observe(marks["last_step"] - t0)
+            DIT_VAE.observe(t1 - marks["last_step"])
+            DIT_ENCODE.observe(t2 - t1)
             return data, fmt, timings
         finally:
             post("done")
@@ -312,6 +346,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             async for chunk in request_iterator:
                 if token is None:
                     token = chunk.reservation_token
+                    request_id_var.set(chunk.header.request_id or None)
                 elif chunk.reservation_token != token:
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "reservation token changed mid-stream")
                 slot = self.pool.lookup(token)
@@ -355,11 +390,15 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     requests get ``drain_grace_seconds``, then the function returns.
     """
     token = settings.read_auth_token()
-    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    profiler = StageProfiler(settings.profile_dir or str(pathlib.Path(settings.cache_dir) / "profiles"),
+                             "dit", settings.profile_requests)
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host,
+                                        routes={PROFILE_PATH: profiler.wsgi})
     server = grpc_common.create_server(
         settings.max_message_bytes, token, role_tokens=settings.read_role_tokens()
     )
-    servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary)
+    servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary,
+                           profiler=profiler)
     pb_grpc.add_DiTServicer_to_server(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())

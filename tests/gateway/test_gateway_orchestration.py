@@ -327,7 +327,7 @@ def test_metrics_exposed(stack):
                  "mammoth_gateway_slots_in_use", "mammoth_gateway_backends_serving"):
         assert name in text, name
     assert gw.metric("mammoth_gateway_requests_total", outcome="success") == 1
-    for stage in ("queue", "ar", "transfer", "dit"):
+    for stage in ("queue", "ar_prefill", "ar_decode", "transfer", "dit_denoise", "dit_vae", "dit_encode"):
         assert gw.metric("mammoth_gateway_stage_duration_seconds_count", stage=stage) == 1, stage
     assert gw.metric("mammoth_gateway_backends_serving", stage="ar") == 1
 
