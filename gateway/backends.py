@@ -250,9 +250,18 @@ class BackendPool:
             await asyncio.sleep(self.refresh_seconds)
 
     def mark_failed(self, backend: Backend) -> None:
-        """Take ``backend`` out of rotation after a transport failure, until health says SERVING."""
+        """Take ``backend`` out of rotation after a transport failure, until health says SERVING.
+
+        The health watch is restarted: a ``Watch`` stream only speaks on a change, so without a new
+        one a backend that is in fact still SERVING would stay out of rotation indefinitely.
+        """
         if backend.status == SERVING:
             self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
+        if backend.retired:
+            return
+        if backend.watch_task is not None:
+            backend.watch_task.cancel()
+        backend.watch_task = asyncio.create_task(self._watch(backend), name=f"{self.stage}-health")
 
     # ---------------------------------------------------------------- selection
 

@@ -88,6 +88,11 @@ RETRY_AFTER_SECONDS = 1.0
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                          grpc.StatusCode.UNIMPLEMENTED})
 SSE_KEEPALIVE_SECONDS = 15.0
+#: With no replica of a stage SERVING at all, an image waits this many health intervals (at least
+#: `NO_BACKEND_GRACE_MIN_SECONDS`) for one to come back, then fails fast with 503 ``no_backend``
+#: instead of holding its DiT slot until the deadline.
+NO_BACKEND_GRACE_INTERVALS = 3
+NO_BACKEND_GRACE_MIN_SECONDS = 2.0
 #: Request outcome -> ``mammoth_gateway_cancellations_total{cause}`` (work cancelled in the stages).
 CANCELLATION_CAUSES = {"cancelled": "client_disconnect", "deadline": "deadline"}
 
@@ -525,6 +530,7 @@ class Orchestrator:
         """
         request = pb.DiTGenerateRequest(request_id=pipeline_id, params=self._image_params(job, seed))
         backoff = 0.05
+        none_since: float | None = None
         while True:
             tried: set[str] = set()
             while (dit := self.dit_pool.pick(exclude=tried)) is not None:
@@ -572,8 +578,32 @@ class Orchestrator:
             remaining = _remaining(deadline)
             if remaining <= 0:
                 raise _deadline_error("waiting for a DiT slot")
+            none_since = self._fail_if_none_serving(self.dit_pool, "DiT", none_since)
             await self._wait_for_capacity(min(backoff, remaining))
             backoff = min(backoff * 2, 1.0)
+
+    def _fail_if_none_serving(self, pool: BackendPool, name: str, since: float | None) -> float | None:
+        """Track how long no replica of ``pool`` has been SERVING (``since``: event-loop time it
+        began, None while some replica serves) and give up after the no-backend grace.
+
+        Returns the updated ``since``.
+
+        Raises:
+            UnavailableError: no replica has been SERVING for the grace (503 ``no_backend``).
+        """
+        if pool.serving():
+            return None
+        now = asyncio.get_running_loop().time()
+        if since is None:
+            return now
+        grace = max(NO_BACKEND_GRACE_MIN_SECONDS,
+                    NO_BACKEND_GRACE_INTERVALS * self.settings.health_interval_seconds)
+        if now - since >= grace:
+            raise UnavailableError(f"no {name} backend is serving (none for {now - since:.1f} s)",
+                                   code="no_backend",
+                                   retry_after=max(RETRY_AFTER_SECONDS,
+                                                   self.settings.health_interval_seconds))
+        return since
 
     def _release_slot(self, call: grpc.aio.UnaryStreamCall) -> None:
         call.cancel()
@@ -644,6 +674,7 @@ class Orchestrator:
             dit_address=dit.address, reservation_token=token)
         backoff = 0.05
         full: set[str] = set()
+        none_since: float | None = None
         while True:
             remaining = _remaining(deadline)
             if remaining <= 0:
@@ -651,6 +682,7 @@ class Orchestrator:
             ar = (self.ar_pool.pick(exclude=state.excluded_ars | full)
                   or self.ar_pool.pick(exclude=full))
             if ar is None:
+                none_since = self._fail_if_none_serving(self.ar_pool, "AR", none_since)
                 full.clear()
                 await self.ar_pool.wait_changed(min(backoff, remaining))
                 backoff = min(backoff * 2, 1.0)

@@ -288,7 +288,9 @@ def _push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.aio.AioRpcError):
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
-            return grpc.StatusCode.UNAVAILABLE, exc.details() or "DiT unavailable"
+            # ABORTED, not UNAVAILABLE: the gateway reads UNAVAILABLE as "this AR is down" and
+            # takes a healthy AR out of rotation when only the DiT went away.
+            return grpc.StatusCode.ABORTED, f"DiT unavailable: {exc.details()}"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return grpc.StatusCode.DEADLINE_EXCEEDED, exc.details() or "deadline exceeded"
         return grpc.StatusCode.ABORTED, f"{code.name}: {exc.details()}"

@@ -1,0 +1,164 @@
+"""Stage faults with requests in flight: ``kill -9`` of an AR or a DiT, a stage restarted, SIGTERM
+(drain), the gateway killed. Requests either complete (another replica, ``epoch + 1`` for an AR
+failure before the DiT had every row) or fail fast with an OpenAI error envelope; nothing leaks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+
+from conftest import STEPS, assert_envelope, image_request, wait_for
+
+#: a size whose AR decode lasts long enough on CPU to be killed mid-stream (32x33 grid tokens)
+BIG = "512x512"
+
+
+def stream_until_ar_progress(url: str, timeout: float = 60.0):
+    """Open a streaming request and return (client, response, lines iterator) once the AR has sent
+    its first progress event (the AR is decoding and pushing rows to the DiT)."""
+    client = httpx.Client(timeout=timeout)
+    body = {"prompt": "a lighthouse at dusk", "size": BIG, "num_inference_steps": STEPS, "seed": 5,
+            "stream": True}
+    cm = client.stream("POST", f"{url}/v1/images/generations", json=body)
+    response = cm.__enter__()
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data:"):
+            event = json.loads(line[5:])
+            if event.get("stage") == "ar" and event.get("tokens_generated", 0) > 0:
+                return client, cm, lines
+    raise AssertionError("no AR progress event")
+
+
+def sse_events(lines) -> list[dict]:
+    events = []
+    event_type = None
+    for line in lines:
+        if line.startswith("event:"):
+            event_type = line[6:].strip()
+        elif line.startswith("data:"):
+            events.append({"event": event_type, **json.loads(line[5:])})
+    return events
+
+
+def test_kill9_the_only_ar_mid_stream_fails_fast_and_frees_the_slot(cluster):
+    dit = cluster.stage("dit", "--slots", "2")
+    ar = cluster.stage("ar")
+    gw = cluster.gateway([ar], [dit])
+    client, cm, lines = stream_until_ar_progress(f"http://{gw.address}")
+    t_kill = time.monotonic()
+    ar.kill9()
+    events = sse_events(lines)
+    elapsed = time.monotonic() - t_kill
+    cm.__exit__(None, None, None)
+    client.close()
+    assert events and events[-1]["event"] == "error", events[-3:]
+    error = events[-1]["error"]
+    assert error["type"] in ("backend_error", "service_unavailable"), error
+    assert elapsed < 10.0, elapsed  # fails fast, far within the 30 s request deadline
+    # the DiT retires the slot within 5 s of the kill
+    assert wait_for(lambda: dit.metric("mammoth_dit_slots_in_use") == 0, 5.0 - elapsed if elapsed < 5 else 0.5)
+    assert time.monotonic() - t_kill < 5.0 or dit.metric("mammoth_dit_slots_in_use") == 0
+    # a non-streaming request now gets a 503 envelope at once (no AR serving)
+    wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="ar") == 0, 5.0)
+    t0 = time.monotonic()
+    r = image_request(f"http://{gw.address}")
+    assert_envelope(r, (502, 503))
+    assert time.monotonic() - t0 < 5.0
+    assert gw.metric("mammoth_gateway_slots_in_use") == 0
+    assert gw.metric("mammoth_gateway_active_pipelines") == 0
+
+
+def test_kill9_one_of_two_ars_mid_stream_succeeds_on_the_other(cluster):
+    dit = cluster.stage("dit", "--slots", "2")
+    ar1 = cluster.stage("ar")
+    ar2 = cluster.stage("ar")
+    gw = cluster.gateway([ar1, ar2], [dit])
+    client, cm, lines = stream_until_ar_progress(f"http://{gw.address}")
+    busy = ar1 if ar1.metric("mammoth_ar_running_sequences") > 0 else ar2
+    assert busy.metric("mammoth_ar_running_sequences") == 1
+    busy.kill9()
+    events = sse_events(lines)
+    cm.__exit__(None, None, None)
+    client.close()
+    assert events[-1]["event"] == "image_generation.completed", events[-3:]
+    epochs = {e.get("epoch") for e in events if e.get("stage") == "ar"}
+    assert epochs == {0, 1}, epochs  # retried with epoch + 1 on the surviving AR
+    assert wait_for(lambda: dit.metric("mammoth_dit_slots_in_use") == 0, 5.0)
+
+
+def test_kill9_one_of_two_dits_mid_request_retries_from_scratch(cluster):
+    dit1 = cluster.stage("dit", "--slots", "1")
+    dit2 = cluster.stage("dit", "--slots", "1")
+    ar = cluster.stage("ar")
+    gw = cluster.gateway([ar], [dit1, dit2])
+    client, cm, lines = stream_until_ar_progress(f"http://{gw.address}")
+    busy = dit1 if dit1.metric("mammoth_dit_slots_in_use") > 0 else dit2
+    busy.kill9()
+    events = sse_events(lines)
+    cm.__exit__(None, None, None)
+    client.close()
+    assert events[-1]["event"] == "image_generation.completed", events[-3:]
+    assert gw.metric("mammoth_gateway_retries_total", stage="dit") >= 1
+    assert wait_for(lambda: ar.metric("mammoth_ar_running_sequences") == 0, 5.0)
+
+
+def test_restarted_stage_serves_again(cluster):
+    dit = cluster.stage("dit", "--slots", "2")
+    ar = cluster.stage("ar")
+    gw = cluster.gateway([ar], [dit])
+    url = f"http://{gw.address}"
+    assert image_request(url).status_code == 200
+    dit.kill9()
+    assert wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="dit") == 0, 5.0)
+    assert_envelope(image_request(url), (503,))
+    cluster.restart(dit)  # same address: the gateway's health watch reconnects
+    assert wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="dit") == 1, 10.0)
+    assert image_request(url).status_code == 200
+
+
+def test_sigterm_drains_in_flight_and_new_requests_go_to_other_replicas(cluster):
+    dits = [cluster.stage("dit", "--slots", "2", "--drain-grace-seconds", "20") for _ in range(2)]
+    ars = [cluster.stage("ar", "--drain-grace-seconds", "20") for _ in range(2)]
+    gw = cluster.gateway(ars, dits)
+    url = f"http://{gw.address}"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        in_flight = [pool.submit(image_request, url, seed=i, size=BIG) for i in range(4)]
+        # wait until both stages of replica 0 hold work, then SIGTERM them
+        assert wait_for(lambda: dits[0].metric("mammoth_dit_slots_in_use") > 0
+                        and ars[0].metric("mammoth_ar_running_sequences") > 0, 20.0)
+        dits[0].sigterm()
+        ars[0].sigterm()
+        assert wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="dit") == 1
+                        and gw.metric("mammoth_gateway_backends_serving", stage="ar") == 1, 5.0)
+        served_before = dits[1].metric("mammoth_dit_reservations_total", result="reserved")
+        fresh = [pool.submit(image_request, url, seed=100 + i) for i in range(4)]
+        statuses = [f.result().status_code for f in in_flight + fresh]
+    assert statuses == [200] * 8, statuses
+    # the drained stages exit 0 once their work is done; the new requests went to replica 1
+    assert dits[0].proc.wait(30) == 0 and ars[0].proc.wait(30) == 0
+    assert dits[1].metric("mammoth_dit_reservations_total", result="reserved") >= served_before + 4
+
+
+def test_gateway_killed_mid_requests_leaves_nothing_on_the_stages(cluster):
+    dit = cluster.stage("dit", "--slots", "2")
+    ar = cluster.stage("ar")
+    gw = cluster.gateway([ar], [dit])
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(image_request, f"http://{gw.address}", seed=i, size=BIG) for i in range(3)]
+        assert wait_for(lambda: dit.metric("mammoth_dit_slots_in_use") > 0, 20.0)
+        gw.kill9()
+        for f in futures:
+            try:
+                f.result()
+            except httpx.HTTPError:
+                pass
+    # the stages see their streams cancelled: slots and sequences are freed
+    assert wait_for(lambda: dit.metric("mammoth_dit_slots_in_use") == 0
+                    and ar.metric("mammoth_ar_running_sequences") == 0, 5.0)
+    gw2 = cluster.gateway([ar], [dit])
+    assert image_request(f"http://{gw2.address}").status_code == 200
