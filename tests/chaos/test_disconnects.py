@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 
-from conftest import SIZE, STEPS, count, image_request, rss_bytes, wait_for
+from chaos_harness import SIZE, STEPS, count, image_request, rss_bytes, wait_for
 
 N_DISCONNECTS = count(30, 200)
 N_FOLLOW_UP = 20

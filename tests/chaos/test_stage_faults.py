@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from conftest import STEPS, assert_envelope, image_request, wait_for
+from chaos_harness import STEPS, assert_envelope, image_request, wait_for
 
 #: a size whose AR decode lasts long enough on CPU to be killed mid-stream (32x33 grid tokens)
 BIG = "512x512"

@@ -47,10 +47,15 @@ def make_pki(d: pathlib.Path) -> dict[str, pathlib.Path]:
     return {"ca": d / "ca.pem", "cert": d / "leaf.pem", "key": d / "leaf.key"}
 
 
+class SecurePipeline:
+    def __init__(self, components: dict, pki: dict):
+        self.components, self.pki = components, pki
+        self.url = f"http://{components['gateway'].address}"
+
+
 @pytest.fixture(scope="module")
 def secure_pipeline(tiny_checkpoint, tmp_path_factory):
-    from conftest import start_local_pipeline
-    from mammoth_core.local import stop_pipeline
+    from mammoth_core.local import start_pipeline, stop_pipeline
 
     tmp = tmp_path_factory.mktemp("secure")
     pki = make_pki(tmp)
@@ -64,10 +69,12 @@ def secure_pipeline(tiny_checkpoint, tmp_path_factory):
         "MAMMOTH_TLS_CA_FILE": str(pki["ca"]),
         "MAMMOTH_TLS_SERVER_NAME": SERVER_NAME,
     }
-    running = start_local_pipeline(tiny_checkpoint, tmp, extra_env=env)
-    running.pki = pki
+    env["MAMMOTH_CACHE_DIR"] = str(tmp / "cache")
+    components = start_pipeline(checkpoint=str(tiny_checkpoint), gateway_port=0, slots=2, extra_env=env,
+                                workdir=tmp, log_level="warning", ready_timeout=120)
+    running = SecurePipeline({c.name: c for c in components}, pki)
     yield running
-    stop_pipeline(list(running.components.values()))
+    stop_pipeline(components)
 
 
 def tls_channel(address: str, pki: dict, client_cert: bool = True) -> grpc.aio.Channel:

@@ -1,0 +1,181 @@
+"""Chaos suite harness: real ``mammoth ar|dit|gateway`` processes on loopback that tests kill,
+stop, restart and flood (DESIGN.md, "Request path": nothing outlives a request).
+
+The pipeline runs in a fast test configuration: the built-in tiny checkpoint, 64x64 images, two
+denoising steps, one torch thread per stage. Counts are reduced by default (CI); set
+``MAMMOTH_CHAOS_FULL=1`` for the full counts of docs/RELIABILITY.md::
+
+    MAMMOTH_CHAOS_FULL=1 .venv/bin/python -m pytest tests/chaos
+
+Every test here is marked ``chaos`` (``-m 'not chaos'`` leaves them out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FULL = os.environ.get("MAMMOTH_CHAOS_FULL", "") not in ("", "0")
+SIZE = "64x64"
+STEPS = 2
+
+
+def count(ci: int, full: int) -> int:
+    """``full`` under ``MAMMOTH_CHAOS_FULL=1``, else the reduced CI count ``ci``."""
+    return full if FULL else ci
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples ``name`` with ``labels`` scraped from ``url`` (0 when absent)."""
+    text = httpx.get(url, timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (``VmRSS`` of /proc/PID/status), bytes."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+@dataclasses.dataclass
+class Proc:
+    """One component process."""
+
+    role: str
+    proc: subprocess.Popen
+    address: str
+    metrics_url: str
+    argv: list[str]
+    log: pathlib.Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.metrics_url, name, **labels)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def sigterm(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+
+class Cluster:
+    """Start, stop and inspect component processes; everything is killed at teardown."""
+
+    def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path, env: dict[str, str] | None = None):
+        self.checkpoint = checkpoint
+        self.tmp = tmp
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"),
+                    **(env or {})}
+        self.procs: list[Proc] = []
+        self._n = 0
+
+    def _spawn(self, role: str, argv: list[str], timeout: float = 120.0) -> Proc:
+        self._n += 1
+        ready = self.tmp / f"{role}-{self._n}.ready.json"
+        log = self.tmp / f"{role}-{self._n}.log"
+        cmd = [sys.executable, "-m", "mammoth_core.cli", role, *argv, "--ready-file", str(ready)]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not (ready.exists() and ready.stat().st_size):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{role} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        address = info["address"]
+        if role == "gateway":
+            metrics_url = f"http://{address}/metrics"
+        else:
+            metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
+        p = Proc(role, proc, address, metrics_url, argv, log)
+        self.procs.append(p)
+        return p
+
+    def stage(self, role: str, *extra: str, port: int = 0) -> Proc:
+        """Start ``mammoth ar|dit`` (tiny checkpoint, one torch thread) and wait until SERVING."""
+        argv = ["--host", "127.0.0.1", "--checkpoint", str(self.checkpoint), "--port", str(port),
+                "--metrics-port", "0", "--torch-threads", "1", "--log-level", "warning", *extra]
+        return self._spawn(role, argv)
+
+    def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str) -> Proc:
+        """Start ``mammoth gateway`` on a free port; ready once >= 1 AR and >= 1 DiT are SERVING."""
+        argv = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
+                "--ar", ",".join(p.address for p in ars), "--dit", ",".join(p.address for p in dits),
+                "--default-steps", str(STEPS), "--default-size", SIZE, "--min-pixels", "1024",
+                "--health-interval-seconds", "0.2", "--request-timeout-seconds", "30", *extra]
+        return self._spawn("gateway", argv)
+
+    def restart(self, p: Proc) -> Proc:
+        """Start ``p``'s command again on the same port (after it died)."""
+        argv = list(p.argv)
+        argv[argv.index("--port") + 1] = str(p.port)
+        return self._spawn(p.role, argv)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.alive():
+                p.proc.send_signal(signal.SIGKILL)
+                p.proc.wait()
+
+
+def image_request(url: str, *, stream: bool = False, seed: int = 1, timeout: float = 60.0,
+                  size: str = SIZE, steps: int = STEPS) -> httpx.Response:
+    """POST one image request and read the whole answer."""
+    body = {"prompt": "a lighthouse at dusk", "size": size, "num_inference_steps": steps,
+            "seed": seed, "stream": stream}
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=timeout)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (returns True) or ``timeout`` s passed (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def assert_envelope(response: httpx.Response, statuses: tuple[int, ...]) -> dict:
+    """The response has one of ``statuses`` and an OpenAI error envelope; returns ``error``."""
+    assert response.status_code in statuses, (response.status_code, response.text[:500])
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    return error
