@@ -84,6 +84,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
         namespaces=args.namespace or None,
         all_namespaces=args.all_namespaces,
         liveness=args.liveness,
+        metrics_port=(args.metrics_port if args.metrics_port is not None
+                      else int(os.environ.get("MAMMOTH_OPERATOR_METRICS_PORT") or -1)),
     )
     return 0
 
@@ -177,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     op.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    op.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus /metrics port: reconcile counts and durations (default: env "
+                         "MAMMOTH_OPERATOR_METRICS_PORT, else -1: off)")
     op.add_argument("--log-format", default="text", choices=("text", "json"))
     op.add_argument("--log-level", default="info")
     op.set_defaults(func=cmd_operator)

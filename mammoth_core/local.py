@@ -136,6 +136,14 @@ def stop_pipeline(components: Sequence[Component], timeout: float = 30.0) -> Non
                 comp.proc.wait()
 
 
+def _metrics_hint(comp: Component) -> str:
+    """``   (metrics http://host:port/metrics)`` for a stage that reported its metrics port."""
+    port = comp.info.get("metrics_port")
+    if not isinstance(port, int) or port <= 0:
+        return ""
+    return f"   (metrics http://{comp.address.rsplit(':', 1)[0]}:{port}/metrics)"
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Implementation of ``mammoth up`` (see the module docstring)."""
     stop = {"flag": False}
@@ -166,8 +174,8 @@ def run_up(args: argparse.Namespace) -> int:
     print(
         "\nMammoth pipeline is up:\n"
         f"  gateway  {url}   (OpenAI images API: POST {url}/v1/images/generations; /metrics, /readyz)\n"
-        f"  AR       grpc://{by_name['ar'].address}\n"
-        f"  DiT      grpc://{by_name['dit'].address}\n"
+        f"  AR       grpc://{by_name['ar'].address}{_metrics_hint(by_name['ar'])}\n"
+        f"  DiT      grpc://{by_name['dit'].address}{_metrics_hint(by_name['dit'])}\n"
         f"Try:  mammoth generate \"a lighthouse at dusk\" --url {url} -o out.png\n"
         f"  or: curl -s {url}/v1/images/generations -H 'content-type: application/json' "
         "-d '{\"prompt\": \"a lighthouse\", \"size\": \"256x256\"}'\n",

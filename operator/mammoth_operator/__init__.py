@@ -16,7 +16,7 @@ __all__ = ["run"]
 logger = logging.getLogger(__name__)
 
 
-def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None) -> None:
+def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None, metrics_port: int = -1) -> None:
     """Run the operator until SIGTERM/SIGINT.
 
     Args:
@@ -24,6 +24,8 @@ def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None
             ``all_namespaces``. Neither given means all namespaces.
         all_namespaces: serve the whole cluster.
         liveness: kopf liveness endpoint URL, e.g. ``http://0.0.0.0:8080/healthz``; None disables it.
+        metrics_port: Prometheus ``/metrics`` port (reconcile counts and durations,
+            :mod:`~mammoth_operator.metrics`); -1 disables it.
 
     Settings come from ``MAMMOTH_OPERATOR_*`` environment variables (:mod:`mammoth_operator.config`);
     credentials from the pod's service account, else the kubeconfig.
@@ -35,8 +37,10 @@ def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None
 
     from mammoth_operator.config import OperatorConfig
     from mammoth_operator.handlers import register
+    from mammoth_operator.metrics import start_metrics_server
 
     config = OperatorConfig.from_env()
+    start_metrics_server(metrics_port)
     registry = register(kopf.OperatorRegistry(), config)
     clusterwide = all_namespaces or not namespaces
     if not all_namespaces and not namespaces:

@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from mammoth_operator import builders, kube
+from mammoth_operator import builders, kube, metrics
 from mammoth_operator import status as pipeline_status
 from mammoth_operator.config import GROUP, PLURAL, VERSION, OperatorConfig
 from mammoth_operator.spec import InvalidSpec, PipelineSpec, parse_spec
@@ -189,9 +189,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     # (in-cluster service account, else the kubeconfig).
     kopf.on.login(registry=registry, id="login")(kopf.login_via_client)
     resource = (GROUP, VERSION, PLURAL)
-    kopf.on.resume(*resource, registry=registry, id="reconcile")(reconcile)
-    kopf.on.create(*resource, registry=registry, id="reconcile")(reconcile)
-    kopf.on.update(*resource, registry=registry, id="reconcile")(reconcile)
+    # counted and timed per run: mammoth_operator_reconciles_total / _reconcile_duration_seconds
+    reconcile_timed = metrics.timed("reconcile")(reconcile)
+    kopf.on.resume(*resource, registry=registry, id="reconcile")(reconcile_timed)
+    kopf.on.create(*resource, registry=registry, id="reconcile")(reconcile_timed)
+    kopf.on.update(*resource, registry=registry, id="reconcile")(reconcile_timed)
     kopf.timer(*resource, registry=registry, id="report_status", interval=config.status_interval_seconds,
-               initial_delay=min(1.0, config.status_interval_seconds))(report_status)
+               initial_delay=min(1.0, config.status_interval_seconds))(metrics.timed("report_status")(report_status))
     return registry
