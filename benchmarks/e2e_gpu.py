@@ -288,7 +288,7 @@ def main() -> int:
     p.add_argument("--sizes", default="512:20,1024:50", help="SIZE:STEPS list (streamed phase)")
     p.add_argument("--concurrency", default="1,2,4")
     p.add_argument("--min-requests", type=int, default=1, help="requests per level at least (else = concurrency)")
-    p.add_argument("--baseline-sizes", default="512:20,1024:50", help="SIZE:STEPS for the request-end phase ('' = skip)")
+    p.add_argument("--baseline-sizes", default="512:20,1024:50", help="SIZE:STEPS[:REQUESTS] for the request-end phase ('' = skip)")
     p.add_argument("--ar-gpu", default="0")
     p.add_argument("--dit-gpu", default="1")
     p.add_argument("--ar-slots", type=int, default=8)
@@ -341,14 +341,14 @@ def main() -> int:
         print(HEADER, flush=True)
         try:
             warmed: set[int] = set()
-            for size, steps, c in plan:
+            for size, steps, c, *count in plan:
                 if time.perf_counter() - started > args.budget_s:
                     res.setdefault("skipped", []).append([key, size, steps, c])
                     continue
                 if not warmed and key == "streamed":  # one warm-up request per phase start (first size)
                     asyncio.run(run_level(url, size, steps, 1, 1, seed=99))
                     warmed.add(size)
-                n = max(c, args.min_requests)
+                n = count[0] if count else max(c, args.min_requests)
                 r = asyncio.run(run_level(url, size, steps, c, n, seed=1000 * c + size))
                 res[key if key == "request_end" else "levels"].append(r)
                 print(row(r), flush=True)
@@ -359,9 +359,9 @@ def main() -> int:
             stop_pipeline(comps)
 
     phase(None, [(s, st, c) for s, st in sizes for c in levels], "streamed")
-    base = [tuple(int(x) for x in s.split(":")) for s in args.baseline_sizes.split(",") if s]
+    base = [[int(x) for x in s.split(":")] for s in args.baseline_sizes.split(",") if s]
     if base:
-        phase(1_000_000, [(s, st, 1) for s, st in base], "request_end")
+        phase(1_000_000, [(b[0], b[1], 1, b[2] if len(b) > 2 else 1) for b in base], "request_end")
 
     # Summary against the targets
     dit_alone = {}
