@@ -13,7 +13,7 @@ import os
 from typing import Any, Awaitable
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from gateway.errors import AuthenticationError, ErrorResponse, NotFoundError
 from gateway.protocol import ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
@@ -31,6 +31,20 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     502: {"model": ErrorResponse, "description": "A stage failed after retries"},
     503: {"model": ErrorResponse, "description": "No serving backend or draining (`Retry-After`)"},
     504: {"model": ErrorResponse, "description": "The request's time budget ran out"},
+}
+
+
+#: One server-sent event of a ``stream: true`` answer: its ``event`` type and its ``data`` (one line
+#: of JSON: the event object of docs/API.md, or ``{"error": ...}`` for ``error``).
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["image_generation.progress",
+                                             "image_generation.partial_image",
+                                             "image_generation.completed", "error"]},
+        "data": {"type": "string", "description": "JSON object of the event"},
+    },
+    "required": ["data"],
 }
 
 
@@ -109,7 +123,7 @@ async def with_cancellation(work: Awaitable[Any], request: Request) -> Any:
         200: {"description": "The images (JSON), or with `stream: true` server-sent events "
                              "(`image_generation.partial_image`, `image_generation.progress`, "
                              "`image_generation.completed`, `error`)",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+              "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
     },
     dependencies=[Depends(require_api_key)],
     summary="Create images from a prompt (OpenAI images API)",
@@ -128,7 +142,11 @@ async def create_image(body: ImageGenerationRequest, request: Request) -> Respon
     return response
 
 
-@router.get("/v1/images/files/{image_id}", responses={404: _ERRORS[404]},
+@router.get("/v1/images/files/{image_id}", response_class=Response,
+            responses={200: {"description": "The image bytes",
+                             "content": {f"image/{fmt}": {"schema": {"type": "string", "format": "binary"}}
+                                         for fmt in ("png", "jpeg", "webp")}},
+                       404: _ERRORS[404]},
             summary="Fetch an image of a `url` response (no API key: the id is the capability)")
 async def get_image_file(image_id: str, request: Request) -> Response:
     item = request.app.state.store.get(image_id)
@@ -177,7 +195,9 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -219,4 +219,6 @@ def outcome_of(exc: BaseException) -> str:
         return exc.outcome
     if isinstance(exc, (RequestValidationError, ValidationError)):
         return "invalid_request"
+    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:
+        return "not_found" if exc.status_code == 404 else "invalid_request"
     return "internal_error"

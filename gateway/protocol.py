@@ -1,6 +1,7 @@
 """Pydantic models of the OpenAI images API as the gateway speaks it (requests, responses, SSE events).
 
-Types and ranges are checked here; checks that need settings (prompt length, pixel limits, model
+Types and ranges are checked here, strictly (``true`` is not a number, ``"5"`` not an integer:
+what the OpenAPI document says is what is accepted); checks that need settings (prompt length, pixel limits, model
 name, step cap) and cross-field rules live in `gateway.serving.resolve_request`, which raises
 `gateway.errors.InvalidRequestError` naming the field. Unknown request fields are accepted by the
 parser (so a newer official client never meets a 422) and then answered with a 400
@@ -15,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
+                      model_validator)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
                         "the gateway's `max_prompt_chars`).")
     model: str | None = Field(None, description="Model id; `GET /v1/models` lists it. Unknown -> 404 "
                               "`model_not_found`.")
-    n: int | None = Field(None, ge=1, le=10, description="Number of images, 1-10; image i uses "
+    n: StrictInt | None = Field(None, ge=1, le=10, description="Number of images, 1-10; image i uses "
                           "seed + i.")
     size: str | None = Field(None, description="`WIDTHxHEIGHT` (multiples of 16, within the "
                              "pixel limits) or `auto` (the gateway's `default_size`).")
@@ -73,7 +75,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
         "`image_ttl_seconds`).")
     output_format: Literal["png", "jpeg", "webp"] | None = Field(
         None, description="Encoding of the image (default png).")
-    output_compression: int | None = Field(
+    output_compression: StrictInt | None = Field(
         None, ge=0, le=100, description="0-100 for jpeg/webp: encoder quality = 100 - compression. "
         "Rejected with png.")
     quality: Quality | None = Field(
@@ -90,8 +92,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
                              "request id and echoed as `safety_identifier`.")
     safety_identifier: str | None = Field(None, max_length=256, description="Same as `user` "
                                           "(wins over it).")
-    stream: bool | None = Field(None, description="Server-sent events instead of one JSON body.")
-    partial_images: int | None = Field(
+    stream: StrictBool | None = Field(None, description="Server-sent events instead of one JSON body.")
+    partial_images: StrictInt | None = Field(
         None, ge=0, le=3, description="0-3 intermediate previews, streamed as "
         "`image_generation.partial_image` (needs stream=true).")
     complexity: Any = Field(None, description="Rejected when set.")
@@ -100,19 +102,19 @@ class ImageGenerationRequest(OpenAIBaseModel):
     svg: Any = Field(None, description="Rejected when set.")
 
     # --- extensions ---
-    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Extension: base seed; image i "
+    seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX, description="Extension: base seed; image i "
                              "uses seed + i. Random when omitted; always returned.")
     negative_prompt: str | None = Field(None, description="Extension: negative prompt, prefilled by "
                                         "the AR as a second sequence (role NEGATIVE) for "
                                         "classifier-free guidance.")
-    num_inference_steps: int | None = Field(None, ge=1, description="Extension: denoising steps "
+    num_inference_steps: StrictInt | None = Field(None, ge=1, description="Extension: denoising steps "
                                             "(default: the gateway's `default_steps`).")
-    text_guidance_scale: float | None = Field(None, ge=0.0, le=100.0, description="Extension: "
+    text_guidance_scale: StrictFloat | None = Field(None, ge=0.0, le=100.0, description="Extension: "
                                               "DiT classifier-free guidance scale (<= 1: off).")
-    cfg_range: tuple[float, float] | None = Field(None, description="Extension: [start, end] in "
+    cfg_range: tuple[StrictFloat, StrictFloat] | None = Field(None, description="Extension: [start, end] in "
                                                   "[0, 1]: guidance applies while start <= i/N <= "
                                                   "end.")
-    ar_guidance_scale: float | None = Field(None, ge=0.0, le=100.0, description="Extension: AR-side "
+    ar_guidance_scale: StrictFloat | None = Field(None, ge=0.0, le=100.0, description="Extension: AR-side "
                                             "classifier-free guidance (<= 1: off, default).")
     extra_body: dict[str, Any] | None = Field(None, description="Extensions may also be sent "
                                               "inside this object.")

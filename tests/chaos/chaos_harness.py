@@ -139,6 +139,26 @@ class Cluster:
                 "--health-interval-seconds", "0.2", "--request-timeout-seconds", "30", *extra]
         return self._spawn("gateway", argv)
 
+    def fake_stage(self, role: str, *extra: str) -> Proc:
+        """Start a fake stage (tests/gateway/fake_stages.py: real gRPC, no model) and wait for it."""
+        self._n += 1
+        ready = self.tmp / f"fake-{role}-{self._n}.ready"
+        log = self.tmp / f"fake-{role}-{self._n}.log"
+        argv = [str(ROOT / "tests" / "gateway" / "fake_stages.py"), role, "--ready-file", str(ready), *extra]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.stat().st_size):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"fake {role} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.02)
+        p = Proc(f"fake-{role}", proc, json.loads(ready.read_text())["address"], "", argv, log)
+        self.procs.append(p)
+        return p
+
     def restart(self, p: Proc) -> Proc:
         """Start ``p``'s command again on the same port (after it died)."""
         argv = list(p.argv)
