@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from mammoth_operator.spec import Disruption, Gateway, PipelineSpec, Placement, Rollout, Stage
+from mammoth_operator.spec import ROLE_TOKEN_KEYS, Disruption, Gateway, PipelineSpec, Placement, Rollout, Stage
 
 GROUP = "mammoth.dev"
 APP_NAME = "mammoth-pipeline"
@@ -42,6 +42,10 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 CACHE_DIR = "/var/cache/mammoth"
 MODELS_DIR = "/models"
 AUTH_DIR = "/etc/mammoth/auth"
+ROLE_TOKENS_DIR = "/etc/mammoth/role-tokens"
+#: Per-role token files each component mounts: it presents its own role's token; a stage also
+#: holds the tokens of the roles it accepts (the AR accepts the gateway; the DiT the gateway and AR).
+ROLE_TOKENS_MOUNTED = {"gateway": ("gateway",), "ar": ("gateway", "ar"), "dit": ("gateway", "ar")}
 API_KEYS_DIR = "/etc/mammoth/api-keys"
 
 #: gRPC and metrics ports of each stage, and the gRPC health service name its readiness probe asks for.
@@ -197,6 +201,10 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
     if spec.gateway.api_keys is not None:
         gateway["api_keys_file"] = f"{API_KEYS_DIR}/keys"
     config["gateway"] = gateway
+    if spec.transport.role_tokens is not None:
+        for component, roles in ROLE_TOKENS_MOUNTED.items():
+            for role in roles:
+                config[component][f"{role}_token_file"] = f"{ROLE_TOKENS_DIR}/{role}"
     return config
 
 
@@ -286,6 +294,10 @@ def _volumes(spec: PipelineSpec, component: str) -> tuple[list[dict[str, Any]], 
     if token is not None:
         volumes.append({"name": "auth-token", "secret": {"secretName": token.name, "items": [{"key": token.key, "path": "token"}]}})
         mounts.append({"name": "auth-token", "mountPath": AUTH_DIR, "readOnly": True})
+    if spec.transport.role_tokens is not None:
+        items = [{"key": ROLE_TOKEN_KEYS[role], "path": role} for role in ROLE_TOKENS_MOUNTED[component]]
+        volumes.append({"name": "role-tokens", "secret": {"secretName": spec.transport.role_tokens, "items": items}})
+        mounts.append({"name": "role-tokens", "mountPath": ROLE_TOKENS_DIR, "readOnly": True})
     if component == "gateway" and spec.gateway.api_keys is not None:
         keys = spec.gateway.api_keys
         volumes.append({"name": "api-keys", "secret": {"secretName": keys.name, "items": [{"key": keys.key, "path": "keys"}]}})
@@ -562,8 +574,24 @@ def build_hpa(spec: PipelineSpec, stage: Stage) -> Child:
 
 
 def build_network_policy(spec: PipelineSpec) -> Child:
-    """Stage pods accept gRPC only from this pipeline's pods; their metrics ports stay open for scrapers."""
+    """Ingress of the stage pods: the gateway reaches the AR and DiT gRPC ports, AR pods reach the DiT
+    gRPC port, the ``networkPolicy.monitoring`` peer (if any) reaches the metrics ports; nothing else.
+
+    One policy serves both stages because their ports differ (AR 50051/9091, DiT 50052/9092): the
+    rule "AR pods -> 50052" can only ever admit traffic to DiT pods. Which RPC a caller may use is
+    not a network property; the per-role stage tokens enforce it (`mammoth_core.grpc_common`).
+    """
     base = {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": spec.name}
+    (ar_grpc, ar_metrics), (dit_grpc, dit_metrics) = STAGE_PORTS["ar"], STAGE_PORTS["dit"]
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": {"matchLabels": selector_labels(spec.name, "gateway")}}],
+         "ports": [{"protocol": "TCP", "port": ar_grpc}, {"protocol": "TCP", "port": dit_grpc}]},
+        {"from": [{"podSelector": {"matchLabels": selector_labels(spec.name, "ar")}}],
+         "ports": [{"protocol": "TCP", "port": dit_grpc}]},
+    ]
+    if spec.monitoring_peer is not None:
+        ingress.append({"from": [dict(spec.monitoring_peer)],
+                        "ports": [{"protocol": "TCP", "port": ar_metrics}, {"protocol": "TCP", "port": dit_metrics}]})
     return Child({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -574,11 +602,7 @@ def build_network_policy(spec: PipelineSpec) -> Child:
                 "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["ar", "dit"]}],
             },
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": base}}],
-                 "ports": [{"protocol": "TCP", "port": STAGE_PORTS["ar"][0]}, {"protocol": "TCP", "port": STAGE_PORTS["dit"][0]}]},
-                {"ports": [{"protocol": "TCP", "port": STAGE_PORTS["ar"][1]}, {"protocol": "TCP", "port": STAGE_PORTS["dit"][1]}]},
-            ],
+            "ingress": ingress,
         },
     })
 

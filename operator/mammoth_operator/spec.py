@@ -144,6 +144,9 @@ class Transport:
     chunk_rows: int
     max_message_bytes: int
     auth_token: SecretRef | None
+    #: Secret with per-role stage tokens (keys `ROLE_TOKEN_KEYS`): the gateway's token calls AR.Generate
+    #: and DiT.Generate, the AR's token calls DiT.PushConditions, nothing else.
+    role_tokens: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,9 @@ class PipelineSpec:
     network_policy: bool
     service_account_name: str
     image_pull_secrets: tuple[str, ...]
+    #: NetworkPolicy peer (``namespaceSelector`` and/or ``podSelector``) allowed to reach the metrics
+    #: ports; None: nobody.
+    monitoring_peer: Mapping[str, Any] | None = None
 
 
 # Defaults: equal to the CRD's (tests/operator/test_crd.py compares them).
@@ -337,6 +343,47 @@ class _Reader:
         return SecretRef(name, ref.str("key", key_default, max_length=253) or key_default)
 
 
+#: Keys of the per-role token Secret (``spec.transport.roleTokensSecretRef``), role -> key.
+ROLE_TOKEN_KEYS = {"gateway": "gateway", "ar": "ar"}
+
+
+def _role_tokens(tr: _Reader) -> str | None:
+    """Name of the per-role token Secret, or None."""
+    if tr.data.get("roleTokensSecretRef") is None:
+        return None
+    ref = tr.sub("roleTokensSecretRef")
+    name = ref.str("name", max_length=253)
+    if not name:
+        raise InvalidSpec(f"{ref.path}.name", "is required")
+    return name
+
+
+def _label_selector(r: _Reader, key: str) -> dict[str, Any] | None:
+    value = r.data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) - {"matchLabels", "matchExpressions"}:
+        raise InvalidSpec(f"{r.path}.{key}", "must be a label selector (matchLabels, matchExpressions)")
+    sub = r.sub(key)
+    selector: dict[str, Any] = {}
+    if "matchLabels" in value:
+        selector["matchLabels"] = sub.str_map("matchLabels")
+    if "matchExpressions" in value:
+        selector["matchExpressions"] = [dict(e) for e in sub.obj_list("matchExpressions", required="key")]
+    return selector
+
+
+def _monitoring_peer(np: _Reader) -> dict[str, Any] | None:
+    """``networkPolicy.monitoring`` as a NetworkPolicy peer, or None (metrics ports closed)."""
+    if np.data.get("monitoring") is None:
+        return None
+    mon = np.sub("monitoring")
+    peer = {k: sel for k in ("namespaceSelector", "podSelector") if (sel := _label_selector(mon, k)) is not None}
+    if not peer:
+        raise InvalidSpec(f"{mon.path}", "needs a namespaceSelector or a podSelector")
+    return peer
+
+
 def _is_zero(value: int | str | None) -> bool:
     return value in (0, "0", "0%")
 
@@ -439,6 +486,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
         chunk_rows=tr.int("chunkRows", DEFAULTS["transport.chunkRows"], 1, 4096),
         max_message_bytes=tr.int("maxMessageBytes", DEFAULTS["transport.maxMessageBytes"], 1048576, 2147483647),
         auth_token=tr.secret_ref("authTokenSecretRef", DEFAULTS["secret.token.key"]),
+        role_tokens=_role_tokens(tr),
     )
     if transport.chunk_rows * MAX_ROW_BYTES > transport.max_message_bytes:
         raise InvalidSpec(
@@ -495,6 +543,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
         log_format=lg.str("format", DEFAULTS["logging.format"], ("text", "json")),
         log_level=lg.str("level", DEFAULTS["logging.level"], ("debug", "info", "warning", "error")),
         network_policy=r.sub("networkPolicy").bool("enabled", DEFAULTS["networkPolicy.enabled"]),
+        monitoring_peer=_monitoring_peer(r.sub("networkPolicy")),
         service_account_name=r.str("serviceAccountName", max_length=253),
         image_pull_secrets=tuple(str(s["name"]) for s in pull_secrets),
     )

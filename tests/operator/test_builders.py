@@ -78,8 +78,9 @@ def test_selectors_match_pod_labels(variant):
             assert {c for c, labels in pods.items() if matches(selector, labels)} == {component}, name
         elif kind == "NetworkPolicy":
             assert {c for c, labels in pods.items() if matches(manifest["spec"]["podSelector"], labels)} == {"ar", "dit"}
-            peers = manifest["spec"]["ingress"][0]["from"][0]["podSelector"]
-            assert {c for c, labels in pods.items() if matches(peers, labels)} == {"ar", "dit", "gateway"}
+            # gRPC from the gateway (both stages) and from AR pods (the DiT's port only)
+            peers = [manifest["spec"]["ingress"][i]["from"][0]["podSelector"] for i in (0, 1)]
+            assert [{c for c, labels in pods.items() if matches(p, labels)} for p in peers] == [{"gateway"}, {"ar"}]
 
 
 def test_both_stages_get_the_same_transport_limits():
