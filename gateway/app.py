@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api_router import GENERATIONS_PATH, ApiKeys, router
 from gateway.backends import BackendPool, format_address
-from gateway.errors import GatewayError, create_error_response, outcome_of
+from gateway.errors import GatewayError, PayloadTooLargeError, create_error_response, outcome_of
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
 from gateway.serving import GatewayState, OpenAIServingImages, Orchestrator, new_request_id
@@ -65,6 +65,66 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class BodySizeLimitMiddleware:
+    """Refuses request bodies larger than ``max_bytes`` with 413 (OpenAI envelope) before the app
+    reads them: a ``Content-Length`` over the limit is refused at once; a chunked body is read here,
+    counted, and handed on only when it fits (so nothing upstream ever buffers an unbounded body)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        request_id = (scope.get("state") or {}).get("request_id")
+        response = create_error_response(PayloadTooLargeError(
+            f"request body is larger than {self.max_bytes} bytes", code="request_too_large"), request_id)
+        await response(scope, _no_receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.strip().isdigit() or int(length) > self.max_bytes:
+                await self._refuse(scope, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if b"transfer-encoding" not in headers:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client gone
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await self._refuse(scope, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _no_receive() -> Message:  # pragma: no cover - a JSONResponse never reads the request
+    return {"type": "http.disconnect"}
 
 
 def _channel_options(settings: GatewaySettings) -> list[tuple[str, Any]]:
@@ -163,6 +223,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     for exc_class in (Exception, RequestValidationError, StarletteHTTPException, GatewayError):
         app.add_exception_handler(exc_class, handle)
     app.include_router(router)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

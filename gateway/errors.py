@@ -13,6 +13,7 @@ pydantic / FastAPI validation   400     ``invalid_request_error``  ``invalid_val
 `NotFoundError`                 404     ``invalid_request_error``  ``model_not_found`` / ``not_found``
 `OverloadedError`               429     ``rate_limit_error``       ``queue_full`` (+ Retry-After)
 `UnavailableError`              503     ``service_unavailable``    ``no_backend`` / ``draining`` (+ Retry-After)
+`PayloadTooLargeError`          413     ``invalid_request_error``  ``request_too_large``
 `DeadlineExceededError`         504     ``timeout``                ``deadline_exceeded``
 `BackendError`                  502     ``backend_error``          ``backend_failure``
 anything else                   500     ``server_error``           ``internal_error``
@@ -133,6 +134,15 @@ class DeadlineExceededError(GatewayError):
     type = "timeout"
     code = "deadline_exceeded"
     outcome = "deadline"
+
+
+class PayloadTooLargeError(GatewayError):
+    """The request body is larger than the gateway's ``max_body_bytes`` (HTTP 413)."""
+
+    status_code = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+    outcome = "invalid_request"
 
 
 class BackendError(GatewayError):

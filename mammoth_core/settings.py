@@ -270,6 +270,10 @@ class GatewaySettings(BaseSettings):
     min_pixels: int = field(default=64 * 64, metadata=_doc("smallest width*height accepted"))
     max_steps: int = field(default=200, metadata=_doc("largest num_inference_steps accepted"))
     max_prompt_chars: int = field(default=4000, metadata=_doc("longest prompt accepted"))
+    max_body_bytes: int = field(
+        default=1024 * 1024,
+        metadata=_doc("largest HTTP request body in bytes (413 above it; chunked bodies counted too)"),
+    )
     request_timeout_seconds: float = field(default=600.0, metadata=_doc("per-request time budget"))
     queue_size: int = field(default=64, metadata=_doc("requests waiting for a slot, at most"))
     api_keys_file: str | None = field(default=None, metadata=_doc("file of API keys, one a line"))

@@ -59,3 +59,21 @@ def test_framework_http_errors_are_not_counted_as_internal_errors():
     assert outcome_of(HTTPException(400, "There was an error parsing the body")) == "invalid_request"
     assert outcome_of(HTTPException(404)) == "not_found"
     assert outcome_of(HTTPException(503)) == "internal_error"
+
+
+def test_request_bodies_over_the_limit_are_413(gateway_factory):
+    gw = gateway_factory(max_body_bytes=4096)
+    big = {"prompt": "x" * 5000, "size": "64x64"}
+    r = httpx.post(gw.url + GEN, json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert r.headers.get("x-request-id")
+
+    def chunked():  # no Content-Length: the body is counted as it streams in
+        for _ in range(100):
+            yield b" " * 1000
+
+    r = httpx.post(gw.url + GEN, content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and set(r.json()) == {"error"}
+    # a small chunked body still reaches the app (400 here: it is not a valid request)
+    r = httpx.post(gw.url + GEN, content=iter([b'{"prompt": ', b'""}']), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
