@@ -331,8 +331,9 @@ async def drain(
     deadline = loop.time() + grace_seconds
     if wait_idle is not None:
         try:
-            await asyncio.wait_for(wait_idle(), grace_seconds)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(grace_seconds):
+                await wait_idle()
+        except TimeoutError:
             logger.warning("drain: in-flight work did not finish within %.1f s", grace_seconds)
     await server.stop(max(0.0, deadline - loop.time()))
 

@@ -144,6 +144,14 @@ def encode_staged(t: torch.Tensor) -> bytes:
     return raw.tobytes()
 
 
+def staged_buffer(t: torch.Tensor) -> memoryview | bytes:
+    """A zero-copy little-endian byte view of a contiguous CPU tensor (bytes on big-endian hosts);
+    valid while ``t`` is alive and unchanged."""
+    if not _LITTLE:  # pragma: no cover - big-endian hosts only
+        return encode_staged(t)
+    return memoryview(tensor_bytes_view(t).numpy())
+
+
 def copy_payload(data: bytes | memoryview, out: torch.Tensor) -> None:
     """Copy payload bytes into ``out`` (a contiguous CPU tensor of exactly ``len(data)`` bytes),
     converting from little-endian on big-endian hosts. One memcpy, no intermediate buffer."""

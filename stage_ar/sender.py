@@ -37,7 +37,6 @@ import torch
 from mammoth_core import transport_metrics as metrics
 from mammoth_core import wire
 from mammoth_core.pb import mammoth_pb2 as pb
-from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,9 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         for _ in range(blocks):
             try:
-                self._free.append(torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin))
+                block = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin)
+                block.zero_()  # fault the pages in now, not on the decode thread's hot path
+                self._free.append(block)
             except RuntimeError:  # pinned memory exhausted: a smaller pool
                 logger.warning("pinned staging pool: allocated %d of %d blocks", len(self._free), blocks)
                 break
@@ -109,6 +110,53 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream":
         return _copy_streams[index]
 
 
+_DATA_TAG = bytes([(4 << 3) | 2])  # HiddenStateChunk.data: field 4, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def frame_chunk(msg: pb.HiddenStateChunk, payload) -> bytes:
+    """Serialise ``msg`` with ``payload`` (bytes-like) as its ``data`` field in one copy.
+
+    Protobuf parsers accept fields in any order, so the bytes equal ``msg`` with ``data=payload``
+    for every reader; this only avoids building and serialising a message holding the payload
+    (two extra copies of every row).
+    """
+    return b"".join((msg.SerializeToString(), _DATA_TAG, _varint(len(payload)), payload))
+
+
+def _push_callable(target: Any) -> tuple[Any, bool]:
+    """``DiT.PushConditions`` for ``target`` and whether it takes pre-serialised bytes.
+
+    From a `grpc.aio.Channel` (or a DiT stub whose multi-callable exposes its channel) the call
+    sends our framed bytes as they are; otherwise (any other stub) each message is parsed back into
+    a `HiddenStateChunk` first (correct, one more copy).
+    """
+    channel = target
+    if hasattr(target, "PushConditions"):
+        channel = getattr(target.PushConditions, "_python_channel", None)
+        if not isinstance(channel, grpc.aio.Channel):
+            return target.PushConditions, False
+    return (
+        channel.stream_unary(
+            "/mammoth.v1.DiT/PushConditions",
+            request_serializer=None,
+            response_deserializer=pb.PushConditionsResponse.FromString,
+        ),
+        True,
+    )
+
+
 async def _wait_event(event: "torch.cuda.Event | None") -> None:
     while event is not None and not event.query():
         await asyncio.sleep(_EVENT_POLL_S)
@@ -129,7 +177,7 @@ class HiddenStateSender:
     """Stream one request's hidden-state rows to its DiT slot.
 
     Args:
-        target: a ``DiTStub`` or a `grpc.aio.Channel` to the DiT holding the slot.
+        target: a `grpc.aio.Channel` to the DiT holding the slot (or a ``DiTStub`` on one).
         request_id, epoch: identity of this attempt (a retry uses ``epoch + 1``).
         reservation_token: the DiT's `Reserved.reservation_token`.
         hidden_size: row width ``H``.
@@ -171,7 +219,7 @@ class HiddenStateSender:
             self._proto_dtype = wire.dtype_to_proto(dtype)
         except wire.WireError as exc:
             raise ValueError(exc.message) from None
-        self._stub = target if hasattr(target, "PushConditions") else pb_grpc.DiTStub(target)
+        self._push, self._raw = _push_callable(target)
         self.request_id = request_id
         self.epoch = int(epoch)
         self.token = reservation_token
@@ -247,7 +295,6 @@ class HiddenStateSender:
         if len(token_ids) != rows:
             raise ValueError(f"{len(token_ids)} token ids for {rows} rows")
         hidden = hidden.detach()
-        wake = False
         with self._lock:
             if self._closed:
                 return False
@@ -255,20 +302,25 @@ class HiddenStateSender:
                 raise ValueError(
                     f"{self._put[role] + rows} {pb.Role.Name(role)} rows exceed the announced {self.expected[role]}"
                 )
-            i = 0
-            while i < rows:
+            self._put[role] += rows
+        # The lock is taken per block, so the event loop can send each block as soon as it is
+        # sealed while a long put (prefill rows) is still being staged.
+        i = 0
+        while i < rows:
+            with self._lock:
+                if self._closed:
+                    return False
                 block = self._open[role] or self._new_block(role, hidden.is_cuda)
                 n = min(rows - i, self.rows_per_chunk - block.rows)
                 self._stage(block, hidden[i : i + n])
                 block.token_ids.extend(int(t) for t in token_ids[i : i + n])
                 block.rows += n
                 i += n
-                if block.rows == self.rows_per_chunk:
+                sealed = block.rows == self.rows_per_chunk
+                if sealed:
                     self._seal(role)
-                    wake = True
-            self._put[role] += rows
-        if wake:
-            self._wakeup()
+            if sealed:
+                self._wakeup()
         return True
 
     def finish(self) -> None:
@@ -368,9 +420,8 @@ class HiddenStateSender:
         try:
             if self._aborted:
                 raise SenderAborted(f"request {self.request_id} aborted before sending")
-            self._call = self._stub.PushConditions(
-                self._messages(), metadata=self._call_metadata, timeout=self._timeout
-            )
+            requests = self._messages() if self._raw else self._parsed(self._messages())
+            self._call = self._push(requests, metadata=self._call_metadata, timeout=self._timeout)
             try:
                 response = await self._call
             except asyncio.CancelledError:
@@ -399,6 +450,11 @@ class HiddenStateSender:
             for block in leftovers:
                 await self._release_block(block)
 
+    @staticmethod
+    async def _parsed(raw_messages):
+        async for raw in raw_messages:
+            yield pb.HiddenStateChunk.FromString(raw)
+
     async def _release_block(self, block: _Block) -> None:
         # A block with a device->host copy in flight goes back only after that copy completed.
         await _wait_event(block.event)
@@ -420,6 +476,7 @@ class HiddenStateSender:
         )
 
     async def _messages(self):
+        """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`)."""
         self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
         sequence = 0
         while True:
@@ -440,46 +497,47 @@ class HiddenStateSender:
                     if sequence == 0:
                         msg.metadata.CopyFrom(self._metadata_msg)
                     self.last_sent_unix_ms = msg.header.sent_unix_ms
-                    yield msg
+                    yield msg.SerializeToString()
                     return
                 await self._wake.wait()
                 continue
             try:
                 await _wait_event(block.event)  # D2H-ready: bytes leave only after the copy
                 nbytes = block.rows * self.hidden_size * self.itemsize
-                payload = wire.encode_staged(block.buf[:nbytes])
+                payload = wire.staged_buffer(block.buf[:nbytes])
+                self._crc[block.role] = wire.crc32(payload, self._crc[block.role])
+                self.rows_sent[block.role] += block.rows
+                last = self._is_drained()
+                msg = pb.HiddenStateChunk(
+                    reservation_token=self.token,
+                    header=pb.ChunkHeader(
+                        request_id=self.request_id,
+                        epoch=self.epoch,
+                        sequence=sequence,
+                        role=block.role,
+                        dtype=self._proto_dtype,
+                        shape=[block.rows, self.hidden_size],
+                        row_offset=block.row_offset,
+                        token_ids=block.token_ids,
+                    ),
+                )
+                if sequence == 0:
+                    msg.metadata.CopyFrom(self._metadata_msg)
+                if last:
+                    msg.end.CopyFrom(self._end_message())
+                msg.header.sent_unix_ms = time.time() * 1000.0
+                # The payload is copied once, from staging straight into the message bytes.
+                raw = frame_chunk(msg, payload)
             finally:
                 if block.pooled:
                     self._staging.release(block.buf)
-            self._crc[block.role] = wire.crc32(payload, self._crc[block.role])
-            self.rows_sent[block.role] += block.rows
-            last = self._is_drained()
-            msg = pb.HiddenStateChunk(
-                reservation_token=self.token,
-                header=pb.ChunkHeader(
-                    request_id=self.request_id,
-                    epoch=self.epoch,
-                    sequence=sequence,
-                    role=block.role,
-                    dtype=self._proto_dtype,
-                    shape=[block.rows, self.hidden_size],
-                    row_offset=block.row_offset,
-                    token_ids=block.token_ids,
-                ),
-                data=payload,
-            )
-            if sequence == 0:
-                msg.metadata.CopyFrom(self._metadata_msg)
-            if last:
-                msg.end.CopyFrom(self._end_message())
-            msg.header.sent_unix_ms = time.time() * 1000.0
             self.last_sent_unix_ms = msg.header.sent_unix_ms
             self.chunks_sent += 1
             self.bytes_sent += nbytes
             metrics.CHUNKS.labels(side="send").inc()
             metrics.BYTES.labels(side="send").inc(nbytes)
             metrics.ROWS.labels(side="send").inc(block.rows)
-            yield msg
+            yield raw
             sequence += 1
             if last:
                 return

@@ -205,9 +205,12 @@ class Slot:
     async def wait_changed(self, timeout: float | None) -> None:
         """Wait until rows arrive, the slot completes or is released, or ``timeout`` seconds pass."""
         changed = self._changed
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # arrives as the event fires, leaving a cancelled Generate holding its slot.
         try:
-            await asyncio.wait_for(changed.wait(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await changed.wait()
+        except TimeoutError:
             pass
 
     async def wait_complete(self, timeout: float | None = None) -> None:
@@ -550,8 +553,9 @@ class SlotPool:
             self._waiters.append(fut)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):
+                    await fut
+            except TimeoutError:
                 metrics.RESERVATIONS.labels(result="timeout").inc()
                 raise WireError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

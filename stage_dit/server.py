@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Histogram
 
-from mammoth_core import grpc_common
+from mammoth_core import grpc_common, tracing
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler
@@ -151,6 +151,9 @@ class DiTServicer(pb_grpc.DiTServicer):
         outcome = "consumer_lost"
         worker: asyncio.Future | None = None
         stop = threading.Event()
+        span = tracing.start_span(  # None when tracing is off
+            "mammoth.v1.DiT/Generate", tracing.extract(context.invocation_metadata()), kind="SERVER",
+            attributes={"mammoth.request_id": request.request_id, "mammoth.slot_id": slot.slot_id})
         try:
             yield pb.DiTGenerateResponse(
                 reserved=pb.Reserved(reservation_token=slot.token, slot_id=slot.slot_id)
@@ -175,6 +178,10 @@ class DiTServicer(pb_grpc.DiTServicer):
                     )
                 await slot.wait_changed(min(wait_until - now, self.progress_interval_s))
             conds = slot.conditions()
+            if span is not None and slot.timings.first_chunk_at and slot.timings.resident_at:
+                tracing.record_span("dit.receive", span,
+                                    tracing.monotonic_to_unix_ns(slot.timings.first_chunk_at),
+                                    tracing.monotonic_to_unix_ns(slot.timings.resident_at))
             yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
                 phase=pb.DiTProgress.RECEIVING,
                 rows_received=conds.hidden.shape[0] + (0 if conds.negative is None else conds.negative.shape[0]),
@@ -201,6 +208,11 @@ class DiTServicer(pb_grpc.DiTServicer):
                 elif kind == "done":
                     break
             data, fmt, timings = await worker
+            if span is not None:
+                _record_model_spans(span, timings, time.time_ns())
+            logger.info("image done: %dx%d, %d steps, denoise %.1f ms, vae %.1f ms, encode %.1f ms",
+                        params.width, params.height, params.num_inference_steps, timings.denoise_ms,
+                        timings.vae_ms, timings.encode_ms)
             t = slot.timings
             timings.queue_ms = 1000.0 * ((t.first_chunk_at or t.reserved_at) - t.reserved_at)
             timings.receive_ms = 1000.0 * ((t.last_chunk_at or 0.0) - (t.first_chunk_at or 0.0))
@@ -239,6 +251,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             else:
                 slot.release(outcome)
             DIT_REQUESTS.labels(outcome).inc()
+            tracing.end_span(span, error=None if outcome == "completed" else outcome)
 
     def _write_trace(self, request_id: str, slot, conds) -> None:
         """``<trace_dir>/<request_id>.e<epoch>.dit.json``: when each chunk arrived, and the totals."""
@@ -342,6 +355,8 @@ class DiTServicer(pb_grpc.DiTServicer):
         token: str | None = None
         slot = None
         complete = False
+        span = tracing.start_span("mammoth.v1.DiT/PushConditions",
+                                  tracing.extract(context.invocation_metadata()), kind="SERVER")
         try:
             async for chunk in request_iterator:
                 if token is None:
@@ -373,6 +388,21 @@ class DiTServicer(pb_grpc.DiTServicer):
             if slot is not None and token is not None:
                 slot.mark_producer_lost(token)
             raise
+        finally:
+            if span is not None:
+                span.set_attribute("mammoth.request_id", request_id_var.get() or "")
+                tracing.end_span(span, error=None if complete else "incomplete")
+
+
+def _record_model_spans(span, timings: pb.DiTTimings, end_ns: int) -> None:
+    """``dit.denoise``, ``dit.vae``, ``dit.encode`` children of ``span``, laid back to back from the
+    worker's durations and ending at ``end_ns`` (Unix epoch ns, read when the worker returned)."""
+    encode_start = end_ns - int(timings.encode_ms * 1e6)
+    vae_start = encode_start - int(timings.vae_ms * 1e6)
+    denoise_start = vae_start - int(timings.denoise_ms * 1e6)
+    tracing.record_span("dit.denoise", span, denoise_start, vae_start)
+    tracing.record_span("dit.vae", span, vae_start, encode_start)
+    tracing.record_span("dit.encode", span, encode_start, end_ns)
 
 
 def _expired(context: grpc.aio.ServicerContext) -> bool:
@@ -389,6 +419,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     ``metrics_port``) is written last. On SIGTERM: NOT_SERVING, no new reservations, in-flight
     requests get ``drain_grace_seconds``, then the function returns.
     """
+    tracing.setup("dit", settings.trace_export, settings.trace_sample_ratio)
     token = settings.read_auth_token()
     profiler = StageProfiler(settings.profile_dir or str(pathlib.Path(settings.cache_dir) / "profiles"),
                              "dit", settings.profile_requests)
@@ -424,3 +455,4 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     write_ready_file(ready_file, address, port=port, metrics_port=metrics_port)
     await drained.wait()
     await server.wait_for_termination()
+    tracing.shutdown()

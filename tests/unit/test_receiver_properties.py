@@ -71,8 +71,11 @@ def build_stream(request_id, token, epoch, cond, neg, chunk_rows, dtype):
     return msgs
 
 
+# "late_replay" re-delivers a chunk at the very end, after newer epochs have started (a stale
+# epoch's chunk arriving late). Relabelling a chunk's epoch is not a mutation here: a chunk that
+# claims another epoch with a consistent payload is, to any receiver, that epoch's chunk.
 MUTATIONS = ("none", "none", "none", "duplicate", "drop", "swap", "other_request_id",
-             "other_token", "flip_byte", "bad_offset", "bad_dtype", "bad_hidden", "stale_epoch")
+             "other_token", "flip_byte", "bad_offset", "bad_dtype", "bad_hidden", "late_replay")
 
 
 async def scenario(seed: int, n_requests: int, n_epochs: int, mutation_rate: float,
@@ -99,7 +102,7 @@ async def scenario(seed: int, n_requests: int, n_epochs: int, mutation_rate: flo
     while any(queues):
         q = rng.choice([q for q in queues if q])
         merged.append(q.pop(0))
-    damaged = []
+    damaged, replays = [], []
     for r, e, msg, _ in merged:
         if rng.random() >= mutation_rate:
             damaged.append((r, e, msg, "none"))
@@ -129,9 +132,12 @@ async def scenario(seed: int, n_requests: int, n_epochs: int, mutation_rate: flo
             m.header.dtype = pb.FLOAT16 if m.header.dtype != pb.FLOAT16 else pb.BFLOAT16
         elif kind == "bad_hidden":
             m.header.shape[1] = HIDDEN + 1
-        elif kind == "stale_epoch" and e > 0:
-            m.header.epoch = e - 1
+        elif kind == "late_replay":
+            damaged.append((r, e, msg, "none"))
+            replays.append((r, e, m, "late_replay"))
+            continue
         damaged.append((r, e, m, kind))
+    damaged += replays
 
     completed_by = {}
     for r, e, msg, kind in damaged:
@@ -147,7 +153,7 @@ async def scenario(seed: int, n_requests: int, n_epochs: int, mutation_rate: flo
         # Accepted: it is addressed to this slot, by this request, in the slot's current epoch.
         assert msg.header.request_id == f"req-{owner}"
         assert slot.epoch == msg.header.epoch
-        if kind in ("none", "swap", "duplicate") and result.rows:
+        if kind in ("none", "swap", "duplicate", "late_replay") and result.rows:
             # Undamaged payload: bit-identical at its place in the staging buffer.
             cond, neg = truth[(owner, msg.header.epoch)]
             isz = wire.itemsize(dtype)
