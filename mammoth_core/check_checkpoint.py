@@ -123,3 +123,15 @@ def check_checkpoint(path: str | os.PathLike) -> CheckReport:
         report.problems.append("mammothu.tiktoken is empty")
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def verify_checkpoint(path: str | os.PathLike) -> CheckReport:
+    """Run `check_checkpoint` before a stage loads weights; raise when anything is wrong.
+
+    Raises:
+        CheckpointError: with every problem of the report (files, configs, tensor names/shapes/dtypes).
+    """
+    report = check_checkpoint(path)
+    if not report.ok:
+        raise CheckpointError(path, report.problems)
+    return report

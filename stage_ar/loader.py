@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from mammoth_core.check_checkpoint import verify_checkpoint
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_ar.sampling import GridConstrainedSampler, T2IGenerationConfig, read_t2i_generation_config
@@ -62,6 +63,7 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype) ->
     """
     t0 = time.perf_counter()
     path = resolve_checkpoint(checkpoint, cache_dir)
+    verify_checkpoint(path)  # every tensor checked (headers only) before any weight is read
     ckpt = Checkpoint(path)
     with torch.device(device):
         model = MammothARForCausalLM.from_llm_config(ckpt.llm_config)

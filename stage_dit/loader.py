@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from mammoth_core.check_checkpoint import verify_checkpoint
 from mammoth_core.checkpoint import Checkpoint, resolve_checkpoint
 from mammoth_core.settings import DiTSettings
 from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
@@ -21,6 +22,7 @@ def load_pipeline(settings: DiTSettings) -> MammothDiTPipeline:
     """
     t0 = time.perf_counter()
     path = resolve_checkpoint(settings.checkpoint, settings.cache_dir)
+    verify_checkpoint(path)  # every tensor checked (headers only) before any weight is read
     ckpt = Checkpoint(path)
     device, dtype = settings.resolved_device(), settings.resolved_dtype()
     modules = build_dit_modules(ckpt.config, device=device, dtype=dtype)
