@@ -28,7 +28,8 @@ from gateway.errors import GatewayError, PayloadTooLargeError, create_error_resp
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
 from gateway.serving import GatewayState, OpenAIServingImages, Orchestrator, new_request_id
-from mammoth_core import grpc_common
+from mammoth_core import grpc_common, tracing
+from mammoth_core.logging import request_id_var
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.runtime import write_ready_file
 from mammoth_core.settings import GatewaySettings
@@ -41,7 +42,12 @@ DIT_SERVICE = "mammoth.v1.DiT"
 
 class RequestIdMiddleware:
     """Gives every HTTP request an id (client's ``x-request-id`` if well formed) and start time,
-    and adds ``x-request-id`` to every response."""
+    adds ``x-request-id`` to every response, and sets `mammoth_core.logging.request_id_var` for the
+    request's task (every log line about it carries the id; the stages log ``<id>-<image index>``).
+
+    With tracing on (`mammoth_core.tracing`), requests under ``/v1/`` get a SERVER span (continuing
+    the client's ``traceparent`` header when it sends one), current while the app handles them.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -56,15 +62,38 @@ class RequestIdMiddleware:
         scope.setdefault("state", {})
         scope["state"]["request_id"] = request_id
         scope["state"]["started"] = time.perf_counter()
+        traced = tracing.enabled() and scope.get("path", "").startswith("/v1/")
+        span_cm = _request_span(scope, headers, request_id) if traced else contextlib.nullcontext()
+        span = None
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 hdrs = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
                 hdrs.append((b"x-request-id", request_id.encode()))
                 message = {**message, "headers": hdrs}
+                if span is not None:
+                    span.set_attribute("http.response.status_code", message.get("status", 0))
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = request_id_var.set(request_id)
+        try:
+            with span_cm as span:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
+
+
+def _request_span(scope: Scope, headers: dict[bytes, bytes], request_id: str):
+    """The SERVER span of one HTTP request (`tracing.span`): named ``METHOD /path`` (image ids
+    collapsed), child of the client's ``traceparent`` when it sent one."""
+    path = scope.get("path", "")
+    route = "/v1/images/files/{image_id}" if path.startswith("/v1/images/files/") else path
+    method = scope.get("method", "GET")
+    parent = tracing.extract([(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers.items()
+                              if k in (b"traceparent", b"tracestate")])
+    return tracing.span(f"{method} {route}", parent, kind="SERVER",
+                        attributes={"http.request.method": method, "url.path": path,
+                                    "mammoth.request_id": request_id})
 
 
 class BodySizeLimitMiddleware:
@@ -245,6 +274,7 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
         ready_file: written (`mammoth_core.runtime.write_ready_file`, ``{"address": "host:port"}``)
             once the socket listens and at least one AR and one DiT are SERVING.
     """
+    tracing.setup("gateway", settings.trace_export, settings.trace_sample_ratio)
     app = build_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
@@ -290,6 +320,7 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
+        tracing.shutdown()
 
 
 async def _wait_backends_ready(app: FastAPI, serve_task: asyncio.Task) -> None:

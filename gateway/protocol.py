@@ -241,6 +241,10 @@ class ImageGenCompletedEvent(BaseModel):
     image_index: int = Field(description="Extension: which of the n images (0-based).")
     seed: int = Field(description="Extension: this image's seed.")
     url: str | None = Field(None, description="Extension: set when response_format is url.")
+    timings: dict[str, float] | None = Field(
+        None, description="Extension: this image's stage breakdown in milliseconds, under the "
+        "`Server-Timing` names (`queue`, `ar_prefill`, `ar_decode`, `transfer`, `dit_denoise`, "
+        "`dit_vae`, `dit_encode`) plus `total` (request start to this image's completion).")
 
 
 class ProgressEvent(BaseModel):

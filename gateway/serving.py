@@ -66,7 +66,7 @@ from gateway.protocol import (
     OutputTokensDetails,
     ProgressEvent,
 )
-from mammoth_core import grpc_common
+from mammoth_core import grpc_common, tracing
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.settings import GatewaySettings
 
@@ -405,6 +405,15 @@ def server_timing(timings: dict[str, float], total: float | None = None) -> str:
     return ", ".join(parts)
 
 
+def timings_ms(timings: dict[str, float], total: float | None = None) -> dict[str, float]:
+    """``timings`` (seconds) as the streaming ``timings`` extension: milliseconds under the
+    `server_timing` names in `STAGES` order, plus ``total`` when given."""
+    out = {name: round(1000.0 * timings[name], 3) for name in STAGES if name in timings}
+    if total is not None:
+        out["total"] = round(1000.0 * total, 3)
+    return out
+
+
 Emit = Callable[[object], None]
 
 
@@ -470,46 +479,55 @@ class Orchestrator:
             InvalidRequestError: a stage rejected the parameters (INVALID_ARGUMENT).
             BackendError: a stage kept failing (retries exhausted).
         """
-        loop = asyncio.get_running_loop()
         seed = job.seed + index
         pipeline_id = f"{job.request_id}-{index}"
-        epoch = -1
-        reserved_once = False
         self.metrics.active_pipelines.inc()
         try:
-            for dit_attempt in range(1, MAX_DIT_ATTEMPTS + 1):
-                t_queue = loop.time()
-                async with contextlib.AsyncExitStack() as stack:
-                    emit(StageProgress(index, "dit", "queued"))
-                    dit, call, reserved = await self._reserve(job, pipeline_id, seed, deadline, stack)
-                    queue_s = loop.time() - t_queue
-                    self.metrics.stage_duration.labels("queue").observe(queue_s)
-                    if not reserved_once:
-                        reserved_once = True
-                        on_reserved()
-                    emit(StageProgress(index, "dit", "reserved"))
-                    try:
-                        result, epoch = await self._run_with_slot(
-                            job, index, seed, pipeline_id, dit, call, reserved, deadline, emit,
-                            epoch)
-                    except _StageFailure as failure:
-                        logger.warning("request %s image %d: DiT %s failed (%s); %s",
-                                       job.request_id, index, dit.address, failure,
-                                       "retrying from scratch" if dit_attempt < MAX_DIT_ATTEMPTS
-                                       else "giving up")
-                        if failure.code == "UNAVAILABLE":
-                            self.dit_pool.mark_failed(dit)
-                        if dit_attempt == MAX_DIT_ATTEMPTS:
-                            raise BackendError(f"the DiT stage failed {dit_attempt} times: "
-                                               f"{failure}") from failure
-                        self.metrics.retries_total.labels("dit", failure.code).inc()
-                        continue
-                    result.dit_attempts = dit_attempt
-                    result.timings = {"queue": queue_s, **result.timings}
-                    return result
-            raise AssertionError("unreachable")
+            with tracing.span("gateway.image", attributes={"mammoth.image_index": index,
+                                                           "mammoth.seed": seed}):
+                return await self._generate_image(job, index, seed, pipeline_id, deadline, emit,
+                                                  on_reserved)
         finally:
             self.metrics.active_pipelines.dec()
+
+    async def _generate_image(self, job: ImageJob, index: int, seed: int, pipeline_id: str,
+                              deadline: float, emit: Emit,
+                              on_reserved: Callable[[], None]) -> ImageResult:
+        """`generate_image`'s DiT attempts (a new slot each)."""
+        loop = asyncio.get_running_loop()
+        epoch = -1
+        reserved_once = False
+        for dit_attempt in range(1, MAX_DIT_ATTEMPTS + 1):
+            t_queue = loop.time()
+            async with contextlib.AsyncExitStack() as stack:
+                emit(StageProgress(index, "dit", "queued"))
+                dit, call, reserved = await self._reserve(job, pipeline_id, seed, deadline, stack)
+                queue_s = loop.time() - t_queue
+                self.metrics.stage_duration.labels("queue").observe(queue_s)
+                if not reserved_once:
+                    reserved_once = True
+                    on_reserved()
+                emit(StageProgress(index, "dit", "reserved"))
+                try:
+                    result, epoch = await self._run_with_slot(
+                        job, index, seed, pipeline_id, dit, call, reserved, deadline, emit,
+                        epoch)
+                except _StageFailure as failure:
+                    logger.warning("request %s image %d: DiT %s failed (%s); %s",
+                                   job.request_id, index, dit.address, failure,
+                                   "retrying from scratch" if dit_attempt < MAX_DIT_ATTEMPTS
+                                   else "giving up")
+                    if failure.code == "UNAVAILABLE":
+                        self.dit_pool.mark_failed(dit)
+                    if dit_attempt == MAX_DIT_ATTEMPTS:
+                        raise BackendError(f"the DiT stage failed {dit_attempt} times: "
+                                           f"{failure}") from failure
+                    self.metrics.retries_total.labels("dit", failure.code).inc()
+                    continue
+                result.dit_attempts = dit_attempt
+                result.timings = {"queue": queue_s, **result.timings}
+                return result
+        raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- DiT
 
@@ -529,6 +547,7 @@ class Orchestrator:
         The call, its in-flight lease and the ``slots_in_use`` gauge are released by ``stack``.
         """
         request = pb.DiTGenerateRequest(request_id=pipeline_id, params=self._image_params(job, seed))
+        metadata = tracing.inject(self._metadata)  # the image's span is the DiT's parent
         backoff = 0.05
         none_since: float | None = None
         while True:
@@ -540,7 +559,7 @@ class Orchestrator:
                     raise _deadline_error("waiting for a DiT slot")
                 lease = self.dit_pool.lease(dit)
                 lease.__enter__()
-                call = dit.stub.Generate(request, timeout=remaining, metadata=self._metadata)
+                call = dit.stub.Generate(request, timeout=remaining, metadata=metadata)
                 try:
                     first = await call.read()
                 except grpc.aio.AioRpcError as exc:
@@ -689,8 +708,11 @@ class Orchestrator:
                 continue
             state.ar_address = ar.address
             state.ar_started_unix_ms = time.time() * 1e3
-            with self.ar_pool.lease(ar):
-                call = ar.stub.Generate(request, timeout=remaining, metadata=self._metadata)
+            with self.ar_pool.lease(ar), tracing.span(
+                    "mammoth.v1.AR/Generate", kind="CLIENT",
+                    attributes={"mammoth.epoch": epoch, "server.address": ar.address}):
+                call = ar.stub.Generate(request, timeout=remaining,
+                                        metadata=tracing.inject(self._metadata))
                 try:
                     while True:
                         msg = await call.read()
@@ -961,6 +983,7 @@ class OpenAIServingImages:
         """SSE body: progress and partial images as they come, one completed event per image in
         index order, an ``error`` event on failure. Cancelled on client disconnect."""
         started = time.perf_counter()
+        request_started = getattr(raw.state, "started", started)  # RequestIdMiddleware's clock
         outcome = "cancelled"
         queue: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
@@ -1018,7 +1041,8 @@ class OpenAIServingImages:
                                 output_format=job.output_format, quality=job.quality,
                                 size=job.size, usage=_usage([r]),
                                 safety_identifier=job.safety_identifier, image_index=r.index,
-                                seed=r.seed, url=url)
+                                seed=r.seed, url=url,
+                                timings=timings_ms(r.timings, time.perf_counter() - request_started))
                             yield _sse(ev.type, ev.model_dump(exclude_none=True))
                             next_index += 1
                 outcome = "success"

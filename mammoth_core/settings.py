@@ -96,6 +96,18 @@ class BaseSettings:
         default=None,
         metadata=_doc("write a JSON trace of every request's hidden-state stream to this folder"),
     )
+    trace_export: str | None = field(
+        default=None,
+        metadata=_doc(
+            "OpenTelemetry spans (needs the 'tracing' extra; off when unset): 'otlp' or "
+            "'otlp:<endpoint>' (OTLP/gRPC, e.g. otlp:http://otel-collector:4317) or 'jsonl:<path>' "
+            "(one JSON span a line); the W3C traceparent travels gateway -> AR -> DiT"
+        ),
+    )
+    trace_sample_ratio: float = field(
+        default=1.0,
+        metadata=_doc("fraction of requests the gateway traces (stages follow the caller's choice)"),
+    )
 
     section: typing.ClassVar[str] = ""
 
@@ -107,6 +119,14 @@ class BaseSettings:
             raise SettingsError("drain_grace_seconds must be >= 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise SettingsError("tls_cert_file and tls_key_file go together")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise SettingsError("trace_sample_ratio must be in [0, 1]")
+        from mammoth_core.tracing import parse_export
+
+        try:
+            parse_export(self.trace_export)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
     def read_auth_token(self) -> str | None:
         """The shared stage token, stripped, or None when no file is configured."""

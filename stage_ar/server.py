@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from mammoth_core import grpc_common
+from mammoth_core import grpc_common, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -159,6 +159,12 @@ class ARServicer(pb_grpc.ARServicer):
                 f"{request.width}x{request.height} needs {total_rows} positions; the model has {max_pos}",
             )
         remaining = context.time_remaining()
+        # tracing (no-ops when off): this call's span, and the push stream's span as the DiT's parent
+        server_span = tracing.start_span(
+            "mammoth.v1.AR/Generate", tracing.extract(context.invocation_metadata()), kind="SERVER",
+            attributes={"mammoth.request_id": request.request_id, "mammoth.epoch": request.epoch})
+        push_span = tracing.start_span("mammoth.v1.DiT/PushConditions", tracing.context_of(server_span),
+                                       kind="CLIENT", attributes={"server.address": request.dit_address})
         sender = HiddenStateSender(
             self._stub(request.dit_address),
             request_id=request.request_id,
@@ -172,7 +178,7 @@ class ARServicer(pb_grpc.ARServicer):
             expected_negative_rows=len(negative_ids) if negative_ids else 0,
             chunk_rows=self.settings.chunk_rows,
             max_message_bytes=self.settings.max_message_bytes,
-            metadata=self._metadata,
+            metadata=tracing.inject(self._metadata, tracing.context_of(push_span)),
             timeout=remaining,
         )
         loop = asyncio.get_running_loop()
@@ -208,13 +214,18 @@ class ARServicer(pb_grpc.ARServicer):
             self.engine.submit(job)
         except EngineFull as exc:
             AR_REQUESTS.labels("rejected_full").inc()
+            _end_spans((push_span, server_span), "rejected_full")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineStopped as exc:
             AR_REQUESTS.labels("rejected_draining").inc()
+            _end_spans((push_span, server_span), "rejected_draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         AR_RUNNING.set(self.engine.running)
         send_task = asyncio.create_task(sender.run(), name=f"push-{request.request_id}")
         send_task.add_done_callback(lambda t: events.put_nowait(("sent", None)))
+        if push_span is not None:
+            send_task.add_done_callback(lambda t: _end_spans(
+                (push_span,), None if not t.cancelled() and t.exception() is None else "push failed"))
         stats: JobStats | None = None
         outcome = "cancelled"
         rows_total = total_rows + (len(negative_ids) if negative_ids else 0)
@@ -262,6 +273,8 @@ class ARServicer(pb_grpc.ARServicer):
             if stats.decode_ms > 0:
                 AR_TOKENS_PER_SECOND.observe(stats.generated_tokens / (stats.decode_ms / 1e3))
             outcome = "ok"
+            logger.info("done: %d prompt + %d grid tokens, prefill %.1f ms, decode %.1f ms",
+                        stats.prompt_tokens, stats.generated_tokens, stats.prefill_ms, stats.decode_ms)
             self._write_trace(request, job, stats)
             yield pb.ARGenerateResponse(
                 done=pb.ARDone(
@@ -281,6 +294,29 @@ class ARServicer(pb_grpc.ARServicer):
                 send_task.cancel()
             AR_REQUESTS.labels(outcome).inc()
             AR_RUNNING.set(self.engine.running)
+            if server_span is not None:
+                _record_engine_spans(server_span, stats)
+                _end_spans((server_span,), None if outcome == "ok" else outcome)
+
+
+def _end_spans(spans, error: str | None) -> None:
+    """End tracing spans (None entries skipped), marked failed with ``error`` when given."""
+    for span in spans:
+        tracing.end_span(span, error=error)
+
+
+def _record_engine_spans(server_span, stats: JobStats | None) -> None:
+    """``ar.prefill`` and ``ar.decode`` spans from the engine's clock: decode ends at the last row
+    sent (``last_row_unix_ms``) and lasts ``decode_ms``; prefill ends where decode starts."""
+    if stats is None or not stats.last_row_unix_ms:
+        return
+    decode_end = int(stats.last_row_unix_ms * 1e6)
+    decode_start = decode_end - int(stats.decode_ms * 1e6)
+    prefill_start = decode_start - int(stats.prefill_ms * 1e6)
+    tracing.record_span("ar.prefill", server_span, prefill_start, decode_start,
+                        {"mammoth.prompt_tokens": stats.prompt_tokens})
+    tracing.record_span("ar.decode", server_span, decode_start, decode_end,
+                        {"mammoth.generated_tokens": stats.generated_tokens})
 
 
 def _push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -326,6 +362,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     The gRPC port opens first with health NOT_SERVING (so probes see the process while the model
     loads); the model loads in a worker thread; then health turns SERVING.
     """
+    tracing.setup("ar", settings.trace_export, settings.trace_sample_ratio)
     server = grpc_common.create_server(
         settings.max_message_bytes, settings.read_auth_token(), role_tokens=settings.read_role_tokens()
     )
@@ -361,4 +398,5 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     await server.wait_for_termination()
     engine.stop()
     await servicer.close()
+    tracing.shutdown()
     logger.info("AR stopped")

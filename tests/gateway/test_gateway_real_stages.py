@@ -100,6 +100,14 @@ def test_stream_one_progress_event_per_step_completed_last(real):
     plain = client(gw).images.generate(prompt="a boat", size="32x32",
                                        extra_body={"seed": 4, "num_inference_steps": steps})
     assert plain.data[0].b64_json == final.b64_json
+    # the completed event carries the Server-Timing breakdown (ms) of its image, plus total
+    timings = final.model_extra["timings"]
+    assert list(timings) == ["queue", "ar_prefill", "ar_decode", "transfer", "dit_denoise",
+                             "dit_vae", "dit_encode", "total"]
+    assert all(v >= 0 for v in timings.values())
+    assert timings["dit_denoise"] > 0 and timings["ar_decode"] > 0
+    stages = sum(v for k, v in timings.items() if k != "total")
+    assert stages <= timings["total"] * 1.05 + 5
 
 
 def test_disconnect_frees_both_stages_within_a_second(real):
