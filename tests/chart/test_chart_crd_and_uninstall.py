@@ -63,7 +63,8 @@ def test_uninstall_keeps_the_crd_and_pipelines(helm):
         if (doc["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") != "keep"
     ]
     kinds = {kind for kind, _ in deleted_on_uninstall}
-    assert kinds == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    assert kinds == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                     "Service", "ConfigMap"}  # the operator's metrics Service, the Grafana dashboard
     [pipeline] = by_kind(docs, "MammothPipeline")
     assert pipeline["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     # no hooks: nothing runs at uninstall time that could delete pipelines or the CRD

@@ -74,7 +74,8 @@ def test_values_keys_are_camel_case():
             for key, value in node.items():
                 yield f"{path}.{key}".lstrip("."), key
                 # free-form maps (labels, annotations, selectors) hold user keys, not value names
-                if key not in ("commonLabels", "podLabels", "podAnnotations", "annotations", "nodeSelector"):
+                if key not in ("commonLabels", "podLabels", "podAnnotations", "annotations", "nodeSelector",
+                               "labels"):
                     yield from keys(value, f"{path}.{key}")
 
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())

@@ -61,6 +61,35 @@ def validate_custom_resource(doc: dict) -> None:
     jsonschema.Draft7Validator(schema).validate(body)
 
 
+_DURATION = {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+    "matchExpressions": {"type": "array"}}}
+_NAMESPACE_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}
+_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"], "properties": {
+    "port": {"type": "string"}, "path": {"type": "string"}, "scheme": {"enum": ["http", "https"]},
+    "interval": _DURATION, "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"}}}
+#: The fields of Prometheus Operator's ServiceMonitor/PodMonitor (monitoring.coreos.com/v1) that the
+#: chart may use, with their types, and nothing else (a misspelt field fails, as with
+#: kubernetes-validate's strict mode). Field names follow the Prometheus Operator API reference.
+MONITOR_SCHEMAS = {
+    kind: {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+           "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
+                          "metadata": {"type": "object"},
+                          "spec": {"type": "object", "additionalProperties": False, "required": ["selector", endpoints],
+                                   "properties": {"selector": _SELECTOR, "namespaceSelector": _NAMESPACE_SELECTOR,
+                                                  "jobLabel": {"type": "string"},
+                                                  endpoints: {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}}
+    for kind, endpoints in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints"))
+}
+
+
+def validate_monitor(doc: dict) -> None:
+    """Validate a ServiceMonitor/PodMonitor against `MONITOR_SCHEMAS`."""
+    jsonschema.Draft7Validator(MONITOR_SCHEMAS[doc["kind"]]).validate(doc)
+
+
 @pytest.mark.parametrize("values", VALUES_CASES)
 @pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
 def test_rendered_manifests_validate_strictly(helm, values, kube_version):
@@ -69,6 +98,9 @@ def test_rendered_manifests_validate_strictly(helm, values, kube_version):
     for doc in docs:
         if doc["kind"] == "MammothPipeline":
             validate_custom_resource(doc)
+            continue
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            validate_monitor(doc)  # a CRD kind kubernetes-validate does not know
             continue
         try:
             kubernetes_validate.validate(doc, kube_version, strict=True)
@@ -183,7 +215,8 @@ def test_namespace_mode_grants_nothing_cluster_wide(helm):
 def test_rbac_create_false_renders_no_rbac(helm):
     docs = render(helm, set_values=["rbac.create=false", "serviceAccount.create=false",
                                     "serviceAccount.name=admin-made"])
-    assert {d["kind"] for d in docs} == {"Deployment"}
+    # the operator and its monitoring objects (metrics Service, dashboard ConfigMap), no identity or RBAC
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "ConfigMap"}
     assert _deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"] == "admin-made"
 
 

@@ -216,7 +216,8 @@ def installed(request, helm, kubectl, tmp_path_factory) -> Iterator[Scenario]:
 
         port = free_port()
         text = helm_template(helm, values=[values] if values else [], include_crds=True,
-                             set_values=[f"livenessPort={port}", *extra_set]).stdout
+                             set_values=[f"livenessPort={port}", f"metricsPort={free_port()}",
+                                         *extra_set]).stdout
         rendered = load_documents(text)
         cluster, namespaced = granted(rendered)
         server.emulator.authorizer = lambda p: p[:3] in cluster or (p[3] and (*p[:3], p[3]) in namespaced)
