@@ -89,7 +89,13 @@ def dtype_from_proto(value: int) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a torch dtype."""
-    return torch.empty((), dtype=dtype).element_size()
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
 
 
 def crc32(data: bytes | memoryview, value: int = 0) -> int:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from mammoth_core import transport_metrics as metrics
@@ -253,6 +254,9 @@ class HiddenStateSender:
         self._aborted = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        # True while the event loop waits for a sealed block (set under the lock by `_next_ready`):
+        # only then does sealing a block cost a cross-thread wake-up.
+        self._waiting = False
         self._call: Any = None
 
         self.pageable_fallbacks = 0
@@ -316,10 +320,11 @@ class HiddenStateSender:
                 block.token_ids.extend(int(t) for t in token_ids[i : i + n])
                 block.rows += n
                 i += n
-                sealed = block.rows == self.rows_per_chunk
-                if sealed:
+                wake = False
+                if block.rows == self.rows_per_chunk:
                     self._seal(role)
-            if sealed:
+                    wake, self._waiting = self._waiting, False
+            if wake:
                 self._wakeup()
         return True
 
@@ -378,6 +383,12 @@ class HiddenStateSender:
                 event.record(stream)
             rows.record_stream(stream)
             block.event = event
+        elif rows.stride(-1) == 1:
+            # Host rows: a byte copy through numpy (one single-threaded memcpy per row run, GIL
+            # released). ``Tensor.copy_`` between CPU tensors goes through the intra-op thread
+            # pool, which on a busy host costs tens of times more than the bytes themselves.
+            src = rows.view(torch.uint8).numpy()  # (n, hidden * itemsize), rows may be strided
+            np.copyto(dst.view(torch.uint8).numpy(), src)
         else:
             dst.copy_(rows)
 
@@ -465,6 +476,7 @@ class HiddenStateSender:
         """(next sealed block or None, whether the stream is finished after it)."""
         with self._lock:
             block = self._ready.popleft() if self._ready else None
+            self._waiting = block is None
             return block, self._finished and not self._ready
 
     def _end_message(self) -> pb.StreamEnd:

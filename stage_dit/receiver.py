@@ -44,6 +44,10 @@ from mammoth_core.wire import WireError
 logger = logging.getLogger(__name__)
 
 _ROLES = (pb.CONDITION, pb.NEGATIVE)
+# Labelled counters of the per-chunk hot path, resolved once.
+_CHUNKS_RECEIVED = metrics.CHUNKS.labels(side="receive")
+_BYTES_RECEIVED = metrics.BYTES.labels(side="receive")
+_ROWS_RECEIVED = metrics.ROWS.labels(side="receive")
 _EVENT_POLL_S = 0.0002
 
 
@@ -375,8 +379,9 @@ class Slot:
                 raise _invalid("sequence 0 must carry the stream metadata")
             md = chunk.metadata
             dtype = self._check_metadata(md)
+        data = chunk.data  # each read of a bytes field builds a new copy: read it once
         rows_info = wire.validate_header(
-            h, len(chunk.data), hidden_size=self.pool.hidden_size, max_rows=self.pool.max_rows,
+            h, len(data), hidden_size=self.pool.hidden_size, max_rows=self.pool.max_rows,
             expected_dtype=dtype,
         )
         role = h.role
@@ -396,7 +401,7 @@ class Slot:
         crc_after = dict(st.crc)
         if rows_info.rows:
             rows_after[role] += rows_info.rows
-            crc_after[role] = wire.crc32(chunk.data, st.crc[role])
+            crc_after[role] = wire.crc32(data, st.crc[role])
         final = chunk.HasField("end")
         if final:
             end = chunk.end
@@ -416,7 +421,7 @@ class Slot:
             if end.crc32c != crc_after[pb.CONDITION] or end.negative_crc32c != crc_after[pb.NEGATIVE]:
                 raise _data_loss("CRC-32 of the received rows differs from the sender's")
         plan = {"md": md, "dtype": dtype, "rows_after": rows_after, "crc_after": crc_after,
-                "info": rows_info}
+                "info": rows_info, "data": data}
         return ChunkResult(role=role, rows=rows_info.rows, complete=final), plan
 
     def _apply(self, chunk: pb.HiddenStateChunk, st: _EpochState, result: ChunkResult, plan: dict) -> None:
@@ -427,11 +432,11 @@ class Slot:
         if result.rows:
             start = self._byte_offset(st, result.role, st.rows[result.role])
             stop = start + plan["info"].nbytes
-            wire.copy_payload(chunk.data, self.staging[start:stop])
+            wire.copy_payload(plan["data"], self.staging[start:stop])
             if self.device_buffer is not self.staging:
                 self._copy_to_device(start, stop)
             tok0 = (0 if result.role == pb.CONDITION else int(st.metadata.expected_rows)) + st.rows[result.role]
-            self.token_buffer[tok0 : tok0 + result.rows] = torch.tensor(list(h.token_ids), dtype=torch.int64)
+            self.token_buffer.numpy()[tok0 : tok0 + result.rows] = h.token_ids
         st.rows = plan["rows_after"]
         st.crc = plan["crc_after"]
         st.next_sequence += 1
@@ -439,9 +444,9 @@ class Slot:
         self.timings.first_chunk_at = self.timings.first_chunk_at or now
         self.timings.last_chunk_at = now
         self.chunk_log.append((st.epoch, h.sequence, result.role, h.row_offset, result.rows, time.time() * 1000.0))
-        metrics.CHUNKS.labels(side="receive").inc()
-        metrics.BYTES.labels(side="receive").inc(len(chunk.data))
-        metrics.ROWS.labels(side="receive").inc(result.rows)
+        _CHUNKS_RECEIVED.inc()
+        _BYTES_RECEIVED.inc(plan["info"].nbytes)
+        _ROWS_RECEIVED.inc(result.rows)
         if result.complete:
             self._finishing = True
             self.timings.last_sent_unix_ms = h.sent_unix_ms or None

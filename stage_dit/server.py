@@ -369,14 +369,17 @@ class DiTServicer(pb_grpc.DiTServicer):
                 if result.complete:
                     await slot.finish()  # H2D-complete before the acknowledgement
                     complete = True
+                    # Counted now: once complete, the consumer may release the slot (and reset
+                    # its counters) before the client half-closes the stream.
+                    response = pb.PushConditionsResponse(
+                        rows_accepted=slot.rows_received(pb.CONDITION),
+                        negative_rows_accepted=slot.rows_received(pb.NEGATIVE),
+                        chunks_accepted=slot.chunks_accepted,
+                    )
             if not complete:
                 raise WireError(grpc.StatusCode.DATA_LOSS, "stream closed before its StreamEnd")
             metrics.STREAMS.labels(side="receive", result="ok").inc()
-            return pb.PushConditionsResponse(
-                rows_accepted=slot.rows_received(pb.CONDITION),
-                negative_rows_accepted=slot.rows_received(pb.NEGATIVE),
-                chunks_accepted=slot.chunks_accepted,
-            )
+            return response
         except WireError as err:
             metrics.REJECTED.labels(code=err.code.name).inc()
             metrics.STREAMS.labels(side="receive", result="rejected").inc()
