@@ -77,6 +77,8 @@ QUALITY_STEP_FACTORS = {
     "low": 0.25, "medium": 0.5, "auto": 1.0, "standard": 1.0, "high": 1.0,
     "hd": 1.5, "xhigh": 1.5, "max": 2.0,
 }
+#: After the image arrived, how long to wait for the AR's ARDone (usage and AR timings), seconds.
+AR_DONE_GRACE_SECONDS = 10.0
 #: ``style: natural`` multiplies the default text guidance scale by this (floor 1.0).
 NATURAL_GUIDANCE_FACTOR = 0.5
 #: JPEG/WebP ``output_compression`` when the request gives none (encoder quality 75).
@@ -779,8 +781,11 @@ class Orchestrator:
                 if dit_task in done:
                     image = dit_task.result()  # raises _StageFailure / GatewayError
                     if ar_task is not None and not ar_task.done():
-                        # the AR sent its last row; give it a moment to report ARDone (usage)
-                        await asyncio.wait({ar_task}, timeout=min(1.0, max(0.0, _remaining(deadline))))
+                        # The AR sent its last row (the DiT had every row); its ARDone (usage,
+                        # timings) follows within milliseconds unless the host is loaded: wait for
+                        # it up to AR_DONE_GRACE_SECONDS, never past the deadline.
+                        await asyncio.wait({ar_task},
+                                           timeout=min(AR_DONE_GRACE_SECONDS, max(0.0, _remaining(deadline))))
                     if ar_task is not None and ar_task.done() and not ar_task.cancelled() \
                             and ar_task.exception() is None:
                         state.ar_done = ar_task.result()
