@@ -77,7 +77,9 @@ class ARServicer(pb_grpc.ARServicer):
         self._metadata = grpc_common.auth_metadata(auth_token)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, address: str) -> pb_grpc.DiTStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """The cached channel to the DiT at ``address`` (the sender's fast path writes pre-framed
+        messages on the channel itself, so it is given the channel rather than a stub)."""
         channel = self._channels.get(address)
         if channel is None:
             channel = grpc_common.create_channel(
@@ -85,7 +87,7 @@ class ARServicer(pb_grpc.ARServicer):
                 self.settings.tls_server_name,
             )
             self._channels[address] = channel
-        return pb_grpc.DiTStub(channel)
+        return channel
 
     async def close(self) -> None:
         """Close the cached channels to DiTs."""
@@ -166,7 +168,7 @@ class ARServicer(pb_grpc.ARServicer):
         push_span = tracing.start_span("mammoth.v1.DiT/PushConditions", tracing.context_of(server_span),
                                        kind="CLIENT", attributes={"server.address": request.dit_address})
         sender = HiddenStateSender(
-            self._stub(request.dit_address),
+            self._channel(request.dit_address),
             request_id=request.request_id,
             epoch=request.epoch,
             reservation_token=request.reservation_token,
@@ -388,8 +390,14 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     engine.start()
     await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
     servicer.bundle, servicer.engine = bundle, engine
+    async def wait_idle() -> None:
+        # In-flight requests keep their push streams to the DiT open: stop the server only once the
+        # engine has no running sequence (or the grace period is over).
+        while engine.running:
+            await asyncio.sleep(0.05)
+
     drained = grpc_common.install_drain_handler(
-        server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting
+        server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting, wait_idle=wait_idle
     )
     await health.set_serving()
     logger.info("AR serving (model loaded in %.1f s)", time.perf_counter() - t0)
