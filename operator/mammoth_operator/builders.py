@@ -501,7 +501,8 @@ def build_stage_service(spec: PipelineSpec, stage: Stage) -> Child:
 
 
 def build_gateway_service(spec: PipelineSpec) -> Child:
-    """The pipeline's endpoint: port ``spec.gateway.service.port`` -> the gateway's HTTP port."""
+    """The pipeline's endpoint: port ``spec.gateway.service.port`` -> the gateway's HTTP port, with
+    client-IP session affinity (``url`` responses are served by the replica that holds the image)."""
     gw = spec.gateway
     metadata: dict[str, Any] = {"name": child_names(spec.name).gateway, "labels": labels(spec.name, "gateway")}
     if gw.service_annotations:
@@ -512,6 +513,9 @@ def build_gateway_service(spec: PipelineSpec) -> Child:
         "metadata": metadata,
         "spec": {
             "type": gw.service_type,
+            # `url` images live in the memory of the gateway replica that made them: client-IP
+            # affinity sends the follow-up GET to that replica (docs/API.md).
+            "sessionAffinity": "ClientIP",
             "selector": selector_labels(spec.name, "gateway"),
             "ports": [{"name": "http", "port": gw.service_port, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}],
         },

@@ -209,3 +209,19 @@ def test_covers_quantities_and_types():
     assert not kube.covers(True, 1) and not kube.covers(0, False)
     assert kube.covers([{"a": 1, "b": 2}], [{"a": 1}])
     assert not kube.covers([{"a": 1}, {"a": 2}], [{"a": 1}])
+
+
+def test_gateway_service_uses_client_ip_affinity_for_url_images():
+    """`url` images live in one gateway replica's memory: the Service must keep a client on it."""
+    import pathlib
+
+    import yaml
+
+    from mammoth_operator.builders import build_gateway_service
+    from mammoth_operator.config import OperatorConfig
+    from mammoth_operator.spec import parse_spec
+
+    example = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "mammothpipeline.yaml").read_text())
+    spec = parse_spec("demo", "default", example["spec"], OperatorConfig.from_env().images)
+    service = build_gateway_service(spec).manifest
+    assert service["spec"]["sessionAffinity"] == "ClientIP"
