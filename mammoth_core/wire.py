@@ -12,10 +12,11 @@ raise `WireError` carrying the gRPC status the receiver answers with.
 
 from __future__ import annotations
 
+import ctypes
 import sys
-import zlib
 from dataclasses import dataclass
 
+import google_crc32c as _crc32c
 import grpc
 import numpy as np
 import torch
@@ -98,9 +99,29 @@ def itemsize(dtype: torch.dtype) -> int:
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
-def crc32(data: bytes | memoryview, value: int = 0) -> int:
-    """CRC-32 (zlib polynomial) of ``data`` continuing from ``value``; unsigned 32-bit."""
-    return zlib.crc32(data, value) & 0xFFFFFFFF
+def crc32c(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32C (Castagnoli polynomial 0x1EDC6F41, RFC 3720) of ``data`` continuing from ``value``;
+    unsigned 32-bit: the checksum of `StreamEnd`. ``crc32c(b"123456789") == 0xE3069283``.
+
+    Computed by google-crc32c (SSE4.2 / ARMv8 CRC instructions: several times the speed of
+    zlib's CRC-32 here). ``data`` is any C-contiguous buffer; a writable one (a staging block) is
+    read in place, without a copy.
+    """
+    if type(data) is not bytes:
+        view = memoryview(data)
+        if not view.nbytes:
+            return value & 0xFFFFFFFF
+        if not view.c_contiguous:
+            raise ValueError("crc32c needs a contiguous buffer")
+        view = view.cast("B")
+        # google-crc32c takes only buffers without a release hook (bytes, ctypes arrays): a
+        # ctypes array over a writable buffer shares its memory; anything else is copied once.
+        data = (ctypes.c_char * view.nbytes).from_buffer(view) if not view.readonly else view.tobytes()
+    return _crc32c.extend(value & 0xFFFFFFFF, data)
+
+
+#: Former name of `crc32c`, kept for existing callers (the algorithm is CRC-32C).
+crc32 = crc32c
 
 
 def rows_per_message(hidden_size: int, dtype: torch.dtype, max_message_bytes: int, chunk_rows: int) -> int:

@@ -15,7 +15,7 @@ Two threads meet here:
 
 Messages: sequence 0 carries the `StreamMetadata`; every message carries the reservation token
 and a header (request id, epoch, sequence, role, dtype, ``[rows, hidden]``, row offset within the
-role, token ids, ``sent_unix_ms``); the last message carries `StreamEnd` (totals and CRC-32 per
+role, token ids, ``sent_unix_ms``); the last message carries `StreamEnd` (totals and CRC-32C per
 role). If `finish` comes after the last block was already sent, the end travels in a message
 without rows. Memory is bounded by the request's own row count: a slow or absent consumer holds
 only this request's blocks, and never the decode loop.
@@ -517,7 +517,7 @@ class HiddenStateSender:
                 await _wait_event(block.event)  # D2H-ready: bytes leave only after the copy
                 nbytes = block.rows * self.hidden_size * self.itemsize
                 payload = wire.staged_buffer(block.buf[:nbytes])
-                self._crc[block.role] = wire.crc32(payload, self._crc[block.role])
+                self._crc[block.role] = wire.crc32c(payload, self._crc[block.role])
                 self.rows_sent[block.role] += block.rows
                 last = self._is_drained()
                 msg = pb.HiddenStateChunk(

@@ -11,7 +11,7 @@ Life of a slot (one reservation):
 2. `Slot.accept` takes the `HiddenStateChunk` s of ``DiT.PushConditions``. Every chunk is checked
    before any byte is copied (see `Slot.accept` for the rules). Accepted rows are written into the
    staging buffer at their place and, on CUDA, copied host->device on a side stream right away,
-   with an event per copy. The last message carries `StreamEnd`: totals and CRC-32 are checked, then
+   with an event per copy. The last message carries `StreamEnd`: totals and CRC-32C are checked, then
    the receiver waits for the last copy's event, so when the stream is acknowledged the conditions
    are already on the device ("H2D-complete").
 3. The consumer (``DiT.Generate``) awaits `Slot.wait_complete`, reads `Slot.conditions`, and calls
@@ -312,7 +312,7 @@ class Slot:
         announced); dtype equal to the metadata's, shape ``[rows, hidden]`` matching the payload
         length, ``len(token_ids) == rows``; ``row_offset`` equal to the rows already received for
         the role; rows within the announced count (INVALID_ARGUMENT); on `StreamEnd`, totals equal
-        to the rows announced and received and CRC-32 equal to the received bytes' (DATA_LOSS).
+        to the rows announced and received and CRC-32C equal to the received bytes' (DATA_LOSS).
 
         After a final chunk call `finish` (async) before acknowledging the stream.
 
@@ -401,7 +401,7 @@ class Slot:
         crc_after = dict(st.crc)
         if rows_info.rows:
             rows_after[role] += rows_info.rows
-            crc_after[role] = wire.crc32(data, st.crc[role])
+            crc_after[role] = wire.crc32c(data, st.crc[role])
         final = chunk.HasField("end")
         if final:
             end = chunk.end
@@ -419,7 +419,7 @@ class Slot:
                     f"{end.total_negative_rows} sent, {md.expected_negative_rows} announced"
                 )
             if end.crc32c != crc_after[pb.CONDITION] or end.negative_crc32c != crc_after[pb.NEGATIVE]:
-                raise _data_loss("CRC-32 of the received rows differs from the sender's")
+                raise _data_loss("CRC-32C of the received rows differs from the sender's")
         plan = {"md": md, "dtype": dtype, "rows_after": rows_after, "crc_after": crc_after,
                 "info": rows_info, "data": data}
         return ChunkResult(role=role, rows=rows_info.rows, complete=final), plan

@@ -112,11 +112,16 @@ def test_rows_per_message_respects_limit():
         wire.rows_per_message(1 << 20, torch.float32, 1 << 20, chunk_rows=1)
 
 
-def test_crc32_is_zlib_incremental():
-    import zlib
-
-    a, b = b"hello ", b"world"
-    assert wire.crc32(b, wire.crc32(a)) == zlib.crc32(a + b)
+def test_crc32c_check_value_incremental_and_in_place():
+    # RFC 3720 / CRC catalogue check value of CRC-32C over "123456789".
+    assert wire.crc32c(b"123456789") == 0xE3069283
+    assert wire.crc32c(b"6789", wire.crc32c(b"12345")) == 0xE3069283
+    # A writable staging view (read in place) and a read-only view give the same value.
+    staged = torch.tensor(list(b"123456789"), dtype=torch.uint8)
+    assert wire.crc32c(wire.staged_buffer(staged)) == 0xE3069283
+    assert wire.crc32c(memoryview(b"123456789")) == 0xE3069283
+    assert wire.crc32c(b"", 7) == 7
+    assert wire.crc32c(b"a") != wire.crc32c(b"b")
 
 
 def test_dtype_mapping_round_trip():
