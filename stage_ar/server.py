@@ -294,6 +294,9 @@ class ARServicer(pb_grpc.ARServicer):
             if not send_task.done():
                 sender.abort()
                 send_task.cancel()
+            # The push's own error (if any) was reported above or is moot now: retrieve it so
+            # asyncio does not log "Task exception was never retrieved".
+            send_task.add_done_callback(lambda t: t.cancelled() or t.exception())
             AR_REQUESTS.labels(outcome).inc()
             AR_RUNNING.set(self.engine.running)
             if server_span is not None:
