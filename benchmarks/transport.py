@@ -99,7 +99,7 @@ async def _sink(request_iterator, context) -> bytes:
 
 
 async def _receiver(ready_file: str) -> None:
-    from stage_dit.receiver import SlotPool
+    from stage_dit.receiver import SlotPool, add_dit_servicer
     from stage_dit.server import DiTServicer
 
     info = {}
@@ -107,7 +107,7 @@ async def _receiver(ready_file: str) -> None:
     for _, hidden in PAYLOADS:
         server = grpc_common.create_server(LIMIT, None)
         pool = SlotPool(2, 8192, hidden, torch.bfloat16, "cpu")
-        pb_grpc.add_DiTServicer_to_server(DiTServicer(_BlankImageModel(), pool), server)
+        add_dit_servicer(DiTServicer(_BlankImageModel(), pool), server)
         # Bare gRPC ceiling: the same server options, raw bytes in, nothing done with them.
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             "mammoth.bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(_sink)}),))
@@ -315,15 +315,16 @@ def table(results: list[dict], args, command: str) -> str:
         "framing and reaches about half of the ceiling before anything is done with the bytes, so "
         "50% of TCP means a stream as cheap as bare gRPC. The stream adds, per byte: the staging "
         "copy (the host side of the D2H copy), CRC-32C on both ends (hardware CRC via google-crc32c), "
-        "one framing copy from staging into the message bytes, the receiver's protobuf parse and "
-        "`data` field copy, and its copy into the slot; each is a pass over the payload at a few "
-        "GB/s on this host. Profiled (py-spy, per-phase timers): for 28.9 MiB the sender's per-message "
-        "work is ~0.25 ms x 66 (CRC, framing, Python), the receiver's `Slot.accept` ~0.25 ms x 66, "
-        "and the gRPC write of each message waits on the receiver draining it. Larger or smaller "
-        "chunks and larger HTTP/2 windows (`grpc.http2.lookahead_bytes`) did not move the ratio. "
-        "What remains removable: the receiver's parse and `data` copies (a raw-bytes deserializer "
-        "for PushConditions that slices the payload out of the message, ~1/3 of the receiver's "
-        "per-chunk work). Sustained rates "
+        "one framing copy from staging into the message bytes, and the receiver's copy into the slot "
+        "(the receiver takes PushConditions messages as raw bytes and slices the payload out without "
+        "a copy, `wire.split_chunk`); each is a pass over the payload at a few GB/s on this host. "
+        "Profiled (py-spy --native, per-phase timers): the sender's time goes to the kernel send, "
+        "the staging copy, grpcio's wake-ups, CRC and framing; the receiver's to its copy into the "
+        "slot, grpcio's copy of each message into Python bytes, and CRC; the gRPC write of each "
+        "message waits on the receiver draining it. Larger or smaller chunks (16-256 rows) and "
+        "larger HTTP/2 windows (`grpc.http2.lookahead_bytes`) did not move the ratio. What is "
+        "left is one pass per rule (staging, CRC on each side, slot copy) plus the one framing "
+        "copy, which grpcio's bytes-only message API requires. Sustained rates "
         "well above the AR's production rate (~0.4 MB/s of rows per request at 19 ms/token, "
         "hidden 3584 bf16) are what the pipeline needs; the GPU machine numbers come from "
         "`benchmarks/gpu_transport_rules.py`.",

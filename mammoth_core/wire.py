@@ -114,9 +114,13 @@ def crc32c(data: bytes | memoryview, value: int = 0) -> int:
         if not view.c_contiguous:
             raise ValueError("crc32c needs a contiguous buffer")
         view = view.cast("B")
-        # google-crc32c takes only buffers without a release hook (bytes, ctypes arrays): a
-        # ctypes array over a writable buffer shares its memory; anything else is copied once.
-        data = (ctypes.c_char * view.nbytes).from_buffer(view) if not view.readonly else view.tobytes()
+        # google-crc32c takes only buffers without a release hook (bytes, ctypes arrays): a ctypes
+        # array over the same memory, no copy. ``keep`` holds the buffer export during the call.
+        if not view.readonly:
+            data = (ctypes.c_char * view.nbytes).from_buffer(view)
+        else:
+            keep = np.frombuffer(view, dtype=np.uint8)
+            data = (ctypes.c_char * view.nbytes).from_address(keep.ctypes.data)
     return _crc32c.extend(value & 0xFFFFFFFF, data)
 
 
@@ -189,6 +193,81 @@ def copy_payload(data: bytes | memoryview, out: torch.Tensor) -> None:
     if not _LITTLE:  # pragma: no cover - big-endian hosts only
         src = src.view(f"<u{out.element_size()}").astype(f"=u{out.element_size()}").view(np.uint8)
     np.copyto(dst, src)
+
+
+_DATA_FIELD = 4  # HiddenStateChunk.data
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _invalid("malformed chunk message (truncated or overlong varint)")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def split_chunk(raw: bytes) -> tuple[pb.HiddenStateChunk, memoryview]:
+    """Parse a serialised ``HiddenStateChunk`` without copying its payload.
+
+    Walks the top-level fields: the ``data`` field (the last one wins, as in protobuf) becomes a
+    zero-copy view of ``raw``; every other field is parsed by protobuf as usual. When ``data`` is
+    the last field (as `stage_ar.sender.frame_chunk` lays it out) the rest is parsed in place.
+
+    Returns:
+        (the message without ``data``, the payload as a read-only ``memoryview`` of ``raw``, empty
+        when absent; valid while ``raw`` is alive).
+
+    Raises:
+        WireError: INVALID_ARGUMENT for a malformed message (bad tag, wire type or length, a
+            truncated field, or protobuf's own parse error).
+    """
+    buf = memoryview(raw).cast("B")
+    end = len(buf)
+    pos = 0
+    data = (0, 0)
+    rest: list[tuple[int, int]] = []  # (start, stop) of every field but ``data``
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(buf, pos, end)
+        field, wire_type = tag >> 3, tag & 7
+        if field == 0:
+            raise _invalid("malformed chunk message (field number 0)")
+        if wire_type == 0:
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(buf, pos, end)
+            if length > end - pos:
+                raise _invalid("malformed chunk message (field longer than the message)")
+            if field == _DATA_FIELD:
+                data = (pos, pos + length)
+                pos += length
+                continue
+            pos += length
+        else:
+            raise _invalid(f"malformed chunk message (wire type {wire_type})")
+        if pos > end:
+            raise _invalid("malformed chunk message (truncated field)")
+        rest.append((start, pos))
+    if not rest:
+        head = b""
+    elif len(rest) == 1 or all(a[1] == b[0] for a, b in zip(rest, rest[1:])):
+        head = buf[rest[0][0] : rest[-1][1]]  # contiguous: parsed in place
+    else:
+        head = b"".join(buf[a:b] for a, b in rest)
+    try:
+        msg = pb.HiddenStateChunk.FromString(head)
+    except Exception as exc:  # google.protobuf.message.DecodeError and friends
+        raise _invalid(f"malformed chunk message ({exc})") from None
+    return msg, buf[data[0] : data[1]].toreadonly()
 
 
 @dataclass(frozen=True)

@@ -300,8 +300,11 @@ class Slot:
             raise _invalid("answer_start_index is beyond the expected rows")
         return dtype
 
-    def accept(self, chunk: pb.HiddenStateChunk) -> ChunkResult:
+    def accept(self, chunk: pb.HiddenStateChunk, data: bytes | memoryview | None = None) -> ChunkResult:
         """Validate one chunk and, if valid, stage its rows (synchronous part of a push).
+
+        ``data`` is the payload when it was split off the message (`wire.split_chunk`: a zero-copy
+        view); None reads ``chunk.data``.
 
         Rules, in order: slot reserved and not yet complete (FAILED_PRECONDITION); header present,
         request id equal to the reservation's (INVALID_ARGUMENT); epoch not older than the current
@@ -336,7 +339,7 @@ class Slot:
         new_epoch = current is None or h.epoch > current.epoch
         st = _EpochState(epoch=h.epoch) if new_epoch else current
         try:
-            result, plan = self._validate(chunk, st)
+            result, plan = self._validate(chunk, st, data)
         except WireError as err:
             if new_epoch:
                 self._adopt(st)
@@ -368,7 +371,9 @@ class Slot:
             metrics.DISCARDED_ROWS.inc(dropped)
         st.rows = {pb.CONDITION: 0, pb.NEGATIVE: 0}
 
-    def _validate(self, chunk: pb.HiddenStateChunk, st: _EpochState) -> tuple[ChunkResult, dict]:
+    def _validate(
+        self, chunk: pb.HiddenStateChunk, st: _EpochState, data: bytes | memoryview | None = None
+    ) -> tuple[ChunkResult, dict]:
         h = chunk.header
         if h.sequence != st.next_sequence:
             kind = "duplicate or reordered" if h.sequence < st.next_sequence else "gap before"
@@ -379,7 +384,8 @@ class Slot:
                 raise _invalid("sequence 0 must carry the stream metadata")
             md = chunk.metadata
             dtype = self._check_metadata(md)
-        data = chunk.data  # each read of a bytes field builds a new copy: read it once
+        if data is None:
+            data = chunk.data  # each read of a bytes field builds a new copy: read it once
         rows_info = wire.validate_header(
             h, len(data), hidden_size=self.pool.hidden_size, max_rows=self.pool.max_rows,
             expected_dtype=dtype,
@@ -614,3 +620,25 @@ class SlotPool:
             if not fut.done():
                 fut.set_result(None)
                 break
+
+
+def add_dit_servicer(servicer, server) -> None:
+    """Register a ``mammoth.v1.DiT`` servicer on a `grpc.aio.Server`, like the generated
+    ``add_DiTServicer_to_server``, except that ``PushConditions`` receives each message as raw
+    ``bytes``: the servicer splits it with `mammoth_core.wire.split_chunk`, so the payload reaches
+    the slot as a view of gRPC's buffer instead of through two more copies (protobuf's parse and
+    the ``data`` field read)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=pb.DiTGenerateRequest.FromString,
+            response_serializer=pb.DiTGenerateResponse.SerializeToString,
+        ),
+        "PushConditions": grpc.stream_unary_rpc_method_handler(
+            servicer.PushConditions,
+            request_deserializer=None,
+            response_serializer=pb.PushConditionsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mammoth.v1.DiT", handlers),))
+    server.add_registered_method_handlers("mammoth.v1.DiT", handlers)

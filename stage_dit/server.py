@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Histogram
 
-from mammoth_core import grpc_common, tracing
+from mammoth_core import grpc_common, tracing, wire
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler
@@ -37,7 +37,7 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
 from stage_dit.conditions import compute_answer_start_index
-from stage_dit.receiver import SlotPool
+from stage_dit.receiver import SlotPool, add_dit_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -359,13 +359,16 @@ class DiTServicer(pb_grpc.DiTServicer):
                                   tracing.extract(context.invocation_metadata()), kind="SERVER")
         try:
             async for chunk in request_iterator:
+                data = None
+                if isinstance(chunk, bytes):  # registered by add_dit_servicer: payload not copied
+                    chunk, data = wire.split_chunk(chunk)
                 if token is None:
                     token = chunk.reservation_token
                     request_id_var.set(chunk.header.request_id or None)
                 elif chunk.reservation_token != token:
                     raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "reservation token changed mid-stream")
                 slot = self.pool.lookup(token)
-                result = slot.accept(chunk)
+                result = slot.accept(chunk, data)
                 if result.complete:
                     await slot.finish()  # H2D-complete before the acknowledgement
                     complete = True
@@ -433,7 +436,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     )
     servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary,
                            profiler=profiler)
-    pb_grpc.add_DiTServicer_to_server(servicer, server)
+    add_dit_servicer(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
     await server.start()
