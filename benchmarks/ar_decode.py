@@ -11,9 +11,11 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    inside a batch of 8 staggered requests of mixed grids, against the B=1 `T2ISequence` path
    (same seed): tokens equal up to the first divergence, relative row error; and with
    ``pad_to_max_bucket`` (one GEMM shape for every step) whether alone == batched bit for bit;
-4. decode timings (1024x1024 grids, 64x65 tokens): ms/token at batch 1 (engine-style loop: launch
-   step t+1, then read step t's ids), aggregate tokens/s at 2, 4, 8 concurrent requests, the graph
-   replay alone (CUDA events), and a kernel profile of the batch-1 step;
+4. decode timings (1024x1024 grids, 64x65 tokens), compiled graphs (`BatchedDecoder` default on
+   CUDA) and eager graphs (``compile=False``): ms/token at batch 1 (engine-style loop: launch step
+   t+1, then read step t's ids) at image start and at mid-image (the slot's cache position moved to
+   the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the graph replay alone
+   (CUDA events), a kernel profile of the compiled mid-image batch-1 step, and padded mode;
 5. the per-token HBM floor (bytes one step must read / measured copy bandwidth);
 6. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
    dimensions as the baseline.
@@ -154,84 +156,112 @@ def correctness(model, res: dict) -> None:
     res["correctness"] = out
 
 
-def timings(model, res: dict, steps: int) -> None:
-    t: dict = {}
+def _profile(graph) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
+
+
+def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, ...], steps: int,
+                 slots: int = 8, mid_image: bool = False, profile: bool = False, save=None) -> None:
+    """ms/step of ``batches`` concurrent 1024x1024 requests through one decoder built with ``opts``.
+
+    ``mid_image``: batch 1 again with the slot's cache position (and the decoder's host count) moved
+    to mid-image (the floor's KV position), so attention covers what a mid-image step must read.
+    """
+    t = res.setdefault("timings", {})
     w = h = TIMING_GRID
     capacity = len(PROMPT) + h * (w + 1) + 1
-    for label, slots, opts in (("buckets", 8, {}), ("pad8", 8, {"pad_to_max_bucket": True}),
-                               ("pad16", 16, {"pad_to_max_bucket": True})):
-        dec = make_decoder(model, slots, capacity, **opts)
-        t0 = time.perf_counter()
-        dec.capture()
-        t[f"{label}_capture_s"] = time.perf_counter() - t0
-        for batch in (1, 2, 4, 8) if label == "buckets" else (1,):
-            seqs = [new_seq(model, w, h, 100 + i) for i in range(batch)]
-            for i, s in enumerate(seqs):
-                first = dec.reserve(s)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                s.prefill()
-                torch.cuda.synchronize()
-                if batch == 1:
-                    t[f"{label}_prefill_ms"] = (time.perf_counter() - t0) * 1e3
-                dec.activate(i, s, first)
-            keyed = {i: s for i, s in enumerate(seqs)}
-
-            def run(n):
-                pending = None
-                for _ in range(n):
-                    launched = dec.launch()
-                    if pending is not None:
-                        fed, sampled = dec.collect(pending)
-                        for e in pending.entries:
-                            keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
-                            _ = pending.hidden[e.slot : e.slot + 1]
-                    pending = launched
-                fed, sampled = dec.collect(pending)
-                for e in pending.entries:
-                    keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
-
-            run(10)
+    dec = make_decoder(model, slots, capacity, **opts)
+    t0 = time.perf_counter()
+    dec.capture()
+    t[f"{label}_capture_s"] = time.perf_counter() - t0
+    t[f"{label}_graphs"] = len(dec._graphs)  # noqa: SLF001
+    t[f"{label}_compiled"] = dec.compile
+    print(f"[{label}] capture {t[f'{label}_capture_s']:.1f} s, {len(dec._graphs)} graphs, "  # noqa: SLF001
+          f"compiled={dec.compile}", flush=True)
+    runs = [(b, False) for b in batches] + ([(1, True)] if mid_image else [])
+    for batch, mid in runs:
+        seqs = [new_seq(model, w, h, 100 + i) for i in range(batch)]
+        for i, s in enumerate(seqs):
+            first = dec.reserve(s)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            run(steps)
+            s.prefill()
             torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3 / steps
-            bucket = dec._bucket()  # noqa: SLF001
-            graph = dec._graphs[bucket][0] if dec._graphs else None  # noqa: SLF001
-            replay_ms = [float("nan")] * 3 if graph is None else []
-            for _ in range(3 if graph is not None else 0):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(20):
-                    graph.replay()
-                b.record()
-                torch.cuda.synchronize()
-                replay_ms.append(a.elapsed_time(b) / 20)
-            t[f"{label}_B{batch}"] = {
-                "ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "graph_replay_ms": sorted(replay_ms)[1],
-                "bucket": bucket, "position_at_end": len(PROMPT) + len(seqs[0].generated_ids),
-            }
-            print(f"decode [{label}] B={batch}: {t[f'{label}_B{batch}']}", flush=True)
-            if label == "buckets" and batch == 1 and graph is not None:
-                try:
-                    from torch.profiler import ProfilerActivity, profile
+            if batch == 1 and not mid:
+                t[f"{label}_prefill_ms"] = (time.perf_counter() - t0) * 1e3
+            dec.activate(i, s, first)
+            if mid:  # jump the slot to mid-image: positions (and attention length) of the floor
+                jump = len(PROMPT) + 64 * 65 // 2 - len(PROMPT)
+                dec.cache_pos[first] += jump
+                dec._slots[first].steps_done += jump  # noqa: SLF001
+        keyed = {i: s for i, s in enumerate(seqs)}
 
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(5):
-                            graph.replay()
-                        torch.cuda.synchronize()
-                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
-                    t["profile_B1"] = table
-                    print(table, flush=True)
-                except Exception as exc:  # noqa: BLE001
-                    t["profile_error"] = repr(exc)
-            for i in range(batch):
-                dec.deactivate(next(st.first for st in dec._slots.values() if st.key == i))  # noqa: SLF001
-        del dec
-        gc.collect()
-        torch.cuda.empty_cache()
-    res["timings"] = t
+        def run(n):
+            pending = None
+            for _ in range(n):
+                launched = dec.launch()
+                if pending is not None:
+                    fed, sampled = dec.collect(pending)
+                    for e in pending.entries:
+                        keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
+                        _ = pending.hidden[e.slot : e.slot + 1]
+                pending = launched
+            fed, sampled = dec.collect(pending)
+            for e in pending.entries:
+                keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
+
+        run(10)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(steps)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+        shape = dec._shape()  # noqa: SLF001
+        graph = dec._graphs[shape][0] if shape in dec._graphs else None  # noqa: SLF001
+        replay_ms = [float("nan")] * 3 if graph is None else []
+        for _ in range(3 if graph is not None else 0):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(20):
+                graph.replay()
+            b.record()
+            torch.cuda.synchronize()
+            replay_ms.append(a.elapsed_time(b) / 20)
+        key = f"{label}_B{batch}" + ("_mid" if mid else "")
+        pos_end = int(dec.cache_pos[0])
+        t[key] = {
+            "ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "graph_replay_ms": sorted(replay_ms)[1],
+            "shape": list(shape), "cache_position_at_end": pos_end,
+        }
+        print(f"decode [{label}] B={batch}{' mid' if mid else ''}: {t[key]}", flush=True)
+        if profile and mid and graph is not None:
+            try:
+                t[f"profile_{label}_B1_mid"] = _profile(graph)
+                print(t[f"profile_{label}_B1_mid"], flush=True)
+            except Exception as exc:  # noqa: BLE001
+                t["profile_error"] = repr(exc)
+        for i in range(batch):
+            dec.deactivate(next(st.first for st in dec._slots.values() if st.key == i))  # noqa: SLF001
+        if save:
+            save()
+    del dec
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def timings(model, res: dict, steps: int, save=None) -> None:
+    """Compiled vs eager graphs (buckets), batch 1 at image start and mid-image, 2/4/8 concurrent;
+    then padded mode (the engine default) at batch 1."""
+    time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
+    time_variant(model, res, "eager", {"compile": False}, (1, 2, 4, 8), steps, mid_image=True, save=save)
+    time_variant(model, res, "compiled_pad8", {"pad_to_max_bucket": True}, (1,), steps, mid_image=True,
+                 save=save)
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
@@ -305,9 +335,17 @@ def main() -> int:
     torch.set_default_dtype(torch.float32)
     random_init_(model, 1)
     model.eval().requires_grad_(False)
+    def save() -> None:
+        (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
+
+    bw = res["ceilings"]["hbm_bytes_per_s"]
+    mid = len(PROMPT) + 64 * 65 // 2
+    fb = floor_bytes(model, mid)
+    res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
+    save()
     for section in (
+        lambda: timings(model, res, args.steps, save),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
-        lambda: timings(model, res, args.steps),
     ):
         if section is None:
             continue
@@ -316,11 +354,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - keep the other sections
             res.setdefault("errors", []).append(traceback.format_exc())
             print(traceback.format_exc(), flush=True)
-        (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
-    bw = res["ceilings"]["hbm_bytes_per_s"]
-    mid = len(PROMPT) + 64 * 65 // 2
-    fb = floor_bytes(model, mid)
-    res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
+        save()
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -338,22 +372,21 @@ def main() -> int:
     print(f"| copy bandwidth (read+write) | {bw / 1e12:.2f} TB/s |")
     print(f"| bf16 matmul 8192^3 | {res['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |")
     print(f"| floor per token (B=1, pos {mid}) | {floor:.3f} ms ({res['floor']['total'] / 1e9:.2f} GB) |")
-    for key in ("buckets_B1", "pad8_B1", "pad16_B1", "buckets_B2", "buckets_B4", "buckets_B8"):
-        if key in t:
-            v = t[key]
-            print(f"| {key} | {v['ms_per_step']:.3f} ms/step, {v['tokens_per_s']:.1f} tok/s, "
-                  f"replay {v['graph_replay_ms']:.3f} ms, bucket {v['bucket']} |")
-    if "buckets_B1" in t:
-        b1 = t["buckets_B1"]
+    for key in sorted(k for k in t if isinstance(t[k], dict)):
+        v = t[key]
+        print(f"| {key} | {v['ms_per_step']:.3f} ms/step ({v['ms_per_step'] / floor:.2f} x floor), "
+              f"{v['tokens_per_s']:.1f} tok/s, replay {v['graph_replay_ms']:.3f} ms, shape {v['shape']} |")
+    if "compiled_B1" in t:
+        b1 = t["compiled_B1"]
         print(f"| B=1 / floor | {b1['ms_per_step'] / floor:.2f} x (target <= 1.3) |")
         if "hf_ms_per_token" in res:
             print(f"| HF eager generate | {res['hf_ms_per_token']:.2f} ms/token; speed-up "
                   f"{res['hf_ms_per_token'] / b1['ms_per_step']:.1f} x (target >= 4) |")
-        if "buckets_B8" in t:
-            print(f"| B=8 tok/s / B=1 tok/s | {t['buckets_B8']['tokens_per_s'] / b1['tokens_per_s']:.2f} x "
+        if "compiled_B8" in t:
+            print(f"| B=8 tok/s / B=1 tok/s | {t['compiled_B8']['tokens_per_s'] / b1['tokens_per_s']:.2f} x "
                   f"(target >= 6) |")
-    if "buckets_prefill_ms" in t:
-        print(f"| prefill 63 tokens | {t['buckets_prefill_ms']:.1f} ms |")
+    if "compiled_prefill_ms" in t:
+        print(f"| prefill 63 tokens | {t['compiled_prefill_ms']:.1f} ms |")
     return 0
 
 

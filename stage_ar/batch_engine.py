@@ -34,13 +34,25 @@ whatever else is in the batch; the sampler and all state handling are the same b
 CUDA the rows are computed batched (bf16 GEMMs whose kernels may depend on the batch size, so rows
 equal the B=1 path to bf16 rounding); ``pad_to_max_bucket`` pins every step to one shape, which makes
 each request's rows independent of the other requests (batch invariance) at a small cost.
+
+Kernel count (CUDA, ``compile``): each layer's elementwise chain is fused by `torch.compile`d
+helpers (RMSNorm, residual add + RMSNorm, RoPE of q and k, scaled + masked float32 softmax,
+SiLU·mul; Inductor, default mode, no split reductions) called inside the captured step, so a layer
+is its GEMMs plus ≈ 6 small kernels instead of ≈ 30. Compilation happens during `capture`'s
+warm-up; if it fails the decoder logs a warning and keeps the eager helpers (same operations as the
+model's modules). Compiled kernels are per shape, so only ``pad_to_max_bucket`` keeps a request's
+rows independent of the rest of the batch (measured on the H200: docs/PERFORMANCE.md). Attention covers the first ``L`` key positions only, ``L`` the batch's longest
+sequence rounded up to ``length_bucket`` (one graph per (batch bucket, length bucket)); with
+``pad_to_max_bucket`` ``L`` is pinned to the pool width so every step keeps one shape. The sampler
+has a variant without the two sorts of top-k/top-p, used when no running request asks for either
+(the sorted variant leaves the scores untouched in that case, so both give identical tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +67,76 @@ __all__ = ["BatchedDecoder", "StepEntry", "PendingStep"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_LENGTH_BUCKET = 512  # attention key-length granularity (positions)
+
+
+# ---- per-layer elementwise chains (eager; `torch.compile`d on CUDA) ------------------------------
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`MammothRMSNorm.forward` as a function: statistics in float32, cast before the weight."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Residual add then RMSNorm: returns ``(x + delta, rms_norm(x + delta))``."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """Split a fused q/k/v row block ``(b, (heads + 2 kv_heads) * d)`` and rotate q and k (RoPE).
+
+    ``cos``/``sin``: ``(b, 1, d)``. Returns q ``(b, heads, d)``, k and v ``(b, kv_heads, d)``.
+    """
+    b = qkv.shape[0]
+    d = cos.shape[-1]
+    q_out, kv_out = heads * d, kv_heads * d
+    q = qkv[:, :q_out].view(b, heads, d)
+    k = qkv[:, q_out : q_out + kv_out].view(b, kv_heads, d)
+    v = qkv[:, q_out + kv_out :].view(b, kv_heads, d)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q, k, v
+
+
+def _masked_softmax(scores: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores * scale + bias)`` in float32, cast back to the scores' dtype."""
+    return torch.softmax(scores.float() * scale + bias, dim=-1).to(scores.dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+_EAGER_KERNELS: dict[str, Callable] = {
+    "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "rope_qkv": _rope_qkv,
+    "masked_softmax": _masked_softmax, "silu_mul": _silu_mul,
+}
+_COMPILED_KERNELS: dict[str, Callable] | None = None
+
+
+def _compiled_kernels() -> dict[str, Callable]:
+    """`torch.compile`d versions of the helpers (built once per process, shared by decoders).
+
+    Inductor default mode (no CUDA graphs of its own: the decoder captures the whole step), split
+    reductions requested off. Inductor still generates per-shape kernels (batch 1 specialised, and
+    on the H200 it split the softmax reduction anyway), so in bucket mode a row's reduction order
+    may depend on the batch bucket; ``pad_to_max_bucket`` (one shape) stays batch-invariant.
+    """
+    global _COMPILED_KERNELS  # noqa: PLW0603 - one compile cache per process
+    if _COMPILED_KERNELS is None:
+        try:
+            opts: dict[str, Any] | None = {"split_reductions": False}
+            torch.compile(_silu_mul, options=opts)  # validates the option names
+        except Exception:  # noqa: BLE001 - an Inductor without that option
+            opts = None
+        _COMPILED_KERNELS = {name: torch.compile(fn, options=opts) for name, fn in _EAGER_KERNELS.items()}
+    return _COMPILED_KERNELS
 
 
 @dataclasses.dataclass
@@ -89,6 +171,7 @@ class _Slot:
     first: int  # conditional slot; CFG uncond at first + 1
     count: int
     steps_done: int = 0
+    needs_sort: bool = True  # top-k or top-p in use
 
 
 class BatchedDecoder:
@@ -103,7 +186,13 @@ class BatchedDecoder:
         exact_rows: per-request B=1-shaped forwards (bit-identical rows); default True on CPU.
         cuda_graphs: capture each bucket's step; default True on CUDA (ignored elsewhere/with exact_rows).
         buckets: batch sizes a step may run at (slots ``[0, bucket)``).
-        pad_to_max_bucket: always run the largest bucket (one shape for every step).
+        pad_to_max_bucket: always run the largest bucket and attend over the whole pool width
+            (one shape for every step).
+        compile: fuse each layer's elementwise chain with `torch.compile` (see module doc); default
+            True on CUDA without ``exact_rows``, False elsewhere. Falls back to the eager helpers
+            with a logged warning when compilation fails.
+        length_bucket: attention covers the batch's longest sequence rounded up to a multiple of
+            this many positions (0: always the pool width). Ignored with ``pad_to_max_bucket``.
 
     Raises:
         ValueError: a grid id below ``gen_vocab_start_index`` or an empty visual range.
@@ -122,6 +211,8 @@ class BatchedDecoder:
         cuda_graphs: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         pad_to_max_bucket: bool = False,
+        compile: bool | None = None,  # noqa: A002 - the option's natural name
+        length_bucket: int = DEFAULT_LENGTH_BUCKET,
     ) -> None:
         cfg = model.config
         if not visual_token_start_id < visual_token_end_id:
@@ -142,6 +233,13 @@ class BatchedDecoder:
         self.num_slots = num_slots
         self.buckets = tuple(sorted({min(b, num_slots) for b in buckets} | {num_slots}))
         self.pad_to_max_bucket = pad_to_max_bucket
+        want_compile = (self.on_cuda and not self.exact_rows) if compile is None else bool(compile)
+        self.compile = want_compile and not self.exact_rows
+        self._kernels = _compiled_kernels() if self.compile else _EAGER_KERNELS
+        if pad_to_max_bucket or length_bucket <= 0 or self.exact_rows:
+            self.length_buckets: tuple[int, ...] = (self.capacity,)
+        else:
+            self.length_buckets = tuple(range(length_bucket, self.capacity, length_bucket)) + (self.capacity,)
         self.eol = int(eol_token_id)
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
@@ -175,7 +273,8 @@ class BatchedDecoder:
         self.rows = torch.arange(n, **i64)
         self.key_index = torch.arange(self.capacity, **i64)
         self.vocab_index = torch.arange(self.vocab, **i64)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # by (batch bucket, key length, sorted sampler)
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -202,26 +301,49 @@ class BatchedDecoder:
             fused.append((torch.cat([m.weight for m in mods]), torch.cat([m.bias for m in mods])))
         return fused
 
+    def _shapes(self) -> list[tuple[int, int, bool]]:
+        buckets = self.buckets[-1:] if self.pad_to_max_bucket else self.buckets
+        return [(b, n, sort) for b in buckets for n in self.length_buckets for sort in (True, False)]
+
+    def _run_step(self, b: int, length: int, sort: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_step_impl`, falling back to the eager helpers (logged) if a compiled one fails.
+
+        A retry is safe: the first compiled call precedes every state write except the KV write of
+        the new position, which the retry repeats with the same values.
+        """
+        try:
+            return self._step_impl(b, length, sort)
+        except Exception as exc:  # noqa: BLE001 - Inductor/Triton failures of many kinds
+            if self._kernels is _EAGER_KERNELS:
+                raise
+            logger.warning("torch.compile of the decode step failed (%s: %s); using eager kernels",
+                           type(exc).__name__, exc)
+            self._kernels = _EAGER_KERNELS
+            self.compile = False
+            return self._step_impl(b, length, sort)
+
     def capture(self) -> None:
-        """Capture one CUDA graph per bucket (no-op without ``cuda_graphs``). Call with no request active."""
+        """Compile (if on) and capture one CUDA graph per (batch bucket, key-length bucket, sampler
+        variant); no-op without ``cuda_graphs``. Call with no request active."""
         if not self.cuda_graphs or self._graphs:
             return
         torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for b in self.buckets:  # warm-up (cuBLAS handles, attention kernels) off the capture
-                for _ in range(2):
-                    self._step_impl(b)
+            # warm-up off the capture: compilation, cuBLAS handles, attention kernels
+            for b, n, sort in self._shapes():
+                for _ in range(2 if n == self.length_buckets[0] else 1):
+                    self._run_step(b, n, sort)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        for b in sorted(self.buckets, reverse=True):
+        for shape in sorted(self._shapes(), reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
-                outs = self._step_impl(b)
+                outs = self._step_impl(*shape)
             if self._graph_pool is None:
                 self._graph_pool = graph.pool()
-            self._graphs[b] = (graph, outs)
+            self._graphs[shape] = (graph, outs)
         torch.cuda.synchronize(self.device)
 
     # ---- membership -----------------------------------------------------------------------------
@@ -307,7 +429,8 @@ class BatchedDecoder:
             self.temperature[slot], self.top_p_cut[slot], self.penalty[slot], self.cfg_scale[slot] = floats
             self.uniforms[slot].copy_(table)
             self.seen[slot].copy_(seen)
-        self._slots[first] = _Slot(key, seq, first, count, steps_done=g0)
+        needs_sort = k < self.vocab or s.top_p < 1.0
+        self._slots[first] = _Slot(key, seq, first, count, steps_done=g0, needs_sort=needs_sort)
 
     def deactivate(self, first: int, key: Any = None) -> Any:
         """Remove the request at ``first`` (finished or cancelled) and free its slots; returns its key.
@@ -334,6 +457,12 @@ class BatchedDecoder:
         need = max(st.first + st.count for st in self._slots.values())
         return next(b for b in self.buckets if b >= need)
 
+    def _shape(self) -> tuple[int, int, bool]:
+        """(batch bucket, key-length bucket, sorted sampler) of the next step."""
+        need = max(st.seq.prompt_len + st.steps_done + 1 for st in self._slots.values())
+        length = next((n for n in self.length_buckets if n >= need), self.capacity)
+        return self._bucket(), length, any(st.needs_sort for st in self._slots.values())
+
     @torch.inference_mode()
     def launch(self) -> PendingStep | None:
         """Run one decode step for every active request (asynchronously on CUDA).
@@ -343,12 +472,12 @@ class BatchedDecoder:
         """
         if not self._slots:
             return None
-        b = self._bucket()
-        if b in self._graphs:
-            graph, (hidden, fed, sampled) = self._graphs[b]
+        shape = self._shape()
+        if shape in self._graphs:
+            graph, (hidden, fed, sampled) = self._graphs[shape]
             graph.replay()
         else:
-            hidden, fed, sampled = self._step_impl(b)
+            hidden, fed, sampled = self._run_step(*shape)
         self.steps_launched += 1
         hidden = hidden.clone()  # the graph's buffers are overwritten by the next replay
         ids = torch.stack([fed, sampled])
@@ -378,22 +507,26 @@ class BatchedDecoder:
         fed, sampled = pending.ids_host.tolist()
         return fed, sampled
 
-    def _step_impl(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step over slots ``[0, b)``: returns ``(hidden (b, H), fed (b,), sampled (b,))``."""
+    def _step_impl(
+        self, b: int, length: int | None = None, sort: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step over slots ``[0, b)``, attending over the first ``length`` key positions (all by
+        default), with the top-k/top-p sorts or not: returns ``(hidden (b, H), fed (b,), sampled (b,))``."""
+        length = self.capacity if length is None else length
         active = self.active[:b]
         fed = self.next_token[:b].clone()
         pos = self.cache_pos[:b]
         if self.exact_rows:
             hidden, logits = self._forward_exact(b, fed)
         else:
-            hidden = self._forward_batched(b, fed, pos)
+            hidden = self._forward_batched(b, fed, pos, length)
             logits = F.linear(hidden, self.head_weight).float()
         vis = fed - self.vstart
         in_vis = active & (vis >= 0) & (vis < self.vocab)
         rows = self.rows[:b]
         idx = vis.clamp(0, self.vocab - 1)
         self.seen[rows, idx] = self.seen[rows, idx] | in_vis
-        tokens = self._sample(b, logits)
+        tokens = self._sample(b, logits, sort)
         tokens = tokens[self.source[:b]]
         self.next_token[:b] = torch.where(active, tokens, fed)
         step = active.long()
@@ -401,36 +534,35 @@ class BatchedDecoder:
         self.sample_idx[:b] += step
         return hidden, fed, tokens
 
-    def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """All-generation-token decode forward of ``b`` rows, one new position each."""
+    def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """All-generation-token decode forward of ``b`` rows, one new position each, attending over
+        key positions ``[0, length)`` (every row's ``pos < length``)."""
         cfg = self.model.config
         lm = self.model.language_model
+        kern = self._kernels
         if lm.gen_embed_tokens is not None:
             x = lm.gen_embed_tokens(fed - cfg.gen_vocab_start_index)
         else:
             x = lm.embed_tokens(fed)
         rope_pos = (pos + self.rope_off[:b])[:, None]
         cos, sin = lm.rotary_emb(rope_pos, x.dtype)  # (b, 1, head_dim)
-        k_idx = self.key_index
+        k_idx = self.key_index[:length]
         valid = (k_idx[None, :] >= self.key_start[:b, None]) & (k_idx[None, :] <= pos[:, None])
-        # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, L)
+        # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, length)
         bias = torch.zeros(valid.shape, device=x.device, dtype=torch.float32).masked_fill(~valid, float("-inf"))
         bias = bias[:, None, None, :]
         rows = self.rows[:b]
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_out, kv_out = heads * hd, kv_heads * hd
+        q_out = heads * hd
         scale = hd**-0.5
-        for li, layer in enumerate(lm.layers):
+        layers = lm.layers
+        first_norm = layers[0].input_layernorm
+        h = kern["rms_norm"](x, first_norm.weight, first_norm.variance_epsilon)
+        for li, layer in enumerate(layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
             exp = attn.has_experts
             w_qkv, b_qkv = self._qkv[li]
-            qkv = F.linear(h, w_qkv, b_qkv)
-            q = qkv[:, :q_out].view(b, heads, hd)
-            k = qkv[:, q_out : q_out + kv_out].view(b, kv_heads, hd)
-            v = qkv[:, q_out + kv_out :].view(b, kv_heads, hd)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k, v = kern["rope_qkv"](F.linear(h, w_qkv, b_qkv), cos, sin, heads, kv_heads)
             key_l, value_l = self.pool.key[li], self.pool.value[li]
             key_l[rows, :, pos] = k
             value_l[rows, :, pos] = v
@@ -438,14 +570,18 @@ class BatchedDecoder:
             # scores in the model dtype, softmax in float32 (as transformers' eager attention). A
             # fused attention kernel here runs one CTA per (row, KV head) over the whole pool
             # width, far below the memory bandwidth at this shape (profile in docs/PERFORMANCE.md).
+            keys, values = key_l[:b, :, :length], value_l[:b, :, :length]
             qg = q.view(b, kv_heads, heads // kv_heads, hd)
-            scores = torch.matmul(qg, key_l[:b].transpose(-1, -2))
-            probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(x.dtype)
-            out = torch.matmul(probs, value_l[:b]).reshape(b, q_out)
-            x = x + (attn.gen_o_proj if exp else attn.o_proj)(out)
+            probs = kern["masked_softmax"](torch.matmul(qg, keys.transpose(-1, -2)), scale, bias)
+            out = torch.matmul(probs, values).reshape(b, q_out)
+            post = layer.post_attention_layernorm
+            x, h = kern["add_rms_norm"](x, (attn.gen_o_proj if exp else attn.o_proj)(out), post.weight,
+                                        post.variance_epsilon)
             mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
-            x = x + mlp(layer.post_attention_layernorm(x))
-        return lm.norm(x)
+            down = mlp.down_proj(kern["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
+            norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else lm.norm
+            x, h = kern["add_rms_norm"](x, down, norm.weight, norm.variance_epsilon)
+        return h
 
     def _forward_exact(self, b: int, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request, the B=1 path's exact forward (`MammothARForCausalLM.forward` on the slots'
@@ -469,9 +605,10 @@ class BatchedDecoder:
             logits[first : first + n] = self.model.compute_logits(last)[:, self.vstart : self.vend]
         return hidden, logits
 
-    def _sample(self, b: int, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, b: int, logits: torch.Tensor, sort: bool = True) -> torch.Tensor:
         """Fused grid-constrained sampling of ``b`` rows; same operations as
-        `GridConstrainedSampler.sample` (after `T2ISequence`'s CFG mix), batched."""
+        `GridConstrainedSampler.sample` (after `T2ISequence`'s CFG mix), batched. ``sort=False``
+        skips top-k/top-p (only valid when no row uses them: then both give the same tokens)."""
         partner = self.partner[:b]
         uncond = logits[partner]
         scale = self.cfg_scale[:b, None]
@@ -482,16 +619,17 @@ class BatchedDecoder:
         greedy_idx = torch.argmax(scores, dim=-1)
 
         s = scores / self.temperature[:b, None]
-        desc = torch.sort(s, dim=-1, descending=True).values
-        kth = desc.gather(1, (self.top_k[:b] - 1)[:, None])
-        s = s.masked_fill(s < kth, float("-inf"))
-        asc, order = torch.sort(s, dim=-1, descending=False)
-        cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= self.top_p_cut[:b, None]
-        keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
-        remove_sorted = remove_sorted & ~keep_tail[None, :] & self.use_top_p[:b, None]
-        remove = remove_sorted.scatter(1, order, remove_sorted)
-        s = s.masked_fill(remove, float("-inf"))
+        if sort:
+            desc = torch.sort(s, dim=-1, descending=True).values
+            kth = desc.gather(1, (self.top_k[:b] - 1)[:, None])
+            s = s.masked_fill(s < kth, float("-inf"))
+            asc, order = torch.sort(s, dim=-1, descending=False)
+            cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
+            remove_sorted = cumulative <= self.top_p_cut[:b, None]
+            keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
+            remove_sorted = remove_sorted & ~keep_tail[None, :] & self.use_top_p[:b, None]
+            remove = remove_sorted.scatter(1, order, remove_sorted)
+            s = s.masked_fill(remove, float("-inf"))
         probs = torch.softmax(s, dim=-1, dtype=torch.float64)
         cdf = torch.cumsum(probs, dim=-1)
         sidx = self.sample_idx[:b]

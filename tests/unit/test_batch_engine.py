@@ -137,6 +137,41 @@ def test_pad_to_max_bucket_matches_too(model, tokenizer, references):
         torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
 
 
+def test_length_buckets_and_sortless_sampler_match_too(model, tokenizer, references):
+    """Attention over the batch's length rounded up to 16 positions (several graph shapes) and the
+    sampler without sorts whenever no running request uses top-k/top-p: same tokens as B=1."""
+    got = run_staggered(model, tokenizer, exact_rows=False, length_bucket=16)
+    for i, (hidden, seq) in got.items():
+        assert seq.prompt_ids + seq.generated_ids == references[i][1], f"request {i}"
+        torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
+    dec = BatchedDecoder(model, 2, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
+                         "visual_token_end_id"), grid_ids(tokenizer))), exact_rows=False, length_bucket=16)
+    assert dec.length_buckets == (16, 32, 48, 64, 80, 96) and not dec.compile  # CPU default: no compile
+    seq = make_seq(model, tokenizer, 0)
+    first = dec.reserve(seq)
+    seq.prefill()
+    dec.activate(0, seq, first)
+    b, length, sort = dec._shape()  # noqa: SLF001
+    assert b == 1 and length >= seq.prompt_len + 1 and length - 16 < seq.prompt_len + 1
+    assert sort == (seq.sampler.top_k is not None or seq.sampler.top_p < 1.0)
+
+
+def test_compile_failure_falls_back_to_eager(model, tokenizer, references, monkeypatch, caplog):
+    """A compiled helper that fails (as an Inductor/Triton error would) leaves a working decoder."""
+    import stage_ar.batch_engine as batch_engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compilation failure")
+
+    monkeypatch.setattr(batch_engine, "_COMPILED_KERNELS", dict.fromkeys(batch_engine._EAGER_KERNELS, broken))
+    with caplog.at_level("WARNING", logger="stage_ar.batch_engine"):
+        got = run_staggered(model, tokenizer, exact_rows=False, compile=True)
+    assert "using eager kernels" in caplog.text
+    for i, (hidden, seq) in got.items():
+        assert seq.prompt_ids + seq.generated_ids == references[i][1], f"request {i}"
+        torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
+
+
 def test_pool_allocation_and_views(model):
     pool = KVPool(model.config, 4, 10, dtype=torch.float32)
     assert pool.capacity == 16 and pool.free_slots == 4
