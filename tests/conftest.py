@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -14,6 +13,11 @@ if str(ROOT) not in sys.path:
 # kopf's operator package lives in operator/mammoth_operator (never a top-level `operator`).
 if str(ROOT / "operator") not in sys.path:
     sys.path.insert(0, str(ROOT / "operator"))
+# Shared test helpers (pipeline_harness) are imported by module name, not through `conftest`.
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))
+
+from pipeline_harness import RunningPipeline, start_local_pipeline  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -22,57 +26,6 @@ def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
     from mammoth_core.make_checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
-
-
-class RunningPipeline:
-    """Handles on a started local pipeline: component processes, addresses, metrics URLs."""
-
-    def __init__(self, components, trace_dir: pathlib.Path):
-        self.components = {c.name: c for c in components}
-        self.trace_dir = trace_dir
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.components['gateway'].address}"
-
-    def metrics_url(self, name: str) -> str:
-        comp = self.components[name]
-        if name == "gateway":
-            return f"{self.url}/metrics"
-        host = comp.address.rsplit(":", 1)[0]
-        return f"http://{host}:{comp.info['metrics_port']}/metrics"
-
-    def metric(self, name: str, metric: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the samples of ``metric`` (with matching labels) scraped from component ``name``."""
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.metrics_url(name), timeout=10).text
-        total = 0.0
-        found = False
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == metric and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                    total += sample.value
-                    found = True
-        if not found:
-            raise KeyError(f"{metric}{labels or ''} not exposed by {name}")
-        return total
-
-
-def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:
-    """Start AR, DiT and gateway processes on loopback with request traces written to ``tmp``."""
-    from mammoth_core.local import start_pipeline
-
-    trace_dir = tmp / "traces"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    env = {"MAMMOTH_TRACE_DIR": str(trace_dir), "MAMMOTH_CACHE_DIR": str(tmp / "cache")}
-    env.update(kwargs.pop("extra_env", {}))
-    components = start_pipeline(
-        checkpoint=str(checkpoint), gateway_port=0, slots=kwargs.pop("slots", 2), extra_env=env,
-        workdir=tmp, log_level=kwargs.pop("log_level", "warning"), ready_timeout=120, **kwargs,
-    )
-    return RunningPipeline(components, trace_dir)
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def generate(client: httpx.Client, url: str, seed: int) -> tuple[httpx.Response,
 @pytest.fixture(scope="module")
 def metered(tiny_checkpoint, tmp_path_factory):
     """A pipeline of its own (exact counts), with a profile folder on the DiT."""
-    from conftest import start_local_pipeline
+    from pipeline_harness import start_local_pipeline
     from mammoth_core.local import stop_pipeline
 
     tmp = tmp_path_factory.mktemp("metered")
