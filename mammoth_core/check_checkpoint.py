@@ -75,7 +75,7 @@ def check_checkpoint(path: str | os.PathLike) -> CheckReport:
     try:
         ckpt = Checkpoint(path)
     except CheckpointError as exc:
-        report.problems += exc.problems
+        report.problems += [p for p in exc.problems if p not in report.problems]
         report.seconds = time.perf_counter() - t0
         return report
     config_problems = [
@@ -93,7 +93,7 @@ def check_checkpoint(path: str | os.PathLike) -> CheckReport:
         report.problems.append(f"config.json does not describe a buildable model: {type(exc).__name__}: {exc}")
         report.seconds = time.perf_counter() - t0
         return report
-    infos = ckpt.tensor_infos("")
+    infos = ckpt.tensor_infos("", problems=report.problems)
     known_prefixes = tuple(shapes) + SKIPPED_PREFIXES
     for name in sorted(infos):
         if not name.startswith(known_prefixes):

@@ -87,7 +87,7 @@ class Checkpoint:
             raise CheckpointError(self.path, ["not a directory"])
         config_path = self.path / CONFIG_FILE
         if not config_path.is_file():
-            raise CheckpointError(self.path, [f"missing {CONFIG_FILE}"])
+            raise CheckpointError(self.path, [f"missing file {CONFIG_FILE}"])
         try:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
@@ -119,29 +119,54 @@ class Checkpoint:
 
         mapping: dict[str, str] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    mapping[name] = f.name
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    for name in handle.keys():
+                        mapping[name] = f.name
+            except Exception as exc:  # noqa: BLE001 - a corrupt file is a finding, not a crash
+                problems.append(f"shard {f.name} is unreadable: {exc}")
         return mapping
 
     def tensor_names(self) -> list[str]:
         """All stored tensor names, sorted."""
         return sorted(self._index)
 
-    def tensor_infos(self, prefix: str = "") -> dict[str, TensorInfo]:
-        """Name -> `TensorInfo` for stored tensors starting with ``prefix`` (reads headers only)."""
+    def tensor_infos(self, prefix: str = "", problems: list[str] | None = None) -> dict[str, TensorInfo]:
+        """Name -> `TensorInfo` for stored tensors starting with ``prefix`` (reads headers only).
+
+        The index and the shard headers must agree: a shard that cannot be read, a tensor the index
+        places in a shard that does not hold it, or a tensor a shard holds that the index does not
+        list, is a problem. With ``problems`` given they are appended there (and the readable
+        tensors returned); otherwise they raise.
+
+        Raises:
+            CheckpointError: when ``problems`` is None and anything disagrees.
+        """
         from safetensors import safe_open
 
+        found: list[str] = []
         by_file: dict[str, list[str]] = defaultdict(list)
         for name, file in self._index.items():
-            if name.startswith(prefix):
-                by_file[file].append(name)
+            by_file[file].append(name)
         infos: dict[str, TensorInfo] = {}
-        for file, names in by_file.items():
-            with safe_open(str(self.path / file), framework="pt") as handle:
-                for name in names:
-                    sl = handle.get_slice(name)
-                    infos[name] = TensorInfo(name, tuple(sl.get_shape()), sl.get_dtype(), file)
+        for file, names in sorted(by_file.items()):
+            try:
+                with safe_open(str(self.path / file), framework="pt") as handle:
+                    stored = set(handle.keys())
+                    for name in names:
+                        if name not in stored:
+                            found.append(f"tensor {name} is listed in the index for {file} but {file} does not hold it")
+                        elif name.startswith(prefix):
+                            sl = handle.get_slice(name)
+                            infos[name] = TensorInfo(name, tuple(sl.get_shape()), sl.get_dtype(), file)
+                    for name in sorted(stored - set(names)):
+                        found.append(f"tensor {name} is in {file} but not listed in the index")
+            except Exception as exc:  # noqa: BLE001 - corrupt or truncated shard
+                found.append(f"shard {file} is unreadable: {exc}")
+        if found:
+            if problems is None:
+                raise CheckpointError(self.path, found)
+            problems.extend(found)
         return infos
 
     # -- configs ------------------------------------------------------------------------------
@@ -185,7 +210,7 @@ class Checkpoint:
         }
         problems = [f"missing tensor {prefix}{k}" for k in sorted(set(wanted) - set(stored))]
         problems += [f"unexpected tensor {prefix}{k}" for k in sorted(set(stored) - set(wanted))]
-        infos = self.tensor_infos(prefix)
+        infos = self.tensor_infos(prefix)  # raises when index and shards disagree
         for key in sorted(set(wanted) & set(stored)):
             want_shape = tuple(wanted[key].shape)
             got_shape = infos[prefix + key].shape
@@ -252,6 +277,8 @@ def resolve_checkpoint(uri: str, cache_dir: str | os.PathLike) -> pathlib.Path:
 def check_files(path: str | os.PathLike) -> list[str]:
     """Problems with the files of a checkpoint folder (configs and tokenizer), without weights."""
     path = pathlib.Path(path)
+    if not path.is_dir():
+        return ["not a directory"]
     problems = []
     for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES):
         if not (path / name).is_file():

@@ -128,3 +128,35 @@ def test_check_checkpoint_accepts_a_good_one(tiny_checkpoint):
     report = check_checkpoint(tiny_checkpoint)
     assert report.ok, report.problems
     assert report.tensors_checked == len(Checkpoint(tiny_checkpoint).tensor_names())
+
+
+@pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard"])
+def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, damage):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    if damage == "index_only_rename":
+        key = sorted(k for k, v in index["weight_map"].items() if v == shard)[0]
+        index["weight_map"][key + "_x"] = index["weight_map"].pop(key)
+        index_path.write_text(json.dumps(index))
+        expected = key
+    elif damage == "truncated_shard":
+        data = (broken / shard).read_bytes()
+        (broken / shard).write_bytes(data[: len(data) // 2])
+        expected = shard
+    else:
+        (broken / shard).write_bytes(b"\xff" * 4096)
+        expected = shard
+    cli = subprocess.run(
+        [sys.executable, "-m", "mammoth_core.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
+    )
+    assert cli.returncode == 1
+    assert cli.stdout.startswith("FAILED:") and expected in cli.stdout, cli.stdout + cli.stderr
+    assert "Traceback" not in cli.stderr
+
+
+def test_missing_folder_is_one_clear_problem(tmp_path):
+    report = check_checkpoint(tmp_path / "nope")
+    assert report.problems == ["not a directory"]
