@@ -205,6 +205,11 @@ class DiTServicer(pb_grpc.DiTServicer):
                     if step == total:
                         yield pb.DiTGenerateResponse(progress=pb.DiTProgress(
                             phase=pb.DiTProgress.DECODING, step=step, total_steps=total))
+                elif kind == "partial":
+                    index, data = rest
+                    yield pb.DiTGenerateResponse(image=pb.Image(
+                        data=data, format=_output_format(params), width=params.width, height=params.height,
+                        partial=True, partial_index=index))
                 elif kind == "done":
                     break
             data, fmt, timings = await worker
@@ -305,15 +310,21 @@ class DiTServicer(pb_grpc.DiTServicer):
             condition = pipe.prepare_conditions(conds.hidden.to(dtype), conds.token_ids, answer_start)
             negative = None if conds.negative is None else conds.negative.to(dtype)
             marks = {"last_step": time.perf_counter()}
+            previews = preview_steps(params.partial_images, params.num_inference_steps)
 
-            def on_step(step_index: int, total_steps: int, _latents) -> None:
+            def on_step(step_index: int, total_steps: int, latents) -> None:
                 if stop.is_set():
                     raise _StopRequested()
                 now = time.perf_counter()
                 DIT_STEP.observe(now - marks["last_step"])
                 DIT_STEPS.inc()
-                marks["last_step"] = now
                 post("step", step_index + 1, total_steps)
+                if step_index + 1 in previews:
+                    # A real preview: the current latents decoded by the VAE, like the final image.
+                    preview = pipe.decode_latents(latents)
+                    post("partial", previews[step_index + 1],
+                         self._encode(preview, _output_format(params), params.output_compression))
+                marks["last_step"] = time.perf_counter()
 
             image = pipe.generate(
                 condition, negative, width=params.width, height=params.height,
@@ -409,6 +420,18 @@ def _record_model_spans(span, timings: pb.DiTTimings, end_ns: int) -> None:
     tracing.record_span("dit.denoise", span, denoise_start, vae_start)
     tracing.record_span("dit.vae", span, vae_start, encode_start)
     tracing.record_span("dit.encode", span, encode_start, end_ns)
+
+
+def preview_steps(partial_images: int, num_steps: int) -> dict[int, int]:
+    """``{step (1-based): preview index}`` for ``partial_images`` previews spread evenly over the
+    steps, never on the last one (the final image follows it): e.g. 2 of 8 -> steps 3 and 5."""
+    count = max(0, min(int(partial_images), num_steps - 1))
+    return {round((i + 1) * num_steps / (count + 1)): i for i in range(count)}
+
+
+def _output_format(params: pb.ImageParams) -> str:
+    fmt = (params.output_format or "png").lower()
+    return "jpeg" if fmt == "jpg" else fmt
 
 
 def _expired(context: grpc.aio.ServicerContext) -> bool:

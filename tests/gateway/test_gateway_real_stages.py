@@ -94,9 +94,11 @@ def test_stream_one_progress_event_per_step_completed_last(real):
     assert dit_steps == list(range(1, steps + 1))
     assert any(e.type == "image_generation.progress" and e.stage == "ar" for e in events)
     partial = [e for e in events if e.type == "image_generation.partial_image"]
-    if partial:  # real partial images when the DiT implements previews
-        assert png(partial[0].b64_json).size == (32, 32)
+    assert len(partial) == 1 and partial[0].partial_image_index == 0  # a real preview, before the end
+    assert png(partial[0].b64_json).size == (32, 32)
+    assert events.index(partial[0]) < len(events) - 1
     final = events[-1]
+    assert partial[0].b64_json != final.b64_json  # decoded mid-denoising, not the final image
     plain = client(gw).images.generate(prompt="a boat", size="32x32",
                                        extra_body={"seed": 4, "num_inference_steps": steps})
     assert plain.data[0].b64_json == final.b64_json

@@ -56,3 +56,4 @@ def test_lists_and_bad_values():
         resolve_settings(DiTSettings, cli={}, env={"MAMMOTH_SLOTS": "many"})
     with pytest.raises(SettingsError, match="slots"):
         resolve_settings(DiTSettings, cli={}, env={"MAMMOTH_SLOTS": "0"})
+
