@@ -145,7 +145,18 @@ def run_bench(args: argparse.Namespace) -> int:
     """Implementation of ``mammoth bench``; exit code 1 when any request failed.
 
     Levels: every combination of ``--size`` x ``--steps`` x ``--concurrency`` (comma lists).
+    Exit code 2 for unusable arguments (no level run).
     """
+    try:
+        levels = [int(c) for c in _csv(args.concurrency)]
+        step_list = [int(s) for s in _csv(args.steps)]
+    except ValueError:
+        levels, step_list = [], []
+    if not levels or min(levels) < 1 or not step_list or min(step_list) < 1 or args.requests < 1 \
+            or args.warmup < 0 or not _csv(args.size):
+        print("mammoth bench: --concurrency and --steps need integers >= 1, --requests >= 1, "
+              "--warmup >= 0 and at least one --size", file=sys.stderr)
+        return 2
     results = []
     for size in _csv(args.size):
         for steps in (int(s) for s in _csv(args.steps)):

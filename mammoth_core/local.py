@@ -63,6 +63,20 @@ class Component:
         raise StartupError(f"{self.name} was not ready after {timeout:.0f} s")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raise `StartupError` with a one-line reason when ``host:port`` cannot be bound."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); choose another port with --port"
+            ) from None
+
+
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:
     ready = workdir / f"{name}.ready.json"
     cmd = [sys.executable, "-m", "mammoth_core.cli", *argv, "--ready-file", str(ready)]
@@ -94,6 +108,8 @@ def start_pipeline(
     """
     env = dict(os.environ)
     env.update(extra_env or {})
+    if gateway_port:
+        _check_port_free(host, gateway_port)  # fail before the stages spend time loading
     cache_dir = env.get("MAMMOTH_CACHE_DIR") or default_cache_dir()
     ckpt_path = resolve_checkpoint(checkpoint, cache_dir)  # create the built-in one once, up front
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))

@@ -278,6 +278,7 @@ def save_sharded(state: dict[str, Any], folder: pathlib.Path, shard_bytes: int =
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        os.chmod(folder / fname, 0o644)  # readable like the other files (shared caches, other users)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
