@@ -185,6 +185,20 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
                 type="invalid_request_error",
                 code="invalid_json",
             ), headers
+        if first.get("type") == "missing" and param is None:
+            # the body itself is missing (empty request body)
+            return 400, ErrorInfo(
+                message="the request body is empty: send a JSON object such as {\"prompt\": \"...\"} "
+                        "with content-type application/json",
+                type="invalid_request_error",
+                code="invalid_json",
+            ), headers
+        if first.get("type") in ("dict_type", "model_type", "model_attributes_type") and param is None:
+            return 400, ErrorInfo(
+                message=f"the request body must be a JSON object (content-type application/json): {msg}",
+                type="invalid_request_error",
+                code="invalid_json",
+            ), headers
         if first.get("type") == "missing":
             text = f"missing required parameter: '{param}'"
             code = "missing_required_parameter"

@@ -187,3 +187,13 @@ def test_validation_errors_are_counted_by_outcome(gw):
     httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"})
     httpx.post(gw.url + GEN, json={"prompt": "p", "n": 11})
     assert gw.metric("mammoth_gateway_requests_total", outcome="invalid_request") == before + 2
+
+
+
+def test_empty_or_non_object_body_is_invalid_json_with_a_helpful_message(gw):
+    empty = httpx.post(gw.url + GEN, headers={"content-type": "application/json"})
+    err = assert_envelope(empty, 400, None)
+    assert err["code"] == "invalid_json" and "empty" in err["message"]
+    text = httpx.post(gw.url + GEN, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    err = assert_envelope(text, 400, None)
+    assert err["code"] == "invalid_json" and "application/json" in err["message"]
