@@ -42,6 +42,7 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mammoth_core.bench import parse_server_timing, percentile  # noqa: E402
 from mammoth_core.local import Component, StartupError, stop_pipeline  # noqa: E402
 
 GiB = 1024**3
@@ -164,29 +165,6 @@ def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None) -> list[Co
 # ------------------------------------------------------------------------------------------------
 
 
-def parse_server_timing(value: str) -> dict[str, float]:
-    """``'a;dur=1.5, b;dur=2'`` -> ``{'a': 0.0015, 'b': 0.002}`` (seconds)."""
-    out = {}
-    for part in value.split(","):
-        name, _, rest = part.strip().partition(";")
-        if rest.startswith("dur="):
-            try:
-                out[name] = float(rest[4:]) / 1e3
-            except ValueError:
-                pass
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 async def _stage_sums(client, url: str) -> dict[str, tuple[float, float]]:
     """``{stage: (sum_seconds, count)}`` of the gateway's ``mammoth_gateway_stage_duration_seconds``."""
     import httpx
@@ -256,10 +234,10 @@ async def run_level(url: str, size: int, steps: int, concurrency: int, requests:
         "size": size, "steps": steps, "concurrency": concurrency, "requests": requests, "ok": len(good),
         "errors": [p["error"] for p in per if not p["ok"]][:3], "wall_s": wall,
         "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
-        "latency_p50_s": pct(lat, 0.5), "latency_max_s": max(lat, default=float("nan")),
+        "latency_p50_s": percentile(lat, 0.5), "latency_max_s": max(lat, default=float("nan")),
         "images_per_min": 60.0 * len(lat) / wall if wall else 0.0,
         "ar_s_p50": med("ar_prefill") + med("ar_decode"), "ar_prefill_s_p50": med("ar_prefill"),
-        "transfer_ms_p50": pct(transfer_ms, 0.5), "transfer_ms_max": max(transfer_ms, default=float("nan")),
+        "transfer_ms_p50": percentile(transfer_ms, 0.5), "transfer_ms_max": max(transfer_ms, default=float("nan")),
         "dit_denoise_s_p50": med("dit_denoise"), "dit_vae_s_p50": med("dit_vae"),
         "dit_encode_s_p50": med("dit_encode"), "queue_s_p50": med("queue"),
         "histogram_stage_mean_s": stages, "per_request": per,

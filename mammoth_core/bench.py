@@ -25,7 +25,7 @@ import httpx
 STAGES = ("queue", "ar_prefill", "ar_decode", "transfer", "dit_denoise", "dit_vae", "dit_encode")
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """``q``-quantile (0..1) by linear interpolation; NaN for no values."""
     if not values:
         return float("nan")
@@ -100,8 +100,8 @@ async def run_level(
     for stage in STAGES:
         values = [r[3][stage] for r in results if r[0] and stage in r[3]]
         if values:
-            stages[stage] = {"mean_s": statistics.fmean(values), "p50_s": _percentile(values, 0.5),
-                             "p95_s": _percentile(values, 0.95)}
+            stages[stage] = {"mean_s": statistics.fmean(values), "p50_s": percentile(values, 0.5),
+                             "p95_s": percentile(values, 0.95)}
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -109,8 +109,8 @@ async def run_level(
         "errors": [r[2] for r in results if not r[0]][:5],
         "wall_s": wall,
         "mean_s": statistics.fmean(lat) if lat else float("nan"),
-        "p50_s": _percentile(lat, 0.5),
-        "p95_s": _percentile(lat, 0.95),
+        "p50_s": percentile(lat, 0.5),
+        "p95_s": percentile(lat, 0.95),
         "images_per_min": 60.0 * len(lat) / wall if wall > 0 else 0.0,
         "stage_mean_s": {k: v["mean_s"] for k, v in stages.items()},
         "stages": stages,
