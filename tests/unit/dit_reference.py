@@ -1,15 +1,13 @@
 """Test helper: the tiny MammothModa2 reference fixture, loaded for the DiT-side tests.
 
-The fixture (`/work/shared/fixtures/mammoth-tiny-reference`, or `$MAMMOTH_TINY_REFERENCE`) holds a tiny
+The fixture (`reference_fixture.REFERENCE_DIR`: `shared/` beside the repo, or `$MAMMOTH_TINY_REFERENCE`) holds a tiny
 checkpoint and the outputs the unmodified upstream code computed from it (float32, CPU).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from safetensors.torch import load_file
 
 from stage_dit.pipeline import DiTModules, MammothDiTPipeline, build_dit_modules
 
-FIXTURE_DIR = Path(os.environ.get("MAMMOTH_TINY_REFERENCE", "/work/shared/fixtures/mammoth-tiny-reference"))
+from reference_fixture import REFERENCE_DIR as FIXTURE_DIR
 
 requires_fixture = pytest.mark.skipif(
     not (FIXTURE_DIR / "tiny_reference.safetensors").exists(), reason=f"reference fixture not found in {FIXTURE_DIR}"

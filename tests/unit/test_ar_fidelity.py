@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +11,10 @@ from safetensors.torch import load_file
 from stage_ar.configuration_mammoth_ar import MammothARConfig, parse_moe_type
 from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, strip_llm_prefix
 
-FIXTURE = Path(__file__).resolve().parents[2] / "../shared/fixtures/mammoth-tiny-reference"
-if not FIXTURE.is_dir():
-    FIXTURE = Path("/work/shared/fixtures/mammoth-tiny-reference")
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="reference fixture not present")
+from reference_fixture import REFERENCE_DIR as FIXTURE
+from reference_fixture import requires_reference
+
+pytestmark = requires_reference
 
 ATOL = 1e-4
 

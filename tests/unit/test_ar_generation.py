@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from stage_ar.generation import CFG_CONTEXT_TOKENS, T2ISequence
-from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
 from stage_ar.sampling import GridConstrainedSampler, read_t2i_generation_config
-from stage_ar.tokenization_mammoth import MammothTokenizer, write_tokenizer_files
+from stage_ar.tokenization_mammoth import MammothTokenizer
 
-FIXTURE = Path("/work/shared/fixtures/mammoth-tiny-reference")
+from reference_fixture import REFERENCE_DIR as FIXTURE
 pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="reference fixture not present")
 
 W, H = 3, 2  # grid: 2 rows of 3 codes + EOL
-
-
-@pytest.fixture(scope="module")
-def model() -> MammothARForCausalLM:
-    cfg = json.loads((FIXTURE / "tiny_config_save_pretrained.json").read_text())["llm_config"]
-    m = MammothARForCausalLM.from_llm_config(cfg)
-    m.load_state_dict(strip_llm_prefix(load_file(FIXTURE / "tiny_reference.safetensors")), strict=True)
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> MammothTokenizer:
-    directory = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(directory, num_visual_tokens=256)
-    return MammothTokenizer.from_pretrained(directory, base_vocab_size=512)
 
 
 def make_sampler(tok: MammothTokenizer, seed: int, **kw) -> GridConstrainedSampler:

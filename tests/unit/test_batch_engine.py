@@ -7,25 +7,21 @@ request must produce exactly the tokens and hidden rows it produces alone.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mammoth_core.pb import mammoth_pb2 as pb
 from stage_ar.batch_engine import BatchedDecoder
 from stage_ar.engine import DecodeEngine, DecodeJob, EngineCancelled
 from stage_ar.generation import T2ISequence
 from stage_ar.kv_pool import KVPool, PoolFull
-from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
 from stage_ar.sampling import GridConstrainedSampler
-from stage_ar.tokenization_mammoth import MammothTokenizer, write_tokenizer_files
+from stage_ar.tokenization_mammoth import MammothTokenizer
 
-FIXTURE = Path("/work/shared/fixtures/mammoth-tiny-reference")
+from reference_fixture import REFERENCE_DIR as FIXTURE
 pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="reference fixture not present")
 
 # (width, height, seed, sampler overrides, ar_guidance_scale, join at step)
@@ -39,21 +35,6 @@ SPECS = [
 ]
 PROMPTS = ["a red house", "two cats on a mat", "the sea at night", "a tree", "blue", "a small boat"]
 CAPACITY = 96
-
-
-@pytest.fixture(scope="module")
-def model() -> MammothARForCausalLM:
-    cfg = json.loads((FIXTURE / "tiny_config_save_pretrained.json").read_text())["llm_config"]
-    m = MammothARForCausalLM.from_llm_config(cfg)
-    m.load_state_dict(strip_llm_prefix(load_file(FIXTURE / "tiny_reference.safetensors")), strict=True)
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> MammothTokenizer:
-    directory = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(directory, num_visual_tokens=256)
-    return MammothTokenizer.from_pretrained(directory, base_vocab_size=512)
 
 
 def grid_ids(tok: MammothTokenizer) -> tuple[int, int, int]:

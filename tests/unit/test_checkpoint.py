@@ -17,9 +17,7 @@ from mammoth_core.checkpoint import Checkpoint, CheckpointError
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_dit.pipeline import build_dit_modules
 
-FIXTURE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "mammoth-tiny-reference"
-if not FIXTURE.is_dir():  # CI lays shared/ beside the clone
-    FIXTURE = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "mammoth-tiny-reference"
+from reference_fixture import REFERENCE_DIR as FIXTURE
 VISUAL = "llm_model.model.visual."
 
 

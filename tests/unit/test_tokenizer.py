@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import tiktoken
@@ -18,7 +17,9 @@ from stage_ar.tokenization_mammoth import (
     write_tokenizer_files,
 )
 
-FIXTURE_OUTPUTS = Path("/work/shared/fixtures/mammoth-tiny-reference/tiny_outputs.json")
+from reference_fixture import REFERENCE_DIR
+
+FIXTURE_OUTPUTS = REFERENCE_DIR / "tiny_outputs.json"
 
 
 @pytest.fixture(scope="module")
