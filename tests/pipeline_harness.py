@@ -9,6 +9,21 @@ from __future__ import annotations
 
 import pathlib
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric_samples(url: str, name: str, labels: dict[str, str] | None = None) -> list[float]:
+    """Values of the samples ``name`` whose labels include ``labels``, scraped from ``url``
+    (a Prometheus ``/metrics`` URL); empty when the metric is not exposed."""
+    text = httpx.get(url, timeout=10).text
+    return [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items())
+    ]
+
 
 class RunningPipeline:
     """Handles on a started local pipeline: component processes, addresses, metrics URLs."""
@@ -29,21 +44,15 @@ class RunningPipeline:
         return f"http://{host}:{comp.info['metrics_port']}/metrics"
 
     def metric(self, name: str, metric: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the samples of ``metric`` (with matching labels) scraped from component ``name``."""
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
+        """Sum of the samples of ``metric`` (with matching labels) scraped from component ``name``.
 
-        text = httpx.get(self.metrics_url(name), timeout=10).text
-        total = 0.0
-        found = False
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == metric and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                    total += sample.value
-                    found = True
-        if not found:
+        Raises:
+            KeyError: the component does not expose ``metric`` (with those labels).
+        """
+        values = metric_samples(self.metrics_url(name), metric, labels)
+        if not values:
             raise KeyError(f"{metric}{labels or ''} not exposed by {name}")
-        return total
+        return sum(values)
 
 
 def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:

@@ -22,7 +22,7 @@ import sys
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from pipeline_harness import metric_samples
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FULL = os.environ.get("MAMMOTH_CHAOS_FULL", "") not in ("", "0")
@@ -37,13 +37,7 @@ def count(ci: int, full: int) -> int:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples ``name`` with ``labels`` scraped from ``url`` (0 when absent)."""
-    text = httpx.get(url, timeout=10).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return sum(metric_samples(url, name, labels))
 
 
 def rss_bytes(pid: int) -> int:

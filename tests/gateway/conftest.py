@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from pipeline_harness import metric_samples
 
 from gateway.app import build_app
 from mammoth_core.settings import GatewaySettings
@@ -29,13 +29,7 @@ ROOT = HERE.parents[1]
 
 def metric_value(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples ``name`` with ``labels`` on ``base_url/metrics`` (0 when absent)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+    return sum(metric_samples(f"{base_url}/metrics", name, labels))
 
 
 class GatewayThread:

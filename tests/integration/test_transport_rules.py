@@ -18,11 +18,10 @@ import textwrap
 import time
 
 import grpc
-import httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
+from pipeline_harness import metric_samples
 
 from mammoth_core import grpc_common, wire
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -44,13 +43,7 @@ class DiTProcess:
         self.address = info["address"]
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{self.info['metrics_port']}/metrics", timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return sum(metric_samples(f"http://127.0.0.1:{self.info['metrics_port']}/metrics", name, labels))
 
     def stop(self) -> int:
         if self.proc.poll() is None:
