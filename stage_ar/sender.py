@@ -28,6 +28,7 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -37,12 +38,14 @@ import torch
 
 from mammoth_core import transport_metrics as metrics
 from mammoth_core import wire
+from mammoth_core.cuda_events import wait_event
 from mammoth_core.pb import mammoth_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-_EVENT_POLL_S = 0.0002
 DEFAULT_STAGING_BLOCKS = 64
+#: Messages framed ahead of the one being written (each holds one chunk of bytes).
+FRAMED_AHEAD = 2
 # Labelled counters of the per-message hot path, resolved once.
 _CHUNKS_SENT = metrics.CHUNKS.labels(side="send")
 _BYTES_SENT = metrics.BYTES.labels(side="send")
@@ -162,9 +165,23 @@ def _push_callable(target: Any) -> tuple[Any, bool]:
     )
 
 
-async def _wait_event(event: "torch.cuda.Event | None") -> None:
-    while event is not None and not event.query():
-        await asyncio.sleep(_EVENT_POLL_S)
+@dataclass
+class _Sent:
+    rows: int
+    nbytes: int
+    unix_ms: float
+
+
+_framer_executor: ThreadPoolExecutor | None = None
+
+
+def _framer() -> ThreadPoolExecutor:
+    """The process-wide framing thread (one worker: FIFO, so each stream's CRCs chain in order)."""
+    global _framer_executor
+    with _default_lock:
+        if _framer_executor is None:
+            _framer_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mammoth-framer")
+        return _framer_executor
 
 
 @dataclass
@@ -472,7 +489,7 @@ class HiddenStateSender:
 
     async def _release_block(self, block: _Block) -> None:
         # A block with a device->host copy in flight goes back only after that copy completed.
-        await _wait_event(block.event)
+        await wait_event(block.event)
         if block.pooled:
             self._staging.release(block.buf)
 
@@ -491,72 +508,88 @@ class HiddenStateSender:
             negative_crc32c=self._crc[pb.NEGATIVE],
         )
 
-    async def _messages(self):
-        """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`)."""
-        self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
-        sequence = 0
-        while True:
-            self._wake.clear()
-            if self._aborted:
-                return
-            block, last = self._next_ready()
+    def _header(self, sequence: int, block: _Block | None) -> pb.HiddenStateChunk:
+        header = pb.ChunkHeader(request_id=self.request_id, epoch=self.epoch, sequence=sequence,
+                                dtype=self._proto_dtype)
+        if block is not None:
+            header.role = block.role
+            header.shape.extend((block.rows, self.hidden_size))
+            header.row_offset = block.row_offset
+            header.token_ids.extend(block.token_ids)
+        msg = pb.HiddenStateChunk(reservation_token=self.token, header=header)
+        if sequence == 0:
+            msg.metadata.CopyFrom(self._metadata_msg)
+        return msg
+
+    def _frame(self, sequence: int, block: _Block | None, last: bool) -> tuple[bytes, _Sent]:
+        """Message ``sequence`` as bytes: ``block``'s rows (None: the end alone), `StreamEnd` when
+        ``last``. Runs on the framing thread, in sequence order (the CRCs chain); returns the block
+        to the pool, whatever happens."""
+        try:
             if block is None:
-                if last:  # finished and everything sent: the end travels alone
-                    msg = pb.HiddenStateChunk(
-                        reservation_token=self.token,
-                        header=pb.ChunkHeader(
-                            request_id=self.request_id, epoch=self.epoch, sequence=sequence,
-                            dtype=self._proto_dtype, sent_unix_ms=time.time() * 1000.0,
-                        ),
-                        end=self._end_message(),
-                    )
-                    if sequence == 0:
-                        msg.metadata.CopyFrom(self._metadata_msg)
-                    self.last_sent_unix_ms = msg.header.sent_unix_ms
-                    yield msg.SerializeToString()
-                    return
-                await self._wake.wait()
-                continue
-            try:
-                await _wait_event(block.event)  # D2H-ready: bytes leave only after the copy
-                nbytes = block.rows * self.hidden_size * self.itemsize
-                payload = wire.staged_buffer(block.buf[:nbytes])
-                self._crc[block.role] = wire.crc32c(payload, self._crc[block.role])
-                self.rows_sent[block.role] += block.rows
-                last = self._is_drained()
-                msg = pb.HiddenStateChunk(
-                    reservation_token=self.token,
-                    header=pb.ChunkHeader(
-                        request_id=self.request_id,
-                        epoch=self.epoch,
-                        sequence=sequence,
-                        role=block.role,
-                        dtype=self._proto_dtype,
-                        shape=[block.rows, self.hidden_size],
-                        row_offset=block.row_offset,
-                        token_ids=block.token_ids,
-                    ),
-                )
-                if sequence == 0:
-                    msg.metadata.CopyFrom(self._metadata_msg)
-                if last:
-                    msg.end.CopyFrom(self._end_message())
+                msg = self._header(sequence, None)
+                msg.end.CopyFrom(self._end_message())
                 msg.header.sent_unix_ms = time.time() * 1000.0
-                # The payload is copied once, from staging straight into the message bytes.
-                raw = frame_chunk(msg, payload)
-            finally:
-                if block.pooled:
-                    self._staging.release(block.buf)
-            self.last_sent_unix_ms = msg.header.sent_unix_ms
-            self.chunks_sent += 1
-            self.bytes_sent += nbytes
-            _CHUNKS_SENT.inc()
-            _BYTES_SENT.inc(nbytes)
-            _ROWS_SENT.inc(block.rows)
-            yield raw
-            sequence += 1
+                return msg.SerializeToString(), _Sent(0, 0, msg.header.sent_unix_ms)
+            if block.event is not None:
+                block.event.synchronize()  # D2H-ready: bytes leave only after the copy
+            nbytes = block.rows * self.hidden_size * self.itemsize
+            payload = wire.staged_buffer(block.buf[:nbytes])
+            self._crc[block.role] = wire.crc32c(payload, self._crc[block.role])
+            self.rows_sent[block.role] += block.rows
+            msg = self._header(sequence, block)
             if last:
-                return
+                msg.end.CopyFrom(self._end_message())
+            msg.header.sent_unix_ms = time.time() * 1000.0
+            # The payload is copied once, from staging straight into the message bytes.
+            return frame_chunk(msg, payload), _Sent(block.rows, nbytes, msg.header.sent_unix_ms)
+        finally:
+            if block is not None and block.pooled:
+                self._staging.release(block.buf)
+
+    async def _messages(self):
+        """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`).
+
+        Sealed blocks are framed (D2H wait, CRC-32C, one copy into the message bytes) on the
+        process's framing thread up to `FRAMED_AHEAD` messages ahead of the one grpcio is writing,
+        so framing overlaps the socket write instead of alternating with it.
+        """
+        self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
+        loop = asyncio.get_running_loop()
+        framed: collections.deque[asyncio.Future] = collections.deque()
+        sequence = 0
+        scheduled_end = False  # the message carrying StreamEnd is framed or being framed
+        try:
+            while True:
+                self._wake.clear()
+                if self._aborted:
+                    return
+                while not scheduled_end and len(framed) <= FRAMED_AHEAD:
+                    block, last = self._next_ready()
+                    if block is None and not last:
+                        break
+                    # block None and last: finished with everything sent, the end travels alone.
+                    framed.append(loop.run_in_executor(_framer(), self._frame, sequence, block, last))
+                    sequence += 1
+                    scheduled_end = last
+                if not framed:
+                    await self._wake.wait()
+                    continue
+                raw, sent = await framed[0]
+                framed.popleft()
+                self.last_sent_unix_ms = sent.unix_ms
+                if sent.rows:
+                    self.chunks_sent += 1
+                    self.bytes_sent += sent.nbytes
+                    _CHUNKS_SENT.inc()
+                    _BYTES_SENT.inc(sent.nbytes)
+                    _ROWS_SENT.inc(sent.rows)
+                yield raw
+                if scheduled_end and not framed:
+                    return
+        finally:
+            for future in framed:  # cancelled or failed: the framing thread still frees the blocks
+                future.cancel()
 
     def _is_drained(self) -> bool:
         with self._lock:

@@ -38,6 +38,7 @@ import torch
 
 from mammoth_core import transport_metrics as metrics
 from mammoth_core import wire
+from mammoth_core.cuda_events import wait_event
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.wire import WireError
 
@@ -48,7 +49,6 @@ _ROLES = (pb.CONDITION, pb.NEGATIVE)
 _CHUNKS_RECEIVED = metrics.CHUNKS.labels(side="receive")
 _BYTES_RECEIVED = metrics.BYTES.labels(side="receive")
 _ROWS_RECEIVED = metrics.ROWS.labels(side="receive")
-_EVENT_POLL_S = 0.0002
 
 
 def _invalid(msg: str) -> WireError:
@@ -61,12 +61,6 @@ def _precondition(msg: str) -> WireError:
 
 def _data_loss(msg: str) -> WireError:
     return WireError(grpc.StatusCode.DATA_LOSS, msg)
-
-
-async def wait_event(event: "torch.cuda.Event | None") -> None:
-    """Await a CUDA event without blocking the event loop (polls ``query()``); None returns at once."""
-    while event is not None and not event.query():
-        await asyncio.sleep(_EVENT_POLL_S)
 
 
 @dataclass
