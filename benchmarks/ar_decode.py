@@ -11,11 +11,12 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    inside a batch of 8 staggered requests of mixed grids, against the B=1 `T2ISequence` path
    (same seed): tokens equal up to the first divergence, relative row error; and with
    ``pad_to_max_bucket`` (one GEMM shape for every step) whether alone == batched bit for bit;
-4. decode timings (1024x1024 grids, 64x65 tokens), compiled graphs (`BatchedDecoder` default on
-   CUDA) and eager graphs (``compile=False``): ms/token at batch 1 (engine-style loop: launch step
+4. decode timings (1024x1024 grids, 64x65 tokens) of the `BatchedDecoder` default on CUDA
+   (compiled graphs, fused split-KV attention): ms/token at batch 1 (engine-style loop: launch step
    t+1, then read step t's ids) at image start and at mid-image (the slot's cache position moved to
    the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the graph replay alone
-   (CUDA events), a kernel profile of the compiled mid-image batch-1 step, and padded mode;
+   (CUDA events), a kernel profile of the mid-image batch-1 step; at batch 1 also the GEMM +
+   softmax attention path and padded mode; eager graphs with ``--eager``;
 5. the per-token HBM floor (bytes one step must read / measured copy bandwidth);
 6. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
    dimensions as the baseline.
@@ -182,8 +183,9 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
     t[f"{label}_capture_s"] = time.perf_counter() - t0
     t[f"{label}_graphs"] = len(dec._graphs)  # noqa: SLF001
     t[f"{label}_compiled"] = dec.compile
+    t[f"{label}_fused_attention"] = dec.fused_attention
     print(f"[{label}] capture {t[f'{label}_capture_s']:.1f} s, {len(dec._graphs)} graphs, "  # noqa: SLF001
-          f"compiled={dec.compile}", flush=True)
+          f"compiled={dec.compile}, fused_attention={dec.fused_attention}", flush=True)
     runs = [(b, False) for b in batches] + ([(1, True)] if mid_image else [])
     for batch, mid in runs:
         seqs = [new_seq(model, w, h, 100 + i) for i in range(batch)]
@@ -255,13 +257,17 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
     torch.cuda.empty_cache()
 
 
-def timings(model, res: dict, steps: int, save=None) -> None:
-    """Compiled vs eager graphs (buckets), batch 1 at image start and mid-image, 2/4/8 concurrent;
-    then padded mode (the engine default) at batch 1."""
+def timings(model, res: dict, steps: int, save=None, eager: bool = False) -> None:
+    """The default decoder (compiled graphs, fused split-KV attention; buckets) at batch 1, image
+    start and mid-image, and 2/4/8 concurrent; at batch 1 the GEMM + softmax attention path and
+    padded mode (the engine default); eager graphs (``compile=False``) with ``eager``."""
     time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
-    time_variant(model, res, "eager", {"compile": False}, (1, 2, 4, 8), steps, mid_image=True, save=save)
+    time_variant(model, res, "compiled_gemm_attention", {"fused_attention": False}, (1,), steps, mid_image=True,
+                 save=save)
     time_variant(model, res, "compiled_pad8", {"pad_to_max_bucket": True}, (1,), steps, mid_image=True,
                  save=save)
+    if eager:
+        time_variant(model, res, "eager", {"compile": False}, (1, 2, 4, 8), steps, mid_image=True, save=save)
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
@@ -316,6 +322,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--eager", action="store_true", help="also time eager graphs (compile=False)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +351,7 @@ def main() -> int:
     res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
     save()
     for section in (
-        lambda: timings(model, res, args.steps, save),
+        lambda: timings(model, res, args.steps, save, eager=args.eager),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
     ):
         if section is None:

@@ -57,6 +57,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from stage_ar.decode_attention import available as decode_attention_available
+from stage_ar.decode_attention import decode_attention
 from stage_ar.generation import T2ISequence
 from stage_ar.kv_pool import KVPool
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, rotate_half
@@ -193,6 +195,10 @@ class BatchedDecoder:
             with a logged warning when compilation fails.
         length_bucket: attention covers the batch's longest sequence rounded up to a multiple of
             this many positions (0: always the pool width). Ignored with ``pad_to_max_bucket``.
+        fused_attention: attention by `stage_ar.decode_attention` (split-KV Triton kernel, KV
+            write fused in, batch-invariant by construction); default True on CUDA when triton is
+            importable, else the eager GEMM + softmax path. Ignored with ``exact_rows``; on CPU
+            only under Triton's interpreter (tests).
 
     Raises:
         ValueError: a grid id below ``gen_vocab_start_index`` or an empty visual range.
@@ -213,6 +219,7 @@ class BatchedDecoder:
         pad_to_max_bucket: bool = False,
         compile: bool | None = None,  # noqa: A002 - the option's natural name
         length_bucket: int = DEFAULT_LENGTH_BUCKET,
+        fused_attention: bool | None = None,
     ) -> None:
         cfg = model.config
         if not visual_token_start_id < visual_token_end_id:
@@ -236,6 +243,11 @@ class BatchedDecoder:
         want_compile = (self.on_cuda and not self.exact_rows) if compile is None else bool(compile)
         self.compile = want_compile and not self.exact_rows
         self._kernels = _compiled_kernels() if self.compile else _EAGER_KERNELS
+        can_fuse = decode_attention_available(self.device) and not self.exact_rows
+        want_fused = self.on_cuda if fused_attention is None else bool(fused_attention)
+        self.fused_attention = want_fused and can_fuse
+        if fused_attention and not self.fused_attention:
+            logger.warning("fused decode attention unavailable (needs CUDA and triton); using the GEMM path")
         if pad_to_max_bucket or length_bucket <= 0 or self.exact_rows:
             self.length_buckets: tuple[int, ...] = (self.capacity,)
         else:
@@ -546,11 +558,14 @@ class BatchedDecoder:
             x = lm.embed_tokens(fed)
         rope_pos = (pos + self.rope_off[:b])[:, None]
         cos, sin = lm.rotary_emb(rope_pos, x.dtype)  # (b, 1, head_dim)
-        k_idx = self.key_index[:length]
-        valid = (k_idx[None, :] >= self.key_start[:b, None]) & (k_idx[None, :] <= pos[:, None])
-        # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, length)
-        bias = torch.zeros(valid.shape, device=x.device, dtype=torch.float32).masked_fill(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
+        key_start = self.key_start[:b]
+        bias = None
+        if not self.fused_attention:
+            k_idx = self.key_index[:length]
+            valid = (k_idx[None, :] >= key_start[:, None]) & (k_idx[None, :] <= pos[:, None])
+            # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, length)
+            bias = torch.zeros(valid.shape, device=x.device, dtype=torch.float32).masked_fill(~valid, float("-inf"))
+            bias = bias[:, None, None, :]
         rows = self.rows[:b]
         heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_out = heads * hd
@@ -564,16 +579,20 @@ class BatchedDecoder:
             w_qkv, b_qkv = self._qkv[li]
             q, k, v = kern["rope_qkv"](F.linear(h, w_qkv, b_qkv), cos, sin, heads, kv_heads)
             key_l, value_l = self.pool.key[li], self.pool.value[li]
-            key_l[rows, :, pos] = k
-            value_l[rows, :, pos] = v
-            # Decode attention as two batched GEMMs (the query heads of one KV head are the M rows);
-            # scores in the model dtype, softmax in float32 (as transformers' eager attention). A
-            # fused attention kernel here runs one CTA per (row, KV head) over the whole pool
-            # width, far below the memory bandwidth at this shape (profile in docs/PERFORMANCE.md).
-            keys, values = key_l[:b, :, :length], value_l[:b, :, :length]
-            qg = q.view(b, kv_heads, heads // kv_heads, hd)
-            probs = kern["masked_softmax"](torch.matmul(qg, keys.transpose(-1, -2)), scale, bias)
-            out = torch.matmul(probs, values).reshape(b, q_out)
+            if self.fused_attention:
+                # Split-KV decode kernel with the KV write fused in (`stage_ar.decode_attention`).
+                out = decode_attention(q, k, v, key_l, value_l, pos, key_start, length, scale)
+            else:
+                key_l[rows, :, pos] = k
+                value_l[rows, :, pos] = v
+                # Decode attention as two batched GEMMs (the query heads of one KV head are the M
+                # rows); scores in the model dtype, softmax in float32 (as transformers' eager
+                # attention). cuDNN/flash SDPA here runs one CTA per (row, KV head) over the whole
+                # pool width, far below the memory bandwidth (profile in docs/PERFORMANCE.md).
+                keys, values = key_l[:b, :, :length], value_l[:b, :, :length]
+                qg = q.view(b, kv_heads, heads // kv_heads, hd)
+                probs = kern["masked_softmax"](torch.matmul(qg, keys.transpose(-1, -2)), scale, bias)
+                out = torch.matmul(probs, values).reshape(b, q_out)
             post = layer.post_attention_layernorm
             x, h = kern["add_rms_norm"](x, (attn.gen_o_proj if exp else attn.o_proj)(out), post.weight,
                                         post.variance_epsilon)

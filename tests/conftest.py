@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -16,6 +17,14 @@ if str(ROOT / "operator") not in sys.path:
 # Shared test helpers (pipeline_harness) are imported by module name, not through `conftest`.
 if str(ROOT / "tests") not in sys.path:
     sys.path.append(str(ROOT / "tests"))
+
+# Without a GPU, Triton kernels (stage_ar.decode_attention) run in Triton's CPU interpreter; it is
+# chosen when triton is imported, so before any test module imports it.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 from pipeline_harness import RunningPipeline, start_local_pipeline  # noqa: E402,F401
 
