@@ -3,21 +3,22 @@
 One new query position per row (decode), grouped-query attention over a per-slot KV cache laid out
 ``(slots, kv_heads, capacity, head_dim)`` (`stage_ar.kv_pool.KVPool`, one layer). The
 flash-decoding scheme (Dao et al., "Flash-Decoding for long-context inference", 2023): the key
-range is cut into fixed blocks of `BLOCK_N` positions; one program per (row, KV head, block)
-computes the block's scores for the KV head's query heads (the GQA group, as the M rows of one
-`tl.dot`), a block-local softmax (max ``m``, sum ``l``) and ``P @ V``; a second kernel combines the
-blocks of a (row, KV head) in block order with the usual rescaling ``exp(m_i - max_j m_j)``.
+range is cut into fixed splits of `SPLIT` positions; one program per (row, KV head, split) walks
+its split in tiles of `BLOCK_N` keys with an online softmax (max ``m``, sum ``l``, ``P @ V``
+accumulated in float32; the KV head's query heads, the GQA group, are the M rows of one
+`tl.dot`); a second kernel, one program per (row, query head), combines the splits with the
+usual rescaling ``exp(m_i - max_j m_j)``.
 
 Why this instead of the two batched GEMMs + softmax of `BatchedDecoder`'s eager path: at batch 1
 those are three launches per layer over the whole length bucket plus two ``index_put`` launches
-for the KV write (≈ 0.6 ms per step on the H200, `docs/PERFORMANCE.md`); blocks past a row's
-position exit at once here, and the block holding the new position writes the new key/value into
+for the KV write (≈ 0.6 ms per step on the H200, `docs/PERFORMANCE.md`); tiles past a row's
+position are skipped here, and the tile holding the new position writes the new key/value into
 the cache itself (replacing the ``index_put`` launches) while using them from registers.
 
-Batch invariance by construction: a row's arithmetic (its blocks, each block's tile shapes, the
-combine order) depends only on its own position range, never on the batch size or the length
-bucket (blocks beyond the row's position contribute an exact ``+0``), so a request decodes to the
-same bits alone or in any batch.
+Batch invariance by construction: a row's arithmetic (its splits and tiles, their shapes and order,
+the combine's reduction over a fixed number of split slots) depends only on its own position range
+and the pool capacity, never on the batch size or the length bucket (splits beyond the row's
+position contribute an exact ``+0``), so a request decodes to the same bits alone or in any batch.
 
 Numerics: scores and softmax statistics in float32 (not rounded to the model dtype between the two
 GEMMs as the eager path is), probabilities cast to the value dtype for ``P @ V`` (float32
@@ -41,8 +42,9 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-#: Key positions per block (one program's share of a row's key range).
+#: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys).
 BLOCK_N = 64
+SPLIT = 128
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -62,81 +64,75 @@ if triton is not None:
         stride_qb, stride_qh,
         stride_nb, stride_nh, stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cn,
-        n_blocks, scale,
+        n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
-        blk = tl.program_id(2)
+        split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
-        lo = blk * BLOCK
-        offs_n = lo + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_g = tl.arange(0, GROUP_PAD)
-        part = (row * tl.num_programs(1) + kvh) * n_blocks + blk
-        ml_base = part_ml_ptr + part * 2 * GROUP_PAD
-        acc_base = part_acc_ptr + part * GROUP_PAD * HEAD_DIM
-        if (lo > pos) | (lo + BLOCK <= start):
-            # No key of this row here: an empty partial (m = -inf, l = 0, acc = 0).
-            tl.store(ml_base + offs_g, tl.full((GROUP_PAD,), float("-inf"), tl.float32))
-            tl.store(ml_base + GROUP_PAD + offs_g, tl.zeros((GROUP_PAD,), tl.float32))
-            tl.store(acc_base + offs_g[:, None] * HEAD_DIM + offs_d[None, :],
-                     tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32))
-        else:
-            cache_off = row * stride_cs + kvh * stride_ch
-            holds_new = (pos >= lo) & (pos < lo + BLOCK)
-            k_new = tl.load(k_new_ptr + row * stride_nb + kvh * stride_nh + offs_d)
-            v_new = tl.load(v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d)
-            if holds_new:  # the KV-cache write of this step, fused
-                tl.store(k_cache_ptr + cache_off + pos * stride_cn + offs_d, k_new)
-                tl.store(v_cache_ptr + cache_off + pos * stride_cn + offs_d, v_new)
-            valid = (offs_n >= start) & (offs_n < pos)  # the new position comes from registers
-            is_new = offs_n == pos
-            tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
-            k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
-            k = tl.where(is_new[:, None], k_new[None, :], k)
-            q = tl.load(q_ptr + row * stride_qb + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                        mask=(offs_g < GROUP)[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
-            s = tl.where((valid | is_new)[None, :], s, float("-inf"))
-            m = tl.max(s, 1)
-            p = tl.exp(s - m[:, None])
-            l_sum = tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
-            v = tl.where(is_new[:, None], v_new[None, :], v)
-            acc = tl.dot(p.to(v.dtype), v)  # (GROUP_PAD, HEAD_DIM) float32
-            tl.store(ml_base + offs_g, m)
-            tl.store(ml_base + GROUP_PAD + offs_g, l_sum)
-            tl.store(acc_base + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        offs_b = tl.arange(0, BLOCK)
+        cache_off = row * stride_cs + kvh * stride_ch
+        k_new = tl.load(k_new_ptr + row * stride_nb + kvh * stride_nh + offs_d)
+        v_new = tl.load(v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d)
+        q = tl.load(q_ptr + row * stride_qb + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=(offs_g < GROUP)[:, None], other=0.0)
+        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        for t in range(TILES):  # fixed tile order; tiles outside [start, pos] are skipped
+            lo = (split * TILES + t) * BLOCK
+            if (lo <= pos) & (lo + BLOCK > start):
+                offs_n = lo + offs_b
+                if (pos >= lo) & (pos < lo + BLOCK):  # the KV-cache write of this step, fused
+                    tl.store(k_cache_ptr + cache_off + pos * stride_cn + offs_d, k_new)
+                    tl.store(v_cache_ptr + cache_off + pos * stride_cn + offs_d, v_new)
+                valid = (offs_n >= start) & (offs_n < pos)  # the new position comes from registers
+                is_new = offs_n == pos
+                tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
+                k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
+                k = tl.where(is_new[:, None], k_new[None, :], k)
+                s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
+                s = tl.where((valid | is_new)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
+                v = tl.where(is_new[:, None], v_new[None, :], v)
+                l_sum = l_sum * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+        part = (row * tl.num_programs(1) + kvh) * n_splits + split
+        tl.store(part_ml_ptr + part * 2 * GROUP_PAD + offs_g, m)
+        tl.store(part_ml_ptr + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_sum)
+        tl.store(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, n_blocks, stride_ob,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, stride_ob,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
+        g = tl.program_id(2)
+        offs_s = tl.arange(0, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_g = tl.arange(0, GROUP_PAD)
-        first = (row * tl.num_programs(1) + kvh) * n_blocks
-        m_max = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        for i in range(n_blocks):
-            m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (first + i) * 2 * GROUP_PAD + offs_g))
-        safe_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        total = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for i in range(n_blocks):  # fixed order: block 0, 1, ... (empty blocks add exactly 0)
-            base = (first + i) * 2 * GROUP_PAD
-            w = tl.exp(tl.load(part_ml_ptr + base + offs_g) - safe_max)
-            total += w * tl.load(part_ml_ptr + base + GROUP_PAD + offs_g)
-            part = tl.load(part_acc_ptr + (first + i) * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM
-                           + offs_d[None, :])
-            acc += w[:, None] * part
-        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-        heads = kvh * GROUP + offs_g
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+        have = offs_s < n_splits
+        parts = (row * tl.num_programs(1) + kvh) * n_splits + offs_s
+        m = tl.load(part_ml_ptr + parts * 2 * GROUP_PAD + g, mask=have, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + parts * 2 * GROUP_PAD + GROUP_PAD + g, mask=have, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        total = tl.sum(w * l_sum, 0)
+        part = tl.load(part_acc_ptr + (parts * GROUP_PAD + g)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=have[:, None], other=0.0)
+        acc = tl.sum(w[:, None] * part, 0)
+        out = acc / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -162,7 +158,7 @@ def decode_attention(
             position ``pos[i]`` of slot ``i`` is overwritten with ``k_new[i]``/``v_new[i]``.
         pos, key_start: ``(b,)`` int64 on the device; ``key_start[i] <= pos[i] < length``.
         length: key positions ``[0, length)`` that any row may attend to (the length bucket; only
-            sizes the grid: blocks past a row's ``pos`` exit at once).
+            sizes the grid: tiles past a row's ``pos`` are skipped).
         scale: softmax scale (``head_dim ** -0.5``).
 
     Returns:
@@ -187,20 +183,23 @@ def decode_attention(
         raise ValueError("key and value caches must share one layout")
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
-    n_blocks = triton.cdiv(length, BLOCK_N)
-    part_acc = torch.empty((b, kv_heads, n_blocks, group_pad, head_dim), device=q.device, dtype=torch.float32)
-    part_ml = torch.empty((b, kv_heads, n_blocks, 2, group_pad), device=q.device, dtype=torch.float32)
+    n_splits = triton.cdiv(length, SPLIT)
+    # The combine reads a fixed number of split slots (from the cache capacity, not ``length``), so
+    # its reduction tree, like everything else a row computes, is the same for every length bucket.
+    max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
+    part_acc = torch.empty((b, kv_heads, n_splits, group_pad, head_dim), device=q.device, dtype=torch.float32)
+    part_ml = torch.empty((b, kv_heads, n_splits, 2, group_pad), device=q.device, dtype=torch.float32)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
-    _split_kernel[(b, kv_heads, n_blocks)](
+    _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        n_blocks, float(scale),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
+        n_splits, float(scale),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
     )
-    _combine_kernel[(b, kv_heads)](
-        part_acc, part_ml, out, n_blocks, out.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+    _combine_kernel[(b, kv_heads, group)](
+        part_acc, part_ml, out, n_splits, out.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
     )
     return out
