@@ -175,6 +175,13 @@ class _Sent:
 _framer_executor: ThreadPoolExecutor | None = None
 
 
+def _done(result: Any) -> asyncio.Future:
+    """An already-completed future holding ``result`` (so inline and threaded framing queue alike)."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
+
+
 def _framer() -> ThreadPoolExecutor:
     """The process-wide framing thread (one worker: FIFO, so each stream's CRCs chain in order)."""
     global _framer_executor
@@ -550,9 +557,11 @@ class HiddenStateSender:
     async def _messages(self):
         """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`).
 
-        Sealed blocks are framed (D2H wait, CRC-32C, one copy into the message bytes) on the
+        Sealed blocks are framed (D2H wait, CRC-32C, one copy into the message bytes). With a
+        backlog (several sealed blocks, e.g. prefill rows or a slow consumer) framing runs on the
         process's framing thread up to `FRAMED_AHEAD` messages ahead of the one grpcio is writing,
-        so framing overlaps the socket write instead of alternating with it.
+        so it overlaps the socket write; a lone block (one decode step's rows, the last chunk) is
+        framed right here, so the transfer tail pays no thread hop.
         """
         self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
         loop = asyncio.get_running_loop()
@@ -569,7 +578,15 @@ class HiddenStateSender:
                     if block is None and not last:
                         break
                     # block None and last: finished with everything sent, the end travels alone.
-                    framed.append(loop.run_in_executor(_framer(), self._frame, sequence, block, last))
+                    if not framed and not self._has_ready():
+                        # Nothing queued behind it (the decode-rate case, and the last chunk):
+                        # frame here, without a thread hop on the transfer tail.
+                        if block is not None:
+                            await wait_event(block.event)
+                            block.event = None
+                        framed.append(_done(self._frame(sequence, block, last)))
+                    else:
+                        framed.append(loop.run_in_executor(_framer(), self._frame, sequence, block, last))
                     sequence += 1
                     scheduled_end = last
                 if not framed:
@@ -591,6 +608,6 @@ class HiddenStateSender:
             for future in framed:  # cancelled or failed: the framing thread still frees the blocks
                 future.cancel()
 
-    def _is_drained(self) -> bool:
+    def _has_ready(self) -> bool:
         with self._lock:
-            return self._finished and not self._ready
+            return bool(self._ready)

@@ -101,6 +101,7 @@ class SlotTimings:
     last_chunk_at: float | None = None
     resident_at: float | None = None
     last_sent_unix_ms: float | None = None
+    last_received_unix_ms: float | None = None
     resident_unix_ms: float | None = None
 
 
@@ -316,6 +317,7 @@ class Slot:
         Raises:
             WireError: the rule broken; a chunk of the current (or a newer) epoch also poisons it.
         """
+        received_unix_ms = time.time() * 1000.0
         if self.state != "reserved":
             raise WireError(grpc.StatusCode.NOT_FOUND, "reservation is no longer valid")
         if self._complete or self._finishing:
@@ -344,6 +346,7 @@ class Slot:
             raise
         if new_epoch:
             self._adopt(st)
+        plan["received_unix_ms"] = received_unix_ms
         self._apply(chunk, st, result, plan)
         return result
 
@@ -450,6 +453,7 @@ class Slot:
         if result.complete:
             self._finishing = True
             self.timings.last_sent_unix_ms = h.sent_unix_ms or None
+            self.timings.last_received_unix_ms = plan["received_unix_ms"]
         self._notify()
 
     def _copy_to_device(self, start: int, stop: int) -> None:

@@ -273,6 +273,9 @@ class DiTServicer(pb_grpc.DiTServicer):
             "epoch": epoch,
             "condition_rows": int(conds.hidden.shape[0]),
             "negative_rows": 0 if conds.negative is None else int(conds.negative.shape[0]),
+            # the transfer tail's phases: AR framed the last chunk -> DiT handler got it -> resident
+            "last_sent_unix_ms": slot.timings.last_sent_unix_ms,
+            "last_received_unix_ms": slot.timings.last_received_unix_ms,
             "resident_unix_ms": slot.timings.resident_unix_ms,
             "chunks": chunks,
         }
