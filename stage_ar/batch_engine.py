@@ -320,21 +320,28 @@ class BatchedDecoder:
         return [(b, n, sort) for b in buckets for n in self.length_buckets for sort in (True, False)]
 
     def _run_step(self, b: int, length: int, sort: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_step_impl`, falling back to the eager helpers (logged) if a compiled one fails.
+        """`_step_impl`, falling back (logged) to the GEMM attention path if the fused attention
+        kernel fails, then to the eager helpers if a compiled one fails (Triton needs a C compiler
+        and Python headers at run time to build its launchers; an image without them lands here).
 
-        A retry is safe: the first compiled call precedes every state write except the KV write of
-        the new position, which the retry repeats with the same values.
+        A retry is safe: the first compiled or Triton call precedes every state write except the KV
+        write of the new position, which the retry repeats with the same values.
         """
-        try:
-            return self._step_impl(b, length, sort)
-        except Exception as exc:  # noqa: BLE001 - Inductor/Triton failures of many kinds
-            if self._kernels is _EAGER_KERNELS:
-                raise
-            logger.warning("torch.compile of the decode step failed (%s: %s); using eager kernels",
-                           type(exc).__name__, exc)
-            self._kernels = _EAGER_KERNELS
-            self.compile = False
-            return self._step_impl(b, length, sort)
+        while True:
+            try:
+                return self._step_impl(b, length, sort)
+            except Exception as exc:  # noqa: BLE001 - Inductor/Triton failures of many kinds
+                if self.fused_attention:
+                    logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
+                                   type(exc).__name__, exc)
+                    self.fused_attention = False
+                elif self._kernels is not _EAGER_KERNELS:
+                    logger.warning("torch.compile of the decode step failed (%s: %s); using eager kernels",
+                                   type(exc).__name__, exc)
+                    self._kernels = _EAGER_KERNELS
+                    self.compile = False
+                else:
+                    raise
 
     def capture(self) -> None:
         """Compile (if on) and capture one CUDA graph per (batch bucket, key-length bucket, sampler

@@ -117,3 +117,26 @@ def test_batched_decoder_with_the_fused_kernel_matches_the_reference(da, request
         assert seq.prompt_ids + seq.generated_ids == ref_ids, f"request {i}"
         torch.testing.assert_close(hidden, ref_hidden, atol=2e-5, rtol=0)
     assert len(got) == len(SPECS)
+
+
+def test_kernel_failure_falls_back_to_the_gemm_path(da, request, monkeypatch, caplog):
+    """A Triton failure at the first step (as in an image without a C compiler) leaves a working
+    decoder on the GEMM attention path, same tokens."""
+    from reference_fixture import REFERENCE_DIR
+    from test_batch_engine import make_seq, run_staggered
+
+    import stage_ar.batch_engine as batch_engine
+
+    if not da.INTERPRETED or not REFERENCE_DIR.is_dir():
+        pytest.skip("needs the interpreter and the reference fixture (CPU model)")
+    model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated Triton build failure")
+
+    monkeypatch.setattr(batch_engine, "decode_attention", broken)
+    with caplog.at_level("WARNING", logger="stage_ar.batch_engine"):
+        got = run_staggered(model, tokenizer, exact_rows=False, fused_attention=True)
+    assert "using the GEMM attention path" in caplog.text
+    for i, (_hidden, seq) in got.items():
+        assert seq.prompt_ids + seq.generated_ids == make_seq(model, tokenizer, i).run()[1], f"request {i}"
