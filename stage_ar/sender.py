@@ -28,7 +28,6 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -44,8 +43,6 @@ from mammoth_core.pb import mammoth_pb2 as pb
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BLOCKS = 64
-#: Messages framed ahead of the one being written (each holds one chunk of bytes).
-FRAMED_AHEAD = 2
 # Labelled counters of the per-message hot path, resolved once.
 _CHUNKS_SENT = metrics.CHUNKS.labels(side="send")
 _BYTES_SENT = metrics.BYTES.labels(side="send")
@@ -170,25 +167,6 @@ class _Sent:
     rows: int
     nbytes: int
     unix_ms: float
-
-
-_framer_executor: ThreadPoolExecutor | None = None
-
-
-def _done(result: Any) -> asyncio.Future:
-    """An already-completed future holding ``result`` (so inline and threaded framing queue alike)."""
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(result)
-    return future
-
-
-def _framer() -> ThreadPoolExecutor:
-    """The process-wide framing thread (one worker: FIFO, so each stream's CRCs chain in order)."""
-    global _framer_executor
-    with _default_lock:
-        if _framer_executor is None:
-            _framer_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mammoth-framer")
-        return _framer_executor
 
 
 @dataclass
@@ -530,8 +508,8 @@ class HiddenStateSender:
 
     def _frame(self, sequence: int, block: _Block | None, last: bool) -> tuple[bytes, _Sent]:
         """Message ``sequence`` as bytes: ``block``'s rows (None: the end alone), `StreamEnd` when
-        ``last``. Runs on the framing thread, in sequence order (the CRCs chain); returns the block
-        to the pool, whatever happens."""
+        ``last``; in sequence order (the CRCs chain). Returns the block to the pool, whatever
+        happens."""
         try:
             if block is None:
                 msg = self._header(sequence, None)
@@ -555,59 +533,42 @@ class HiddenStateSender:
                 self._staging.release(block.buf)
 
     async def _messages(self):
-        """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`).
+        """Serialised ``HiddenStateChunk`` messages, in order (see `frame_chunk`): each sealed block
+        once its device->host copy completed (D2H-ready), then the end if it travels alone.
 
-        Sealed blocks are framed (D2H wait, CRC-32C, one copy into the message bytes). With a
-        backlog (several sealed blocks, e.g. prefill rows or a slow consumer) framing runs on the
-        process's framing thread up to `FRAMED_AHEAD` messages ahead of the one grpcio is writing,
-        so it overlaps the socket write; a lone block (one decode step's rows, the last chunk) is
-        framed right here, so the transfer tail pays no thread hop.
+        Framing stays on the event loop: a framing thread ahead of the write was measured (CPU
+        loopback, 29 MiB pushes) to add sender CPU for thread hand-offs without moving throughput,
+        and a thread hop would add to the transfer tail.
         """
         self._crc = {pb.CONDITION: 0, pb.NEGATIVE: 0}
-        loop = asyncio.get_running_loop()
-        framed: collections.deque[asyncio.Future] = collections.deque()
         sequence = 0
-        scheduled_end = False  # the message carrying StreamEnd is framed or being framed
-        try:
-            while True:
-                self._wake.clear()
-                if self._aborted:
-                    return
-                while not scheduled_end and len(framed) <= FRAMED_AHEAD:
-                    block, last = self._next_ready()
-                    if block is None and not last:
-                        break
-                    # block None and last: finished with everything sent, the end travels alone.
-                    if not framed and not self._has_ready():
-                        # Nothing queued behind it (the decode-rate case, and the last chunk):
-                        # frame here, without a thread hop on the transfer tail.
-                        if block is not None:
-                            await wait_event(block.event)
-                            block.event = None
-                        framed.append(_done(self._frame(sequence, block, last)))
-                    else:
-                        framed.append(loop.run_in_executor(_framer(), self._frame, sequence, block, last))
-                    sequence += 1
-                    scheduled_end = last
-                if not framed:
-                    await self._wake.wait()
-                    continue
-                raw, sent = await framed[0]
-                framed.popleft()
-                self.last_sent_unix_ms = sent.unix_ms
-                if sent.rows:
-                    self.chunks_sent += 1
-                    self.bytes_sent += sent.nbytes
-                    _CHUNKS_SENT.inc()
-                    _BYTES_SENT.inc(sent.nbytes)
-                    _ROWS_SENT.inc(sent.rows)
-                yield raw
-                if scheduled_end and not framed:
-                    return
-        finally:
-            for future in framed:  # cancelled or failed: the framing thread still frees the blocks
-                future.cancel()
+        while True:
+            self._wake.clear()
+            if self._aborted:
+                return
+            block, last = self._next_ready()
+            if block is None and not last:
+                await self._wake.wait()
+                continue
+            # block None and last: finished with everything sent, the end travels alone.
+            if block is not None:
+                try:
+                    await wait_event(block.event)
+                except BaseException:
+                    if block.pooled:
+                        self._staging.release(block.buf)
+                    raise
+                block.event = None
+            raw, sent = self._frame(sequence, block, last)
+            self.last_sent_unix_ms = sent.unix_ms
+            if sent.rows:
+                self.chunks_sent += 1
+                self.bytes_sent += sent.nbytes
+                _CHUNKS_SENT.inc()
+                _BYTES_SENT.inc(sent.nbytes)
+                _ROWS_SENT.inc(sent.rows)
+            yield raw
+            sequence += 1
+            if last:
+                return
 
-    def _has_ready(self) -> bool:
-        with self._lock:
-            return bool(self._ready)
