@@ -22,6 +22,8 @@ Run on the GPU machine from the source tree (two GPUs: the AR on the first, the 
    concurrency 1 at each size.
 "AR alone" is the AR's own prefill + decode time at concurrency 1 (reported by the AR engine);
 "DiT alone" is `benchmarks/dit_step.py`'s in-process `generate` time (``--dit-step-json``).
+The DiT writes its per-request stream traces (`MAMMOTH_TRACE_DIR`), from which each level also
+reports the transfer tail's phases (`tail_phases`: AR framed -> DiT handler -> staged -> resident).
 Results: tables on stdout and `e2e_gpu.json` in --out (rewritten after every level).
 """
 
@@ -136,13 +138,19 @@ def component_env(gpu: str | None) -> dict[str, str]:
     return env
 
 
-def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None) -> list[Component]:
-    """DiT, AR (each on its GPU), then the gateway; returns them once all are ready."""
+def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None,
+                 trace_dir: pathlib.Path | None = None) -> list[Component]:
+    """DiT, AR (each on its GPU), then the gateway; returns them once all are ready. With
+    ``trace_dir`` the DiT writes each request's stream trace there (`MAMMOTH_TRACE_DIR`)."""
     common = ["--host", "127.0.0.1", "--log-level", "warning"]
     stage = [*common, "--checkpoint", args.checkpoint, "--port", "0", "--metrics-port", "0"]
     comps: list[Component] = []
     try:
-        dit = spawn("dit", ["dit", *stage, "--slots", str(args.dit_slots)], workdir, component_env(args.dit_gpu))
+        dit_env = component_env(args.dit_gpu)
+        if trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            dit_env["MAMMOTH_TRACE_DIR"] = str(trace_dir)
+        dit = spawn("dit", ["dit", *stage, "--slots", str(args.dit_slots)], workdir, dit_env)
         comps.append(dit)
         ar_extra = ["--chunk-rows", str(chunk_rows)] if chunk_rows else []
         ar = spawn("ar", ["ar", *stage, "--max-running-sequences", str(args.ar_slots), *ar_extra], workdir,
@@ -158,6 +166,28 @@ def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None) -> list[Co
         stop_pipeline(comps)
         raise
     return comps
+
+
+def tail_phases(trace_dir: pathlib.Path, seen: set[pathlib.Path]) -> tuple[dict[str, float], set[pathlib.Path]]:
+    """p50 of the transfer tail's phases over the DiT traces written since ``seen`` (ms): ``wire``
+    = the AR framed the last chunk -> the DiT's handler took it; ``accept`` = -> validated and
+    copied into pinned staging (H2D launched); ``resident`` = -> H2D complete, slot finished;
+    ``tail`` = all of it. Returns (phases, every trace file now)."""
+    files = set(trace_dir.glob("*.dit.json"))
+    rows: dict[str, list[float]] = {"wire": [], "accept": [], "resident": [], "tail": []}
+    for path in sorted(files - seen):
+        t = json.loads(path.read_text())
+        sent, received, resident = t.get("last_sent_unix_ms"), t.get("last_received_unix_ms"), t.get("resident_unix_ms")
+        if not (sent and received and resident and t.get("chunks")):
+            continue
+        arrived = t["chunks"][-1]["arrived_unix_ms"]
+        for key, value in (("wire", received - sent), ("accept", arrived - received),
+                           ("resident", resident - arrived), ("tail", resident - sent)):
+            rows[key].append(value)
+    phases = {k: percentile(v, 0.5) for k, v in rows.items() if v}
+    if rows["tail"]:
+        phases["n"] = len(rows["tail"])
+    return phases, files
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,8 +333,9 @@ def main() -> int:
 
     def phase(chunk_rows: int | None, plan: list[tuple[int, int, int]], key: str) -> None:
         t0 = time.perf_counter()
+        trace_dir = workdir / f"trace-{key}"
         try:
-            comps = start_stages(args, workdir, chunk_rows)
+            comps = start_stages(args, workdir, chunk_rows, trace_dir)
         except StartupError as exc:
             res.setdefault("startup_errors", []).append(str(exc))
             print(f"startup failed: {exc}", flush=True)
@@ -327,9 +358,13 @@ def main() -> int:
                     asyncio.run(run_level(url, size, steps, 1, 1, seed=99))
                     warmed.add(size)
                 n = count[0] if count else max(c, args.min_requests)
+                _, seen = tail_phases(trace_dir, set())
                 r = asyncio.run(run_level(url, size, steps, c, n, seed=1000 * c + size))
+                r["tail_phases_ms_p50"], _ = tail_phases(trace_dir, seen)
                 res[key if key == "request_end" else "levels"].append(r)
                 print(row(r), flush=True)
+                print("   transfer tail p50 by phase (ms, DiT trace):", json.dumps(
+                    {k: round(v, 3) for k, v in r["tail_phases_ms_p50"].items()}), flush=True)
                 if r["errors"]:
                     print("   errors:", r["errors"], flush=True)
                 save()
