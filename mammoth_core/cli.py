@@ -117,7 +117,7 @@ def cmd_download_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    setup_logging("cli", "text", args.log_level)
+    setup_logging("cli", "text", args.log_level or "info")
     from mammoth_core.local import run_up
 
     return run_up(args)
@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free)")
     up.add_argument("--slots", type=int, default=2, help="DiT slots")
     up.add_argument("--config", default=None, help="YAML settings file passed to every component")
-    up.add_argument("--log-level", default="info")
+    up.add_argument("--log-level", default=None,
+                    help="components' log level (default info; warning with --generate, so their "
+                         "per-request lines do not break the progress display)")
     up.add_argument("--torch-threads", type=int, default=1, help="torch threads per stage process")
     up.add_argument("--generate", metavar="PROMPT", default=None,
                     help="generate one image through the HTTP API, write it to --output, then stop")

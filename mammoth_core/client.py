@@ -65,8 +65,8 @@ class ProgressLine:
             return
         self._last = now
         line = (
-            f"\rAR [{self._bar(*self.ar)}] {self.ar[0]}/{self.ar[1]} tokens  "
-            f"DiT [{self._bar(*self.dit)}] {self.dit[0]}/{self.dit[1]} steps"
+            f"\rAR [{self._bar(*self.ar)}] {self.ar[0]}/{self.ar[1] or '?'} tokens  "
+            f"DiT [{self._bar(*self.dit)}] {self.dit[0]}/{self.dit[1] or '?'} steps"
         )
         sys.stderr.write(line)
         sys.stderr.flush()

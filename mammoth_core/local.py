@@ -178,7 +178,7 @@ def run_up(args: argparse.Namespace) -> int:
             slots=args.slots,
             config=args.config,
             torch_threads=args.torch_threads,
-            log_level=args.log_level,
+            log_level=args.log_level or ("warning" if args.generate else "info"),
         )
     except StartupError as exc:
         print(f"mammoth up: {exc}", file=sys.stderr)
