@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from full_size import ceilings, random_init_  # noqa: E402
+from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules  # noqa: E402
 
 from mammoth_core.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.batch_engine import BatchedDecoder  # noqa: E402
@@ -290,30 +290,9 @@ def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
 
 
 def hf_baseline(lc: dict, res: dict) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    qc = Qwen2Config(
-        vocab_size=lc["vocab_size"] + lc["gen_vocab_size"], hidden_size=lc["hidden_size"],
-        intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
-        num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
-        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
-    )
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        hf = Qwen2ForCausalLM(qc)
-    torch.set_default_dtype(torch.float32)
-    random_init_(hf, 3)
-    hf.eval()
-    ids = torch.tensor([PROMPT], device="cuda")
-    hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    torch.cuda.synchronize()
-    n_new = 64
-    t0 = time.perf_counter()
-    hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
-    torch.cuda.synchronize()
-    res["hf_ms_per_token"] = (time.perf_counter() - t0) * 1e3 / n_new
+    """The baseline: HF ``generate`` at the same dimensions, random weights (seed 3), 64 tokens."""
+    res["hf_ms_per_token"] = hf_generate_ms_per_token(lc, PROMPT, 64, init_seed=3)
     print(f"HF transformers generate (eager, greedy): {res['hf_ms_per_token']:.2f} ms/token", flush=True)
-    del hf
 
 
 def main() -> int:
@@ -336,11 +315,7 @@ def main() -> int:
     print("ceilings", res["ceilings"], flush=True)
     config, _ = preview_config()
     lc = config["llm_config"]
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = MammothARForCausalLM.from_llm_config(lc)
-    torch.set_default_dtype(torch.float32)
-    random_init_(model, 1)
+    model, _ = random_preview_modules(config, dit=False)
     model.eval().requires_grad_(False)
     def save() -> None:
         (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))

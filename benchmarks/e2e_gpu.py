@@ -84,24 +84,15 @@ def build_preview_checkpoint(folder: pathlib.Path) -> float:
     """Write the full-size random checkpoint once (``.complete`` marks it); returns seconds spent."""
     import torch
 
-    from benchmarks.full_size import random_init_
+    from benchmarks.full_size import random_preview_modules
     from mammoth_core.make_checkpoint import save_sharded
-    from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
-    from stage_dit.pipeline import build_dit_modules
 
     if (folder / ".complete").is_file():
         return 0.0
     t0 = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     config, generation = preview_checkpoint_config(folder)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        ar = MammothARForCausalLM.from_llm_config(config["llm_config"])
-    dit = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
-    torch.set_default_dtype(torch.float32)
-    random_init_(ar, 1)
-    for i, m in enumerate(dit.named_modules_by_prefix().values()):
-        random_init_(m, 2 + i)
+    ar, dit = random_preview_modules(config)
     state = {f"llm_model.{k}": v.cpu() for k, v in ar.state_dict().items()}
     for prefix, m in dit.named_modules_by_prefix().items():
         state.update({f"{prefix}.{k}": v.cpu() for k, v in m.state_dict().items()})

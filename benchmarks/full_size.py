@@ -88,6 +88,59 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def random_preview_modules(config: dict, dit: bool = True):
+    """The AR (``MammothARForCausalLM``) and, with ``dit``, the DiT modules (`build_dit_modules`)
+    built on CUDA in bf16 from ``config`` (a MammothModa2 ``config.json`` dict), weights from
+    `random_init_` (seed 1 for the AR, 2 + i for the i-th DiT module). Returns ``(ar, dit or None)``."""
+    from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
+    from stage_dit.pipeline import build_dit_modules
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            ar = MammothARForCausalLM.from_llm_config(config["llm_config"])
+        modules = build_dit_modules(config, device="cuda", dtype=torch.bfloat16) if dit else None
+    finally:
+        torch.set_default_dtype(torch.float32)
+    random_init_(ar, 1)
+    if modules is not None:
+        for i, m in enumerate(modules.named_modules_by_prefix().values()):
+            random_init_(m, 2 + i)
+    return ar, modules
+
+
+def hf_generate_ms_per_token(lc: dict, prompt: list[int], n_new: int, init_seed: int | None = None) -> float:
+    """ms/token of Hugging Face ``Qwen2ForCausalLM.generate`` (eager, greedy, batch 1) at the AR's
+    dimensions (``lc``: the ``llm_config``), bf16 on CUDA: one 8-token warm-up, then ``n_new``
+    tokens after ``prompt``. Weights: `random_init_` with ``init_seed``, or the model's own init."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qc = Qwen2Config(
+        vocab_size=lc["vocab_size"] + lc["gen_vocab_size"], hidden_size=lc["hidden_size"],
+        intermediate_size=lc["intermediate_size"], num_hidden_layers=lc["num_hidden_layers"],
+        num_attention_heads=lc["num_attention_heads"], num_key_value_heads=lc["num_key_value_heads"],
+        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = Qwen2ForCausalLM(qc)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if init_seed is not None:
+        random_init_(hf, init_seed)
+    hf.eval()
+    ids = torch.tensor([prompt], device="cuda")
+    hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / n_new
+    del hf
+    return ms
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / GiB
 
@@ -118,7 +171,6 @@ def main() -> int:
     print("ceilings", res["ceilings"], flush=True)
 
     from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
-    from stage_dit.pipeline import build_dit_modules
 
     config, generation = preview_config()
     ckpt = pathlib.Path(args.ckpt_dir)
@@ -126,14 +178,7 @@ def main() -> int:
     # 2. build with random weights
     reset_peak()
     t0 = time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        ar = MammothARForCausalLM.from_llm_config(config["llm_config"])
-    dit = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
-    torch.set_default_dtype(torch.float32)
-    random_init_(ar, 1)
-    for i, m in enumerate(dit.named_modules_by_prefix().values()):
-        random_init_(m, 2 + i)
+    ar, dit = random_preview_modules(config)
     torch.cuda.synchronize()
     res["build_s"] = time.perf_counter() - t0
     res["params"] = {"llm_model": count(ar), **{k: count(m) for k, m in dit.named_modules_by_prefix().items()}}
@@ -270,27 +315,7 @@ def main() -> int:
     # HF baseline
     if not args.skip_hf:
         try:
-            from transformers import Qwen2Config, Qwen2ForCausalLM
-
-            qc = Qwen2Config(
-                vocab_size=lc["vocab_size"] + lc["gen_vocab_size"], hidden_size=h, intermediate_size=inter,
-                num_hidden_layers=layers, num_attention_heads=lc["num_attention_heads"],
-                num_key_value_heads=lc["num_key_value_heads"], max_position_embeddings=32768,
-                rope_theta=1e6, tie_word_embeddings=False,
-            )
-            torch.set_default_dtype(torch.bfloat16)
-            with torch.device("cuda"):
-                hf = Qwen2ForCausalLM(qc)
-            torch.set_default_dtype(torch.float32)
-            hf.eval()
-            ids = torch.tensor([prompt], device="cuda")
-            hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-            torch.cuda.synchronize()
-            n_new = 128
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
-            torch.cuda.synchronize()
-            res["hf_ms_per_token"] = (time.perf_counter() - t0) * 1e3 / n_new
+            res["hf_ms_per_token"] = hf_generate_ms_per_token(lc, prompt, 128)
             print(f"HF transformers generate: {res['hf_ms_per_token']:.2f} ms/token", flush=True)
         except Exception as exc:  # noqa: BLE001
             res["hf_error"] = repr(exc)
