@@ -508,16 +508,14 @@ class HiddenStateSender:
 
     def _frame(self, sequence: int, block: _Block | None, last: bool) -> tuple[bytes, _Sent]:
         """Message ``sequence`` as bytes: ``block``'s rows (None: the end alone), `StreamEnd` when
-        ``last``; in sequence order (the CRCs chain). Returns the block to the pool, whatever
-        happens."""
+        ``last``; in sequence order (the CRCs chain). The block's copy must have completed
+        (`_messages` awaits its event). Returns the block to the pool, whatever happens."""
         try:
             if block is None:
                 msg = self._header(sequence, None)
                 msg.end.CopyFrom(self._end_message())
                 msg.header.sent_unix_ms = time.time() * 1000.0
                 return msg.SerializeToString(), _Sent(0, 0, msg.header.sent_unix_ms)
-            if block.event is not None:
-                block.event.synchronize()  # D2H-ready: bytes leave only after the copy
             nbytes = block.rows * self.hidden_size * self.itemsize
             payload = wire.staged_buffer(block.buf[:nbytes])
             self._crc[block.role] = wire.crc32c(payload, self._crc[block.role])
@@ -553,12 +551,10 @@ class HiddenStateSender:
             # block None and last: finished with everything sent, the end travels alone.
             if block is not None:
                 try:
-                    await wait_event(block.event)
-                except BaseException:
-                    if block.pooled:
-                        self._staging.release(block.buf)
+                    await wait_event(block.event)  # D2H-ready: bytes leave only after the copy
+                except BaseException:  # cancelled mid-wait: the block goes back once its copy is done
+                    asyncio.get_running_loop().create_task(self._release_block(block))
                     raise
-                block.event = None
             raw, sent = self._frame(sequence, block, last)
             self.last_sent_unix_ms = sent.unix_ms
             if sent.rows:
