@@ -43,7 +43,8 @@ warm-up; if it fails the decoder logs a warning and keeps the eager helpers (sam
 model's modules). Compiled kernels are per shape, so only ``pad_to_max_bucket`` keeps a request's
 rows independent of the rest of the batch (measured on the H200: docs/PERFORMANCE.md). Attention covers the first ``L`` key positions only, ``L`` the batch's longest
 sequence rounded up to ``length_bucket`` (one graph per (batch bucket, length bucket)); with
-``pad_to_max_bucket`` ``L`` is pinned to the pool width so every step keeps one shape. On CUDA the attention and the KV-cache write are one split-KV Triton kernel pair
+``pad_to_max_bucket`` ``L`` is pinned to the pool width so every step keeps one shape. On CUDA
+the attention and the KV-cache write are one split-KV Triton kernel pair
 (`stage_ar.decode_attention`): tiles past a row's position are skipped, so padded rows and long
 length buckets cost little, and a row's attention is batch-invariant by construction. The sampler
 has a variant without the two sorts of top-k/top-p, used when no running request asks for either
