@@ -1,6 +1,6 @@
 """Test helper: the tiny MammothModa2 reference fixture, loaded for the DiT-side tests.
 
-The fixture (`reference_fixture.REFERENCE_DIR`: `shared/` beside the repo, or `$MAMMOTH_TINY_REFERENCE`) holds a tiny
+The fixture (`reference_fixture.REFERENCE_DIR`, inside the repository under `tests/fixtures/`) holds a tiny
 checkpoint and the outputs the unmodified upstream code computed from it (float32, CPU).
 """
 
@@ -17,9 +17,6 @@ from stage_dit.pipeline import DiTModules, MammothDiTPipeline, build_dit_modules
 
 from reference_fixture import REFERENCE_DIR as FIXTURE_DIR
 
-requires_fixture = pytest.mark.skipif(
-    not (FIXTURE_DIR / "tiny_reference.safetensors").exists(), reason=f"reference fixture not found in {FIXTURE_DIR}"
-)
 
 
 @lru_cache(maxsize=1)

@@ -12,9 +12,7 @@ from stage_ar.configuration_mammoth_ar import MammothARConfig, parse_moe_type
 from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, strip_llm_prefix
 
 from reference_fixture import REFERENCE_DIR as FIXTURE
-from reference_fixture import requires_reference
 
-pytestmark = requires_reference
 
 ATOL = 1e-4
 

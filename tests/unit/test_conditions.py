@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dit_reference import config, max_abs, outputs, pipeline, requires_fixture
+from dit_reference import config, max_abs, outputs, pipeline
 
 from stage_dit.condition_refiner import SimpleQFormerImageRefiner
 from stage_dit.conditions import (
@@ -75,7 +75,6 @@ def test_token_ids_from_config():
         ConditionTokenIds.from_llm_config({})
 
 
-@requires_fixture
 def test_split_matches_upstream_fixture():
     out = outputs()
     ids = out["cond_input_ids"][0]
@@ -86,7 +85,6 @@ def test_split_matches_upstream_fixture():
     assert torch.equal(rows.image_index, out["cond_image_rows_index"])
 
 
-@requires_fixture
 @pytest.mark.parametrize(
     ("mode", "key"), [("text_image", "condition_tokens_text_image"), ("image", "condition_tokens_image")]
 )

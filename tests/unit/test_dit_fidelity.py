@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-from dit_reference import FIXTURE_DIR, config, load_strict, max_abs, outputs, pipeline, requires_fixture, weights
+from dit_reference import FIXTURE_DIR, config, load_strict, max_abs, outputs, pipeline, weights
 
 from stage_dit.pipeline import build_dit_modules
 
-pytestmark = requires_fixture
 TOL = 1e-4
 
 

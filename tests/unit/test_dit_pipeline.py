@@ -7,13 +7,12 @@ import io
 import numpy as np
 import pytest
 import torch
-from dit_reference import config, max_abs, outputs, pipeline, requires_fixture
+from dit_reference import config, max_abs, outputs, pipeline
 from PIL import Image
 
 from stage_dit.images import encode_image, to_uint8
 from stage_dit.scheduling_flow_match import FlowMatchEulerScheduler
 
-pytestmark = requires_fixture
 
 
 @pytest.fixture(scope="module")

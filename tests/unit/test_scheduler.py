@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from dit_reference import max_abs, outputs, requires_fixture
+from dit_reference import max_abs, outputs
 
 from stage_dit.scheduling_flow_match import FlowMatchEulerScheduler
 
 
-@requires_fixture
 @pytest.mark.parametrize(
     ("steps", "num_tokens", "key"),
     [(8, 32 * 32, "sched_256_8_timesteps"), (50, 128 * 128, "sched_1024_50_timesteps"), (8, 8 * 8, "e2e_timesteps")],
@@ -23,7 +22,6 @@ def test_schedule_matches_upstream(steps, num_tokens, key):
     assert max_abs(timesteps, outputs()[key]) < 1e-6
 
 
-@requires_fixture
 def test_schedule_with_end_matches_upstream():
     scheduler = FlowMatchEulerScheduler()
     scheduler.set_timesteps(8, num_tokens=32 * 32)
