@@ -1,4 +1,4 @@
-"""The README's set-up command, followed literally in a fresh clone, works.
+"""The README's two commands, followed in a fresh clone, work.
 
 The command is read from README.md (the first ```bash block under "Set-up commands"), not copied
 here, so editing the README changes what is tested. It runs in a fresh ``git clone`` of this
@@ -7,6 +7,13 @@ repository (the committed HEAD: uncommitted edits are not part of a fresh clone)
 environment that a newcomer would not have (no ``MAMMOTH_*``, no ``VIRTUAL_ENV``, no
 ``PYTHONPATH``). Only the first command runs: the second is the test command itself (this test is
 part of it). Marked ``readme`` (deselect with ``-m 'not readme'`` for a quick local run).
+
+The test command's unit part runs in a second fresh clone that has nothing beside it (an empty
+temporary folder, its own empty ``HOME`` and cache): 0 failures and no skip other than for missing
+hardware prove that no unit test reads data from outside the repository. It runs the pytest that
+``scripts/test.sh`` runs, ``python -m pytest tests/unit``, with this session's interpreter (its
+installed dependencies) and the clone first on ``sys.path``: a fresh ``.venv`` would add minutes and
+is what the set-up test above already proves.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -39,6 +48,58 @@ def test_readme_has_the_two_setup_commands():
     assert len(commands) == 2, commands
     assert "scripts/setup.sh" in commands[0] and "mammoth up --generate" in commands[0]
     assert commands[1] == "bash scripts/test.sh"
+
+
+def newcomer_env(home: pathlib.Path) -> dict[str, str]:
+    """This session's environment without what a newcomer would not have (``MAMMOTH_*``, venvs)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MAMMOTH_", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA"))}
+    env["XDG_CACHE_HOME"] = str(home / ".cache")  # no built-in checkpoint from earlier runs
+    return env
+
+
+def fresh_clone(dest: pathlib.Path) -> pathlib.Path:
+    """``git clone`` of this repository's committed HEAD into ``dest`` (checked: same commit)."""
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(dest)], check=True, timeout=120)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=dest, capture_output=True,
+                          text=True).stdout == head, "the clone is not of this checkout's HEAD"
+    return dest
+
+
+#: Skip reasons that mean "this machine lacks the hardware", never "data is missing".
+HARDWARE_SKIPS = ("needs CUDA", "has no bfloat16")
+
+
+def test_readme_test_command_unit_part_in_an_isolated_clone(tmp_path_factory):
+    commands = setup_commands((ROOT / "README.md").read_text())
+    assert commands[1] == "bash scripts/test.sh"  # which runs `.venv/bin/python -m pytest "$@"`
+    assert '.venv/bin/python -m pytest "$@"' in (ROOT / "scripts" / "test.sh").read_text()
+    clone = fresh_clone(tmp_path_factory.mktemp("isolated") / "mammoth-pipeline")
+    assert [p.name for p in clone.parent.iterdir()] == ["mammoth-pipeline"]  # nothing beside it
+    home = tmp_path_factory.mktemp("home")
+    env = newcomer_env(home)
+    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(clone), str(clone / "operator")]))
+    where = subprocess.run(
+        [sys.executable, "-c", "import mammoth_core, stage_ar, stage_dit, gateway; "
+         "print(mammoth_core.__file__, stage_ar.__file__, stage_dit.__file__, gateway.__file__)"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    assert all(pathlib.Path(f).is_relative_to(clone) for f in where.stdout.split()), where.stdout
+    report = home / "unit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider",
+         f"--junitxml={report}"],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=480)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, f"tests/unit failed in a fresh clone ({proc.returncode}):\n{tail}"
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert int(suite.get("failures")) == 0 and int(suite.get("errors")) == 0, tail
+    assert int(suite.get("tests")) > 150, tail  # the unit tests were collected, not an empty run
+    skips = [s.get("message", "") for s in suite.iter("skipped")]
+    not_hardware = [m for m in skips if not any(h in m for h in HARDWARE_SKIPS)]
+    assert not not_hardware, f"skipped for another reason than missing hardware: {not_hardware}"
 
 
 def test_readme_quick_start_in_a_fresh_clone(tmp_path):

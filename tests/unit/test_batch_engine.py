@@ -21,9 +21,6 @@ from stage_ar.kv_pool import KVPool, PoolFull
 from stage_ar.sampling import GridConstrainedSampler
 from stage_ar.tokenization_mammoth import MammothTokenizer
 
-from reference_fixture import REFERENCE_DIR as FIXTURE
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="reference fixture not present")
-
 # (width, height, seed, sampler overrides, ar_guidance_scale, join at step)
 SPECS = [
     (3, 2, 1, {}, 0.0, 0),
