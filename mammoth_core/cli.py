@@ -30,10 +30,15 @@ def _component_parser(sub: argparse._SubParsersAction, name: str, cls: type, hel
     p = sub.add_parser(name, help=help_text, description=help_text)
     settings_mod.add_arguments(p, cls)
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `mammoth up`
     p.set_defaults(settings_cls=cls)
 
 
 def _settings_from_args(args: argparse.Namespace) -> settings_mod.BaseSettings:
+    if args.parent_pid is not None:  # started by `mammoth up`: end with it, whatever ends it
+        from mammoth_core.supervise import die_with_parent
+
+        die_with_parent(args.parent_pid)
     cls = args.settings_cls
     names = {f for f in cls.__dataclass_fields__} | {"config"}
     explicit = {k: v for k, v in vars(args).items() if k in names}
@@ -118,7 +123,7 @@ def cmd_download_model(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", args.log_level or "info")
-    from mammoth_core.local import run_up
+    from mammoth_core.up import run_up
 
     return run_up(args)
 

@@ -1,16 +1,14 @@
-"""``mammoth up``: the whole pipeline as three processes on loopback.
+"""The local pipeline: AR, DiT and gateway as three processes on loopback.
 
-Starts the DiT and AR stages (each on a free port), waits until both report SERVING, then starts the
-gateway pointed at them, prints where everything listens, and keeps running until Ctrl-C/SIGTERM,
-when it stops the gateway first and the stages after (each drains its in-flight work).
-
-``--generate PROMPT`` instead makes one request through the HTTP API once everything is up, writes
-the image to ``--output`` and shuts everything down.
+`start_pipeline` starts the DiT and AR stages (each on a free port), waits until both report
+SERVING, then starts the gateway pointed at them. Each component runs in its own session and dies
+with the process that started it (`mammoth_core.supervise.die_with_parent`). `stop_pipeline` stops
+the gateway first and the stages after (each drains its in-flight work). The ``mammoth up`` command
+around them (signals, instance lock, banner) is `mammoth_core.up`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -25,6 +23,7 @@ from typing import Sequence
 
 from mammoth_core.checkpoint import resolve_checkpoint
 from mammoth_core.settings import default_cache_dir
+from mammoth_core.supervise import kill_now, port_holder
 
 logger = logging.getLogger("mammoth.up")
 
@@ -72,14 +71,27 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise StartupError(
-                f"cannot listen on {host}:{port} ({exc.strerror}); choose another port with --port"
-            ) from None
+            message = f"cannot listen on {host}:{port} ({exc.strerror})"
+            holder = port_holder(port)
+            if holder:
+                kind = "a stale mammoth component" if "mammoth" in holder[1] else "another process"
+                message += (f": {kind} holds it (pid {holder[0]}: {holder[1][:120]}); stop it with "
+                            f"`kill {holder[0]}` or choose another port with --port")
+            else:
+                message += "; choose another port with --port"
+            raise StartupError(message) from None
+
+
+def cache_dir(env: dict[str, str]) -> str:
+    """The cache folder (built-in checkpoints, instance locks): ``MAMMOTH_CACHE_DIR`` or the default."""
+    return env.get("MAMMOTH_CACHE_DIR") or default_cache_dir()
 
 
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:
+    """Start one component in its own session; it dies with this process (`supervise.die_with_parent`)."""
     ready = workdir / f"{name}.ready.json"
-    cmd = [sys.executable, "-m", "mammoth_core.cli", *argv, "--ready-file", str(ready)]
+    cmd = [sys.executable, "-m", "mammoth_core.cli", *argv, "--ready-file", str(ready),
+           "--parent-pid", str(os.getpid())]
     logger.debug("starting %s: %s", name, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     return Component(name=name, proc=proc, ready_file=ready)
@@ -110,8 +122,7 @@ def start_pipeline(
     env.update(extra_env or {})
     if gateway_port:
         _check_port_free(host, gateway_port)  # fail before the stages spend time loading
-    cache_dir = env.get("MAMMOTH_CACHE_DIR") or default_cache_dir()
-    ckpt_path = resolve_checkpoint(checkpoint, cache_dir)  # create the built-in one once, up front
+    ckpt_path = resolve_checkpoint(checkpoint, cache_dir(env))  # create the built-in one once, up front
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))
     common = ["--host", host, "--log-level", log_level]
     if config:
@@ -140,79 +151,25 @@ def start_pipeline(
 
 
 def stop_pipeline(components: Sequence[Component], timeout: float = 30.0) -> None:
-    """SIGTERM the gateway first, then the stages; SIGKILL whatever is left after ``timeout`` s."""
-    for comp in sorted(components, key=lambda c: c.name != "gateway"):
-        if comp.proc.poll() is None:
-            comp.proc.send_signal(signal.SIGTERM)
-            try:
-                comp.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s; killing it", comp.name, timeout)
-                comp.proc.kill()
-                comp.proc.wait()
+    """SIGTERM the gateway first, then the stages; SIGKILL whatever is left after ``timeout`` s.
 
-
-def _metrics_hint(comp: Component) -> str:
-    """``   (metrics http://host:port/metrics)`` for a stage that reported its metrics port."""
-    port = comp.info.get("metrics_port")
-    if not isinstance(port, int) or port <= 0:
-        return ""
-    return f"   (metrics http://{comp.address.rsplit(':', 1)[0]}:{port}/metrics)"
-
-
-def run_up(args: argparse.Namespace) -> int:
-    """Implementation of ``mammoth up`` (see the module docstring)."""
-    stop = {"flag": False}
-
-    def _on_signal(signum, frame):  # noqa: ARG001
-        stop["flag"] = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    print("mammoth up: preparing the checkpoint and starting DiT, AR and gateway...", flush=True)
+    A `KeyboardInterrupt` while waiting (the second Ctrl-C) kills every remaining component at once
+    (`supervise.kill_now`) and is raised again.
+    """
     try:
-        components = start_pipeline(
-            checkpoint=args.checkpoint,
-            host=args.host,
-            gateway_port=args.port,
-            slots=args.slots,
-            config=args.config,
-            torch_threads=args.torch_threads,
-            log_level=args.log_level or ("warning" if args.generate else "info"),
-        )
-    except StartupError as exc:
-        print(f"mammoth up: {exc}", file=sys.stderr)
-        return 1
+        for comp in sorted(components, key=lambda c: c.name != "gateway"):
+            if comp.proc.poll() is None:
+                comp.proc.send_signal(signal.SIGTERM)
+                try:
+                    comp.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop within %.0f s; killing it", comp.name, timeout)
+                    kill_now(comp.proc)
     except KeyboardInterrupt:
-        return 130
-    by_name = {c.name: c for c in components}
-    url = f"http://{by_name['gateway'].address}"
-    print(
-        "\nMammoth pipeline is up:\n"
-        f"  gateway  {url}   (OpenAI images API: POST {url}/v1/images/generations; /metrics, /readyz)\n"
-        f"  AR       grpc://{by_name['ar'].address}{_metrics_hint(by_name['ar'])}\n"
-        f"  DiT      grpc://{by_name['dit'].address}{_metrics_hint(by_name['dit'])}\n"
-        f"Try:  mammoth generate \"a lighthouse at dusk\" --url {url} -o out.png\n"
-        f"  or: curl -s {url}/v1/images/generations -H 'content-type: application/json' "
-        "-d '{\"prompt\": \"a lighthouse\", \"size\": \"256x256\"}'\n",
-        flush=True,
-    )
-    code = 0
-    try:
-        if args.generate is not None:
-            from mammoth_core.client import generate_to_file
-
-            code = generate_to_file(url, args.generate, args.output, args)
-        else:
-            print("Press Ctrl-C to stop.", flush=True)
-            while all(c.proc.poll() is None for c in components):
-                time.sleep(0.5)
-            dead = [c.name for c in components if c.proc.poll() is not None]
-            print(f"mammoth up: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        code = 0 if stop["flag"] else 130
-    finally:
-        print("mammoth up: stopping...", flush=True)
-        stop_pipeline(components)
-    return code
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third Ctrl-C changes nothing
+        try:
+            for comp in components:
+                kill_now(comp.proc)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        raise

@@ -1,0 +1,149 @@
+"""Process supervision for ``mammoth up``: children that die with it, one instance per port.
+
+- `die_with_parent`: a component started by ``mammoth up`` calls it first thing (hidden flag
+  ``--parent-pid``), so it gets SIGKILL the moment ``mammoth up`` ends, whatever ended it (Ctrl-C,
+  SIGHUP from a closed terminal, SIGKILL, a crash). On Linux this is ``prctl(PR_SET_PDEATHSIG)``;
+  elsewhere a daemon thread polls the parent id every 0.5 s.
+- `kill_now`: SIGKILL a component's whole process group (each component is started in its own
+  session, so its group id is its pid), for the second Ctrl-C.
+- `InstanceLock`: an ``flock`` on ``<cache>/run/up-<port>.lock`` held for the life of one
+  ``mammoth up``; the file names the holder (pid, URL, state). The kernel drops the lock when the
+  holder dies, so a lock file left behind is never mistaken for a running instance.
+- `port_holder`: which process listens on a TCP port (``/proc/net/tcp*``), to name a stale
+  component that holds the gateway's port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Arrange for this process to be killed (SIGKILL) as soon as ``parent_pid`` exits.
+
+    Call it in the child, right at start-up. If the parent is already gone (it died between the
+    fork and this call), the process exits at once with status 1.
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def kill_now(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (its own session: group id = pid) and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    proc.wait()
+
+
+class AlreadyRunning(RuntimeError):
+    """Another ``mammoth up`` holds the port's instance lock; the message names it."""
+
+
+class InstanceLock:
+    """The instance lock of one ``mammoth up`` on one gateway port (see the module docstring)."""
+
+    def __init__(self, run_dir: str | os.PathLike, port: int):
+        self.path = pathlib.Path(run_dir) / f"up-{port}.lock"
+        self.port = port
+        self._file = None
+
+    def acquire(self) -> "InstanceLock":
+        """Take the lock without waiting.
+
+        Raises:
+            AlreadyRunning: another live ``mammoth up`` holds it (the message names its pid, state
+                and URL).
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise AlreadyRunning(self._describe_holder()) from None
+        self._file = f
+        self.update(state="starting")
+        return self
+
+    def update(self, **info: object) -> None:
+        """Rewrite the lock file's description of this instance (pid, start time, ``info``)."""
+        if self._file is None:
+            return
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps({"pid": os.getpid(), "started": time.time(), **info}))
+        self._file.flush()
+
+    def release(self) -> None:
+        """Drop the lock and remove the file (idempotent)."""
+        if self._file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._file.close()
+            self._file = None
+
+    def _describe_holder(self) -> str:
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        pid = info.get("pid", "?")
+        where = f" at {info['url']}" if info.get("url") else f" on port {self.port}"
+        state = "is starting" if info.get("state") == "starting" else "is running"
+        return (f"another mammoth up (pid {pid}) {state}{where}; stop it (Ctrl-C in its terminal, or "
+                f"`kill {pid}`) or choose another port with --port")
+
+
+def port_holder(port: int) -> tuple[int, str] | None:
+    """``(pid, command line)`` of a process listening on TCP ``port`` (Linux ``/proc``), else None.
+
+    Only processes this user may inspect are found; None when ``/proc`` is not there.
+    """
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in pathlib.Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    return int(proc.name), cmd.strip()
+    return None

@@ -1,0 +1,223 @@
+"""``mammoth up`` as a real process: its components end with it, and it names a stale instance.
+
+Each test runs ``python -m mammoth_core.cli up`` in its own session (as a terminal's foreground job:
+the signals go to its process group) with the tiny checkpoint, finds its components as the
+processes whose parent it is, and after the signal checks that none of them remains and that every
+port they listened on can be bound again.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Up:
+    """A ``mammoth up`` process with its output collected line by line (stdout and stderr)."""
+
+    def __init__(self, checkpoint: pathlib.Path, cache: pathlib.Path, port: int, *extra: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+        env["MAMMOTH_CACHE_DIR"] = str(cache)
+        cmd = [sys.executable, "-m", "mammoth_core.cli", "up", "--port", str(port), "--checkpoint",
+               str(checkpoint), "--log-level", "warning", *extra]
+        self.port = port
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+
+    def wait_up(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any("Press Ctrl-C" in line for line in self.out):
+            assert self.proc.poll() is None, f"mammoth up exited {self.proc.returncode}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"mammoth up not up after {timeout} s:\n{self.text()}"
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        return "".join(self.out) + "\n--- stderr ---\n" + "".join(self.err)
+
+    def children(self) -> list[int]:
+        """Pids whose parent is this ``mammoth up``."""
+        kids = []
+        for proc in pathlib.Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    status = (proc / "status").read_text()
+                except OSError:
+                    continue
+                if re.search(rf"^PPid:\s+{self.proc.pid}$", status, re.M):
+                    kids.append(int(proc.name))
+        return kids
+
+    def ports(self) -> list[int]:
+        """Every port the banner names (gateway, AR, DiT, metrics)."""
+        banner = "".join(self.out)
+        return sorted({int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", banner)})
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with_group = self.proc.pid
+            os.killpg(with_group, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return not re.search(r"^State:\s+Z", status, re.M)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def assert_all_gone(children: list[int], ports: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and (any(map(alive, children)) or not all(map(port_free, ports))):
+        time.sleep(0.1)
+    left = [pid for pid in children if alive(pid)]
+    held = [port for port in ports if not port_free(port)]
+    try:
+        assert not left and not held, f"components left running: pids {left}, ports held {held}"
+    finally:
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(tiny_checkpoint, tmp_path):
+    started: list[Up] = []
+
+    def start(*extra: str, port: int | None = None) -> Up:
+        u = Up(tiny_checkpoint, tmp_path / "cache", port or free_port(), *extra)
+        started.append(u)
+        return u
+
+    yield start
+    for u in started:
+        kids = u.children()
+        u.stop()
+        for pid in kids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _slow_request(url: str) -> threading.Thread:
+    """A request that keeps the gateway busy for many seconds (the first Ctrl-C waits for it)."""
+    def run() -> None:
+        try:
+            httpx.post(f"{url}/v1/images/generations", timeout=120,
+                       json={"prompt": "slow", "size": "1024x1024", "num_inference_steps": 200})
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_second_ctrl_c_stops_every_component_now(up):
+    u = up()
+    u.wait_up()
+    children, ports = u.children(), u.ports()
+    assert len(children) == 3 and u.port in ports
+    _slow_request(f"http://127.0.0.1:{u.port}")
+    time.sleep(2.0)  # the request is in the pipeline: a graceful stop would wait for it
+    u.signal_group(signal.SIGINT)
+    time.sleep(1.0)
+    assert u.proc.poll() is None, "the first Ctrl-C must drain, not exit at once"
+    t0 = time.monotonic()
+    u.signal_group(signal.SIGINT)
+    u.proc.wait(15)
+    assert time.monotonic() - t0 < 10
+    assert_all_gone(children, ports, within=5.0)
+    assert "Traceback" not in u.text(), u.text()
+
+
+def test_sighup_closing_the_terminal_stops_every_component(up):
+    u = up()
+    u.wait_up()
+    children, ports = u.children(), u.ports()
+    u.signal_group(signal.SIGHUP)
+    u.proc.wait(60)
+    assert_all_gone(children, ports, within=5.0)
+
+
+def test_sigkill_of_mammoth_up_kills_every_component(up):
+    u = up()
+    u.wait_up()
+    children, ports = u.children(), u.ports()
+    os.kill(u.proc.pid, signal.SIGKILL)
+    u.proc.wait(10)
+    assert_all_gone(children, ports, within=5.0)
+
+
+def test_two_up_started_at_the_same_moment_the_loser_says_one_line(up):
+    port = free_port()
+    a, b = up(port=port), up(port=port)
+    deadline = time.monotonic() + 180
+    while a.proc.poll() is None and b.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    loser, winner = (a, b) if a.proc.poll() is not None else (b, a)
+    assert loser.proc.poll() is not None, "neither mammoth up gave way"
+    loser.proc.wait(10)
+    time.sleep(0.3)  # the reader threads have the last lines
+    assert loser.proc.returncode == 1
+    lines = [line for line in loser.err if line.strip()]
+    assert len(lines) == 1, loser.text()
+    assert f"another mammoth up (pid {winner.proc.pid})" in lines[0], lines
+    winner.wait_up()  # the winner is unaffected
+
+
+def test_a_stale_component_on_the_port_is_named(up, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    stale = subprocess.Popen(
+        [sys.executable, "-m", "mammoth_core.cli", "gateway", "--port", str(port), "--ar", "127.0.0.1:9",
+         "--dit", "127.0.0.1:9", "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while port_free(port):
+            assert time.monotonic() < deadline and stale.poll() is None, "the stale gateway did not listen"
+            time.sleep(0.1)
+        u = up(port=port)
+        assert u.proc.wait(60) == 1
+        time.sleep(0.3)
+        lines = [line for line in u.err if line.strip()]
+        assert len(lines) == 1, u.text()
+        assert f"pid {stale.pid}" in lines[0] and "mammoth" in lines[0] and f"kill {stale.pid}" in lines[0], lines
+    finally:
+        stale.kill()
+        stale.wait()
