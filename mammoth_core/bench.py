@@ -141,6 +141,16 @@ def _csv(value: Any) -> list[str]:
     return [v.strip() for v in str(value).split(",") if v.strip()]
 
 
+def gateway_unreachable(url: str) -> str | None:
+    """Why no gateway answers at ``url`` (``GET /healthz``), naming the URL and `mammoth up`; else None."""
+    try:
+        httpx.get(f"{url}/healthz", timeout=10.0)
+    except httpx.HTTPError as exc:
+        return (f"no gateway answers at {url} ({type(exc).__name__}: {exc}); start the pipeline with "
+                "`mammoth up` (in another terminal) or pass --url")
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Implementation of ``mammoth bench``; exit code 1 when any request failed.
 
@@ -157,6 +167,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print("mammoth bench: --concurrency and --steps need integers >= 1, --requests >= 1, "
               "--warmup >= 0 and at least one --size", file=sys.stderr)
         return 2
+    unreachable = gateway_unreachable(args.url.rstrip("/"))
+    if unreachable:
+        print(f"mammoth bench: {unreachable}", file=sys.stderr)
+        return 1
     results = []
     for size in _csv(args.size):
         for steps in (int(s) for s in _csv(args.steps)):

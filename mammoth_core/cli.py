@@ -26,6 +26,30 @@ from mammoth_core.logging import setup_logging
 logger = logging.getLogger("mammoth")
 
 
+class CommandError(RuntimeError):
+    """An ordinary mistake or an unreachable service: `main` prints the message as one line, exit 1."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for every flag with a real default (not for None or False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or not action.option_strings:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line (``mammoth up: argument --port: ... (see --help)``), exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _component_parser(sub: argparse._SubParsersAction, name: str, cls: type, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     settings_mod.add_arguments(p, cls)
@@ -99,7 +123,10 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "info")
     from mammoth_core.make_checkpoint import make_checkpoint
 
-    path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed)
+    try:
+        path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed)
+    except (ValueError, OSError) as exc:
+        raise CommandError(f"{exc}; give an empty or new folder") from None
     print(path)
     return 0
 
@@ -117,7 +144,10 @@ def cmd_download_model(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "info")
     from mammoth_core.model_source import download_model
 
-    download_model(args.uri, args.dest)
+    try:
+        download_model(args.uri, args.dest)
+    except (ValueError, OSError, ImportError) as exc:
+        raise CommandError(str(exc).replace("\n", " ")) from None
     return 0
 
 
@@ -125,6 +155,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", args.log_level or "info")
     from mammoth_core.up import run_up
 
+    args.api_key = _api_key(args)
     return run_up(args)
 
 
@@ -132,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "warning")
     from mammoth_core.client import run_generate
 
+    args.api_key = _api_key(args)
     return run_generate(args)
 
 
@@ -139,32 +171,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "warning")
     from mammoth_core.bench import run_bench
 
+    args.api_key = _api_key(args)
     return run_bench(args)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``OPENAI_API_KEY`` (read here, not at parse time: help never shows it)."""
+    return args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``generate`` and ``up --generate``."""
-    p.add_argument("--size", default="256x256", help="WIDTHxHEIGHT, multiples of 16")
-    p.add_argument("--steps", type=int, default=None, help="num_inference_steps")
-    p.add_argument("--guidance", type=float, default=None, help="text_guidance_scale")
+    p.add_argument("--size", default=None,
+                   help="WIDTHxHEIGHT, multiples of 16 (default: the gateway's default_size; 256x256 "
+                        "with mammoth up's built-in checkpoint)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="num_inference_steps (default: the gateway's default_steps; 20 with mammoth "
+                        "up's built-in checkpoint)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="text_guidance_scale (default: the gateway's)")
     p.add_argument("--seed", type=int, default=None, help="seed (random when omitted)")
-    p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--format", default="png", choices=("png", "jpeg", "webp"))
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--negative-prompt", default=None, help="what the image should not show")
+    p.add_argument("--format", default="png", choices=("png", "jpeg", "webp"),
+                   help="image format; must agree with the output file's extension")
+    p.add_argument("--api-key", default=None, help="gateway API key (default: $OPENAI_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the image")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mammoth`` argument parser."""
-    parser = argparse.ArgumentParser(prog="mammoth", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    up = sub.add_parser("up", help="run the whole pipeline locally (AR, DiT, gateway processes)")
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="run the whole pipeline locally (AR, DiT, gateway processes)",
+                        description="Run the whole pipeline locally: AR, DiT and gateway processes on "
+                                    "loopback. Ctrl-C stops them (twice: at once).")
     up.add_argument("--checkpoint", default="builtin://tiny", help="checkpoint folder or builtin://tiny")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1", help="address every component listens on")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free)")
-    up.add_argument("--slots", type=int, default=2, help="DiT slots")
+    up.add_argument("--slots", type=int, default=2, help="DiT slots (images denoised at once)")
     up.add_argument("--config", default=None, help="YAML settings file passed to every component")
     up.add_argument("--log-level", default=None,
                     help="components' log level (default info; warning with --generate, so their "
@@ -175,6 +217,50 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-o", "--output", default="mammoth.png", help="with --generate: output file")
     add_generate_arguments(up)
     up.set_defaults(func=cmd_up)
+
+
+def _tool_parsers(sub: argparse._SubParsersAction) -> None:
+    from mammoth_core.make_checkpoint import PRESETS
+
+    gen = sub.add_parser("generate", help="generate an image through a gateway")
+    gen.add_argument("prompt", help="what the image should show")
+    gen.add_argument("-o", "--output", default="mammoth.png", help="output file (its folder must exist)")
+    gen.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    mk = sub.add_parser("make-checkpoint", help="write the built-in small checkpoint to DIR")
+    mk.add_argument("dir", help="new or empty folder")
+    mk.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="checkpoint dimensions")
+    mk.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    mk.set_defaults(func=cmd_make_checkpoint)
+
+    ck = sub.add_parser("check-checkpoint", help="validate a checkpoint folder (no GPU, no weights loaded)")
+    ck.add_argument("dir", help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    ck.set_defaults(func=cmd_check_checkpoint)
+
+    dl = sub.add_parser("download-model", help="download hf://org/repo@revision into DEST")
+    dl.add_argument("uri", help="hf://org/repo or hf://org/repo@revision")
+    dl.add_argument("dest", help="folder to download into (created)")
+    dl.set_defaults(func=cmd_download_model)
+
+    bench = sub.add_parser("bench", help="serving benchmark against a gateway")
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    bench.add_argument("--concurrency", default="1,2,4", help="requests kept in flight (comma list)")
+    bench.add_argument("--requests", type=int, default=8, help="timed requests per level")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed requests before each level")
+    bench.add_argument("--size", default="256x256", help="WIDTHxHEIGHT (comma list)")
+    bench.add_argument("--steps", default="20", help="num_inference_steps (comma list)")
+    bench.add_argument("--json", default=None, help="write results as JSON to this file")
+    bench.add_argument("--api-key", default=None, help="gateway API key (default: $OPENAI_API_KEY)")
+    bench.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mammoth`` argument parser (help pages show every default; errors are one line)."""
+    parser = _Parser(prog="mammoth", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _up_parser(sub)
 
     _component_parser(sub, "ar", settings_mod.ARSettings, "run the AR stage (gRPC)")
     _component_parser(sub, "dit", settings_mod.DiTSettings, "run the DiT stage (gRPC)")
@@ -189,42 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port: reconcile counts and durations (default: env "
                          "MAMMOTH_OPERATOR_METRICS_PORT, else -1: off)")
-    op.add_argument("--log-format", default="text", choices=("text", "json"))
-    op.add_argument("--log-level", default="info")
+    op.add_argument("--log-format", default="text", choices=("text", "json"), help="log line format")
+    op.add_argument("--log-level", default="info", help="log level (debug, info, warning, error)")
     op.set_defaults(func=cmd_operator)
-
-    gen = sub.add_parser("generate", help="generate an image through a gateway")
-    gen.add_argument("prompt")
-    gen.add_argument("-o", "--output", default="mammoth.png")
-    gen.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
-    add_generate_arguments(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    mk = sub.add_parser("make-checkpoint", help="write the built-in small checkpoint to DIR")
-    mk.add_argument("dir")
-    mk.add_argument("--preset", default="tiny")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.set_defaults(func=cmd_make_checkpoint)
-
-    ck = sub.add_parser("check-checkpoint", help="validate a checkpoint folder (no GPU, no weights loaded)")
-    ck.add_argument("dir")
-    ck.set_defaults(func=cmd_check_checkpoint)
-
-    dl = sub.add_parser("download-model", help="download hf://org/repo@revision into DEST")
-    dl.add_argument("uri")
-    dl.add_argument("dest")
-    dl.set_defaults(func=cmd_download_model)
-
-    bench = sub.add_parser("bench", help="serving benchmark against a gateway")
-    bench.add_argument("--url", default="http://127.0.0.1:8000")
-    bench.add_argument("--concurrency", default="1,2,4", help="requests kept in flight (comma list)")
-    bench.add_argument("--requests", type=int, default=8, help="timed requests per level")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed requests before each level")
-    bench.add_argument("--size", default="256x256", help="WIDTHxHEIGHT (comma list)")
-    bench.add_argument("--steps", default="20", help="num_inference_steps (comma list)")
-    bench.add_argument("--json", default=None, help="write results as JSON to this file")
-    bench.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None)
-    bench.set_defaults(func=cmd_bench)
+    _tool_parsers(sub)
     return parser
 
 
@@ -237,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except settings_mod.SettingsError as exc:
         print(f"mammoth: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print(f"mammoth {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import pathlib
 import sys
 import time
@@ -47,6 +48,7 @@ class ProgressLine:
         self.ar = (0, 0)
         self.dit = (0, 0)
         self._last = 0.0
+        self._drawn = False
 
     @staticmethod
     def _bar(done: int, total: int, width: int = 20) -> str:
@@ -70,9 +72,11 @@ class ProgressLine:
         )
         sys.stderr.write(line)
         sys.stderr.flush()
+        self._drawn = True
 
     def close(self) -> None:
-        if self.enabled:
+        """End the progress line (nothing when nothing was drawn)."""
+        if self.enabled and self._drawn:
             sys.stderr.write("\n")
             sys.stderr.flush()
 
@@ -81,7 +85,6 @@ def request_body(prompt: str, args: argparse.Namespace, stream: bool) -> dict[st
     """The JSON body for ``POST /v1/images/generations`` from CLI arguments."""
     body: dict[str, Any] = {
         "prompt": prompt,
-        "size": args.size,
         "n": 1,
         "response_format": "b64_json",
         "output_format": args.format,
@@ -89,6 +92,8 @@ def request_body(prompt: str, args: argparse.Namespace, stream: bool) -> dict[st
     }
     if stream:
         body["partial_images"] = 0
+    if args.size is not None:
+        body["size"] = args.size
     if args.steps is not None:
         body["num_inference_steps"] = args.steps
     if args.guidance is not None:
@@ -144,10 +149,48 @@ def generate(url: str, prompt: str, args: argparse.Namespace) -> tuple[bytes, di
     raise GenerateError("the stream ended without an image")
 
 
+#: File extensions each ``--format`` may be written to.
+EXTENSIONS = {"png": (".png",), "jpeg": (".jpg", ".jpeg"), "webp": (".webp",)}
+
+
+def output_problem(output: str, fmt: str) -> str | None:
+    """Why ``output`` cannot receive a ``fmt`` image (checked before any request), else None."""
+    path = pathlib.Path(output)
+    folder = path.parent
+    if not folder.is_dir():
+        return f"-o {output}: the folder {folder} does not exist; create it or choose another path"
+    if not os.access(folder, os.W_OK):
+        return f"-o {output}: the folder {folder} is not writable; choose another path"
+    if path.is_dir():
+        return f"-o {output} is a folder; give a file name such as {path / ('image' + EXTENSIONS[fmt][0])}"
+    ext = path.suffix.lower()
+    known = {e for exts in EXTENSIONS.values() for e in exts}
+    if ext in known and ext not in EXTENSIONS[fmt]:
+        return (f"-o {output} is a {ext[1:]} file name but --format is {fmt}: use "
+                f"-o {path.with_suffix(EXTENSIONS[fmt][0])} or --format {_format_of(ext)}")
+    return None
+
+
+def _format_of(ext: str) -> str:
+    return next(fmt for fmt, exts in EXTENSIONS.items() if ext in exts)
+
+
 def generate_to_file(url: str, prompt: str, output: str, args: argparse.Namespace) -> int:
-    """Generate and write ``output``; prints the path and size. Returns a process exit code."""
+    """Generate and write ``output``; prints the path and size. Returns a process exit code.
+
+    ``output`` is checked first (`output_problem`), so a bad path never costs a generated image; an
+    unreachable gateway is told as the URL tried and how to start one.
+    """
+    problem = output_problem(output, args.format)
+    if problem:
+        print(f"mammoth generate: {problem}", file=sys.stderr)
+        return 1
     try:
         data, event = generate(url, prompt, args)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        print(f"mammoth generate: no gateway answers at {url} ({exc}); start the pipeline with "
+              "`mammoth up` (in another terminal) or pass --url", file=sys.stderr)
+        return 1
     except (GenerateError, httpx.HTTPError) as exc:
         print(f"mammoth generate: {exc}", file=sys.stderr)
         return 1

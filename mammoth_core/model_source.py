@@ -36,7 +36,11 @@ def parse_hf_uri(uri: str) -> HFSource:
     """
     m = _HF.match(uri)
     if not m:
-        raise ValueError(f"not an hf:// model URI: {uri!r} (expected hf://org/repo@revision)")
+        hint = ""
+        if "://" not in uri and _HF.match(f"hf://{uri}"):
+            hint = f"; did you mean hf://{uri}?"
+        raise ValueError(f"not an hf:// model URI: {uri!r} (expected hf://org/repo or "
+                         f"hf://org/repo@revision{hint})")
     return HFSource(repo=m["repo"], revision=m["rev"] or "main")
 
 

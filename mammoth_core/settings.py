@@ -380,7 +380,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> N
     parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file")
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        help_text = f.metadata.get("help", "") + ("" if default in (None, [], "") else f" (default: {shown})")
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(flag, dest=f.name, **kwargs)

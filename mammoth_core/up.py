@@ -58,9 +58,16 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
     """Check what can be checked before any process starts; returns the gateway's local defaults.
 
     Raises:
+        StartupError: ``--generate``'s ``--output`` cannot be written (`client.output_problem`).
         CheckpointError: ``--checkpoint`` names no usable checkpoint folder.
         settings_mod.SettingsError: the ``--config`` file is missing or not a YAML mapping.
     """
+    if args.generate is not None:
+        from mammoth_core.client import output_problem
+
+        problem = output_problem(args.output, args.format)
+        if problem:
+            raise StartupError(problem)
     if args.config and not pathlib.Path(args.config).is_file():
         raise settings_mod.SettingsError(f"--config {args.config}: no such file")
     if not args.checkpoint.startswith(BUILTIN_SCHEME):
