@@ -305,7 +305,7 @@ def make_checkpoint(folder: str | os.PathLike, preset: str = "tiny", seed: int =
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     (folder / "t2i_generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
     save_sharded(build_state_dict(copy.deepcopy(config), seed=seed), folder)
-    logger.info("wrote %s checkpoint to %s", preset, folder)
+    logger.debug("wrote %s checkpoint to %s", preset, folder)
     return folder
 
 
@@ -330,4 +330,5 @@ def ensure_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(tmp)
+    logger.info("wrote the built-in %s checkpoint to %s", name, target)
     return target

@@ -5,8 +5,9 @@ Precedence, highest first: an explicit command-line flag > the environment varia
 below. A flag given explicitly wins even when its value equals the default.
 
 The YAML file holds flat ``snake_case`` keys that apply to every component, plus optional sections
-``ar:``, ``dit:``, ``gateway:`` whose keys override the flat ones for that component. Unknown keys in
-the file are ignored with a warning (a shared ConfigMap carries keys for every component).
+``ar:``, ``dit:``, ``gateway:`` whose keys override the flat ones for that component. A flat key of
+another component is ignored silently (a shared ConfigMap carries keys for every component); a key
+that no component reads (a misspelling) is ignored with a warning naming it (`unknown_config_keys`).
 
 This module is the only place that reads ``os.environ`` for settings.
 """
@@ -375,6 +376,36 @@ def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
     return flat
 
 
+def unknown_config_keys(path: str | os.PathLike) -> list[str]:
+    """Keys of a YAML settings file that no component reads, each with a suggestion when one is close.
+
+    A flat key is known when any of `ARSettings`, `DiTSettings`, `GatewaySettings` has it; a key in
+    an ``ar:``/``dit:``/``gateway:`` section when that component has it (``operator:`` is not checked).
+    Returns lines such as ``"'slot' (did you mean 'slots'?)"`` or ``"gateway.prot (did you mean 'port'?)"``.
+    """
+    import difflib
+
+    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        return []
+    classes = {c.section: {f.name for f in dataclasses.fields(c)} for c in (ARSettings, DiTSettings, GatewaySettings)}
+    everything = set().union(*classes.values())
+    found = []
+
+    def check(key: str, known: set[str], shown: str) -> None:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            found.append(shown + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+    for key, value in data.items():
+        if key in classes and isinstance(value, dict):
+            for sub in value:
+                check(str(sub), classes[key], f"{key}.{sub}")
+        elif key != "operator":
+            check(str(key), everything, repr(key))
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     """Add one ``--flag`` per settings field (default SUPPRESS, so explicit flags are detectable)."""
     parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file")
@@ -412,6 +443,8 @@ def resolve_settings(
     names = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if config_file:
+        for unknown in unknown_config_keys(config_file):
+            logger.warning("config file %s: unknown key %s is ignored", config_file, unknown)
         for key, value in read_config_file(config_file, cls.section).items():
             if key in names:
                 values[key] = _coerce(key, value, _field_type(cls, names[key]), str(config_file))
