@@ -33,7 +33,7 @@ def free_port() -> int:
 class Up:
     """A ``mammoth up`` process with its output collected line by line (stdout and stderr)."""
 
-    def __init__(self, checkpoint: pathlib.Path, cache: pathlib.Path, port: int, *extra: str):
+    def __init__(self, checkpoint: pathlib.Path | str, cache: pathlib.Path, port: int, *extra: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
         env["MAMMOTH_CACHE_DIR"] = str(cache)
         cmd = [sys.executable, "-m", "mammoth_core.cli", "up", "--port", str(port), "--checkpoint",
@@ -120,8 +120,8 @@ def assert_all_gone(children: list[int], ports: list[int], within: float) -> Non
 def up(tiny_checkpoint, tmp_path):
     started: list[Up] = []
 
-    def start(*extra: str, port: int | None = None) -> Up:
-        u = Up(tiny_checkpoint, tmp_path / "cache", port or free_port(), *extra)
+    def start(*extra: str, port: int | None = None, checkpoint: str | None = None) -> Up:
+        u = Up(checkpoint or tiny_checkpoint, tmp_path / "cache", port or free_port(), *extra)
         started.append(u)
         return u
 
@@ -221,3 +221,35 @@ def test_a_stale_component_on_the_port_is_named(up, tmp_path):
     finally:
         stale.kill()
         stale.wait()
+
+
+def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work(up, tmp_path):
+    import base64
+    import io
+
+    from openai import OpenAI
+    from PIL import Image
+
+    u = up(checkpoint="builtin://tiny")  # made in this test's empty cache
+    u.wait_up()
+    banner = "".join(u.out)
+    assert "Request defaults: 256x256, 20 steps" in banner, banner
+    client = OpenAI(base_url=f"http://127.0.0.1:{u.port}/v1", api_key="unused", timeout=120)
+    resp = client.images.generate(model="mammothmoda2", prompt="a fox", response_format="b64_json")
+    assert Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))).size == (256, 256)
+
+    # The banner's two commands, pasted into a shell whose PATH has no virtual environment.
+    commands = [line.strip() for line in banner.splitlines() if " generate " in line or line.strip().startswith("curl")]
+    assert len(commands) == 2, banner
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAMMOTH_", "VIRTUAL_ENV"))}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not (pathlib.Path(p) / "mammoth").exists())
+    for command in commands:
+        work = tmp_path / f"paste{commands.index(command)}"
+        work.mkdir()
+        proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
+        assert len(proc.stdout) < 1000, f"{command!r} printed {len(proc.stdout)} characters"
+        (image,) = list(work.iterdir())
+        assert Image.open(image).format == "PNG", command
