@@ -22,9 +22,10 @@ anything else                   500     ``server_error``           ``internal_er
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -163,6 +164,24 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return parts[0] if parts else None
 
 
+def _json_error_position(error: Mapping[str, Any]) -> str:
+    """``"Expecting value at character 15"`` from a ``json_invalid`` validation error."""
+    loc = tuple(error.get("loc", ()))
+    why = (error.get("ctx") or {}).get("error") or error.get("msg", "JSON decode error")
+    position = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    return f"{why} at character {position} (counted from 0)" if position is not None else str(why)
+
+
+def _is_json_object(data: Any) -> bool:
+    """True when ``data`` (a body FastAPI did not parse: not sent as JSON) holds a JSON object."""
+    if not isinstance(data, (bytes, str)):
+        return False
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
+
+
 def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
     """Status, envelope body and extra headers for ``exc`` (see the module table)."""
     headers: dict[str, str] = {}
@@ -181,7 +200,7 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return 400, ErrorInfo(
-                message=f"request body is not valid JSON: {msg}",
+                message=f"request body is not valid JSON: {_json_error_position(first)}",
                 type="invalid_request_error",
                 code="invalid_json",
             ), headers
@@ -194,6 +213,14 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
                 code="invalid_json",
             ), headers
         if first.get("type") in ("dict_type", "model_type", "model_attributes_type") and param is None:
+            if _is_json_object(first.get("input")):
+                return 400, ErrorInfo(
+                    message="the request body is a JSON object but was not sent as JSON: add the header "
+                            "content-type: application/json (curl -d alone sends "
+                            "application/x-www-form-urlencoded)",
+                    type="invalid_request_error",
+                    code="invalid_json",
+                ), headers
             return 400, ErrorInfo(
                 message=f"the request body must be a JSON object (content-type application/json): {msg}",
                 type="invalid_request_error",
