@@ -69,7 +69,9 @@ class DecodeJob:
         temperature, top_k, top_p: sampling overrides (0: checkpoint defaults).
         ar_guidance_scale: AR-side CFG scale (<= 1: off).
         sink: receives rows (`RowSink`).
-        on_progress: called from the engine thread with (tokens_sampled, total_samples).
+        on_progress: called from the engine thread with (image tokens decoded, image tokens in all):
+            rows emitted after the prompt, of ``h * (w + 1)``, the count ``usage`` reports (the
+            look-ahead sample, never fed, is not counted).
         on_done: called from the engine thread once, with None on success or the exception.
     """
 
@@ -321,7 +323,7 @@ class DecodeEngine:
             run.slot = first
         run.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.last_progress = time.perf_counter()
-        job.on_progress(seq.tokens_sampled, seq.total_samples)
+        job.on_progress(0, seq.grid_tokens)
 
     def _after_row(self, run: _Running, hidden: torch.Tensor, token: int) -> bool:
         """Hand one decoded row to the sink, report progress; True when the sequence finished."""
@@ -334,7 +336,7 @@ class DecodeEngine:
         finished = bool(run.seq.finished)
         if finished or now - run.last_progress >= self._progress_interval:
             run.last_progress = now
-            run.job.on_progress(run.seq.tokens_sampled, run.seq.total_samples)
+            run.job.on_progress(run.stats.rows_sent - run.stats.prompt_tokens, run.seq.grid_tokens)
         if finished:
             run.stats.generated_tokens = run.stats.rows_sent - run.stats.prompt_tokens
             run.stats.decode_ms = (now - run.started) * 1e3 - run.stats.prefill_ms

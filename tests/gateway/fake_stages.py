@@ -204,7 +204,7 @@ class FakeAR(pb_grpc.ARServicer):
                     done_tokens = max(0, min(total, start + per - len(prompt_ids)))
                     yield pb.ARGenerateResponse(progress=pb.ARProgress(
                         prompt_tokens=len(prompt_ids), tokens_generated=done_tokens,
-                        total_tokens=total + 1, rows_sent=start + len(ids)))
+                        total_tokens=total, rows_sent=start + len(ids)))
                 await queue.put(None)
                 try:
                     await push

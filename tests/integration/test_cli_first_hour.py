@@ -119,3 +119,19 @@ def test_every_flag_has_help_and_the_help_pages_show_defaults():
                                    ("bench", "--concurrency", "1,2,4"), ("make-checkpoint", "--preset", "tiny")):
         text = mammoth(command, "--help").stdout
         assert f"(default: {default})" in " ".join(text.split()), (command, flag, text)
+
+
+def test_the_progress_token_count_ends_at_the_usage_count(pipeline, tmp_path):
+    import re
+
+    import httpx
+
+    proc = mammoth("generate", "a fox", "--url", pipeline.url, "--size", "64x96", "--steps", "2",
+                   "--seed", "3", "-o", "fox.png", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    shown = re.findall(r"AR \[[#-]*\] (\d+)/(\d+) tokens", proc.stderr)
+    assert shown, proc.stderr
+    done, total = map(int, shown[-1])
+    body = {"prompt": "a fox", "size": "64x96", "num_inference_steps": 2, "seed": 3}
+    usage = httpx.post(f"{pipeline.url}/v1/images/generations", json=body, timeout=120).json()["usage"]
+    assert done == total == usage["output_tokens"], (shown[-1], usage)
