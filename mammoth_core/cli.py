@@ -66,7 +66,7 @@ def _settings_from_args(args: argparse.Namespace) -> settings_mod.BaseSettings:
     cls = args.settings_cls
     names = {f for f in cls.__dataclass_fields__} | {"config"}
     explicit = {k: v for k, v in vars(args).items() if k in names}
-    return settings_mod.resolve_settings(cls, cli=explicit)
+    return settings_mod.resolve_settings(cls, cli=explicit, warn_unknown_keys=args.parent_pid is None)
 
 
 def _apply_torch_threads(s: settings_mod.StageSettings) -> None:

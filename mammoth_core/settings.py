@@ -425,6 +425,7 @@ def resolve_settings(
     cli: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     config_file: str | None = None,
+    warn_unknown_keys: bool = True,
 ) -> BaseSettings:
     """Build ``cls`` from defaults < file < env < explicit CLI values and validate it.
 
@@ -433,6 +434,8 @@ def resolve_settings(
         cli: explicitly given flags only (``argparse`` namespace with SUPPRESS defaults, as dict).
         env: environment (default ``os.environ``).
         config_file: YAML file; default from ``cli['config']`` or ``MAMMOTH_CONFIG``.
+        warn_unknown_keys: log a warning for each key no component reads (`unknown_config_keys`);
+            off in the components ``mammoth up`` starts, since it warned once already.
 
     Raises:
         SettingsError: a value has the wrong type or is out of range.
@@ -443,7 +446,7 @@ def resolve_settings(
     names = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if config_file:
-        for unknown in unknown_config_keys(config_file):
+        for unknown in unknown_config_keys(config_file) if warn_unknown_keys else ():
             logger.warning("config file %s: unknown key %s is ignored", config_file, unknown)
         for key, value in read_config_file(config_file, cls.section).items():
             if key in names:

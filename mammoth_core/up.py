@@ -122,22 +122,25 @@ def _metrics_hint(comp: Component) -> str:
     return f"   (metrics http://{comp.address.rsplit(':', 1)[0]}:{port}/metrics)"
 
 
-def banner(components: list[Component], gateway: settings_mod.GatewaySettings, local_defaults: bool) -> str:
-    """What ``mammoth up`` prints once everything is ready."""
+def banner(components: list[Component], gateway: settings_mod.GatewaySettings, local_defaults: bool,
+           try_commands: bool = True) -> str:
+    """What ``mammoth up`` prints once everything is ready (``try_commands``: two commands to paste)."""
     by_name = {c.name: c for c in components}
     url = f"http://{by_name['gateway'].address}"
     why = ("sized for the built-in checkpoint on a CPU; a request's size and num_inference_steps win"
            if local_defaults else "a request's size and num_inference_steps win")
-    return (
+    text = (
         "\nMammoth pipeline is up:\n"
         f"  gateway  {url}   (OpenAI images API: POST {url}/v1/images/generations; /metrics, /readyz)\n"
         f"  AR       grpc://{by_name['ar'].address}{_metrics_hint(by_name['ar'])}\n"
         f"  DiT      grpc://{by_name['dit'].address}{_metrics_hint(by_name['dit'])}\n"
         f"Request defaults: {gateway.default_size}, {gateway.default_steps} steps ({why}).\n"
-        "Try, in another terminal:\n"
-        f"  {mammoth_command()} generate \"a lighthouse at dusk\" --url {url} -o lighthouse.png\n"
-        f"  {curl_example(url)}\n"
     )
+    if try_commands:
+        text += ("Try, in another terminal:\n"
+                 f"  {mammoth_command()} generate \"a lighthouse at dusk\" --url {url} -o lighthouse.png\n"
+                 f"  {curl_example(url)}\n")
+    return text
 
 
 def _install_signal_handlers() -> dict[str, int | None]:
@@ -214,7 +217,7 @@ def _serve(args: argparse.Namespace, components: list[Component], plan: dict[str
     if lock:
         lock.update(state="running", url=url, components={c.name: c.proc.pid for c in components})
     try:
-        _say(banner(components, plan["effective"], bool(plan["overrides"])))
+        _say(banner(components, plan["effective"], bool(plan["overrides"]), args.generate is None))
         if args.generate is not None:
             from mammoth_core.client import generate_to_file
 
