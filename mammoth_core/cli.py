@@ -2,6 +2,7 @@
 
 Subcommands:
   up                 the whole pipeline locally (AR, DiT, gateway as processes on 127.0.0.1)
+  down               stop the ``mammoth up`` of a port (``up --detach`` runs it in the background)
   ar | dit | gateway one component, as its container runs it
   operator           the Kubernetes operator (kopf)
   generate           call a gateway and write the image, with a progress display
@@ -153,10 +154,22 @@ def cmd_download_model(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", args.log_level or "info")
+    if args.detach:
+        from mammoth_core.background import detach
+
+        if args.generate is not None:
+            raise CommandError("--detach and --generate do not go together: --generate stops after one image")
+        return detach([a for a in args.argv[1:] if a != "--detach"], args.port)
     from mammoth_core.up import run_up
 
     args.api_key = _api_key(args)
     return run_up(args)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from mammoth_core.background import down
+
+    return down(args.port, timeout=args.timeout)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -215,8 +228,17 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--generate", metavar="PROMPT", default=None,
                     help="generate one image through the HTTP API, write it to --output, then stop")
     up.add_argument("-o", "--output", default="mammoth.png", help="with --generate: output file")
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background once up (log in the cache's run/ folder); stop it with "
+                         "mammoth down")
     add_generate_arguments(up)
     up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop the mammoth up running on a port (detached or not)")
+    down.add_argument("--port", type=int, default=8000, help="the gateway port of that mammoth up")
+    down.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds to let it drain before it is killed")
+    down.set_defaults(func=cmd_down)
 
 
 def _tool_parsers(sub: argparse._SubParsersAction) -> None:
@@ -286,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mammoth`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args) or 0)
     except settings_mod.SettingsError as exc:

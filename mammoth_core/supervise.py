@@ -112,11 +112,34 @@ class InstanceLock:
             self._file.close()
             self._file = None
 
-    def _describe_holder(self) -> str:
+    def info(self) -> dict:
+        """What the holder wrote (``pid``, ``started``, ``state``, ``url``, ``components``); {} if none."""
+        for _ in range(5):  # the holder may be between truncate and write
+            try:
+                info = json.loads(self.path.read_text() or "{}")
+            except FileNotFoundError:
+                return {}
+            except (OSError, ValueError):
+                info = {}
+            if info:
+                return info
+            time.sleep(0.05)
+        return {}
+
+    def held(self) -> bool:
+        """True while a live process holds the lock (probes with a non-blocking ``flock``)."""
         try:
-            info = json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
-            info = {}
+            with open(self.path) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True
+                return False
+        except FileNotFoundError:
+            return False
+
+    def _describe_holder(self) -> str:
+        info = self.info()
         pid = info.get("pid", "?")
         where = f" at {info['url']}" if info.get("url") else f" on port {self.port}"
         state = "is starting" if info.get("state") == "starting" else "is running"

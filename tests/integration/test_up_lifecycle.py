@@ -58,16 +58,7 @@ class Up:
 
     def children(self) -> list[int]:
         """Pids whose parent is this ``mammoth up``."""
-        kids = []
-        for proc in pathlib.Path("/proc").iterdir():
-            if proc.name.isdigit():
-                try:
-                    status = (proc / "status").read_text()
-                except OSError:
-                    continue
-                if re.search(rf"^PPid:\s+{self.proc.pid}$", status, re.M):
-                    kids.append(int(proc.name))
-        return kids
+        return children_of(self.proc.pid)
 
     def ports(self) -> list[int]:
         """Every port the banner names (gateway, AR, DiT, metrics)."""
@@ -79,9 +70,22 @@ class Up:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            with_group = self.proc.pid
-            os.killpg(with_group, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid``."""
+    kids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                status = (proc / "status").read_text()
+            except OSError:
+                continue
+            if re.search(rf"^PPid:\s+{pid}$", status, re.M):
+                kids.append(int(proc.name))
+    return kids
 
 
 def alive(pid: int) -> bool:
@@ -253,3 +257,33 @@ def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work
         assert len(proc.stdout) < 1000, f"{command!r} printed {len(proc.stdout)} characters"
         (image,) = list(work.iterdir())
         assert Image.open(image).format == "PNG", command
+
+
+def test_up_detach_then_down(tiny_checkpoint, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    env["MAMMOTH_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def mammoth(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mammoth_core.cli", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+
+    started = mammoth("up", "--detach", "--port", str(port), "--checkpoint", str(tiny_checkpoint),
+                      "--log-level", "warning")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert "Mammoth pipeline is up" in started.stdout and f"mammoth down --port {port}" in started.stdout
+    pid = int(re.search(r"background \(pid (\d+)", started.stdout).group(1))
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        children = children_of(pid)
+        assert len(children) == 3
+        ports = sorted({int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", started.stdout)})
+        stopped = mammoth("down", "--port", str(port))
+        assert stopped.returncode == 0 and f"stopped mammoth up (pid {pid})" in stopped.stdout, stopped
+        assert not alive(pid)
+        assert_all_gone(children, ports, within=5.0)
+        again = mammoth("down", "--port", str(port))
+        assert again.returncode == 1 and again.stderr.strip() == f"mammoth down: no mammoth up is running on port {port}"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
