@@ -28,6 +28,8 @@ import signal
 import sys
 import time
 
+import yaml
+
 from mammoth_core import settings as settings_mod
 from mammoth_core.checkpoint import BUILTIN_SCHEME, CheckpointError, check_files, resolve_checkpoint
 from mammoth_core.local import Component, StartupError, cache_dir, start_pipeline, stop_pipeline
@@ -80,10 +82,8 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
         # the defaults in force, with the precedence the gateway applies (for the banner)
         effective = settings_mod.resolve_settings(settings_mod.GatewaySettings, cli=overrides, env=env,
                                                   config_file=args.config)
-    except settings_mod.SettingsError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - YAML syntax errors and the like: one line
-        raise settings_mod.SettingsError(f"--config {args.config}: {exc}".replace("\n", " ")) from None
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:  # one line, not a traceback
+        raise settings_mod.SettingsError(" ".join(f"--config {args.config}: {exc}".split())) from None
     return {"overrides": overrides, "effective": effective}
 
 
@@ -93,14 +93,15 @@ def _checkpoint_message(exc: CheckpointError) -> str:
 
 
 def mammoth_command() -> str:
-    """How to run ``mammoth`` from another terminal: ``mammoth`` when that is this one on PATH."""
+    """How to run this ``mammoth`` from another terminal: ``mammoth`` when PATH finds this one, else
+    its full path (``python -m mammoth_core.cli`` when run from a source tree without the script)."""
     here = pathlib.Path(sys.executable).parent / "mammoth"
+    if not here.is_file():
+        return f"{shlex.quote(sys.executable)} -m mammoth_core.cli"
     on_path = shutil.which("mammoth")
-    if on_path and here.is_file() and pathlib.Path(on_path).resolve() == here.resolve():
+    if on_path and pathlib.Path(on_path).resolve() == here.resolve():
         return "mammoth"
-    if on_path and not here.is_file():
-        return "mammoth"
-    return shlex.quote(str(here)) if here.is_file() else f"{shlex.quote(sys.executable)} -m mammoth_core.cli"
+    return shlex.quote(str(here))
 
 
 def curl_example(url: str, output: str = "lighthouse.png") -> str:
