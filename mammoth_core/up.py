@@ -215,10 +215,10 @@ def _serve(args: argparse.Namespace, components: list[Component], plan: dict[str
            lock: InstanceLock | None, state: dict[str, int | None]) -> int:
     """Print the banner, then run ``--generate`` or wait for a signal or a component's exit."""
     url = f"http://{next(c for c in components if c.name == 'gateway').address}"
-    if lock:
-        lock.update(state="running", url=url, components={c.name: c.proc.pid for c in components})
     try:
         _say(banner(components, plan["effective"], bool(plan["overrides"]), args.generate is None))
+        if lock:  # after the banner: `up --detach` prints it from the log once it reads "running"
+            lock.update(state="running", url=url, components={c.name: c.proc.pid for c in components})
         if args.generate is not None:
             from mammoth_core.client import generate_to_file
 
