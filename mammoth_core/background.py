@@ -53,7 +53,8 @@ def detach(argv: Sequence[str], port: int, timeout: float = 600.0) -> int:
         info = lock.info()
         if info.get("pid") == proc.pid and info.get("state") == "running":
             text = log_path.read_text()
-            print(text[text.find("Mammoth pipeline is up"):].rstrip())
+            text = text[text.find("Mammoth pipeline is up"):].split("Press Ctrl-C")[0]
+            print(text.replace("Try, in another terminal:", "Try:").rstrip())
             print(f"Running in the background (pid {proc.pid}, log {log_path}); stop it with "
                   f"`mammoth down --port {port}`.")
             return 0
