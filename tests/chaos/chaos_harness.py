@@ -82,6 +82,14 @@ class Proc:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
 
+    def sigstop(self) -> None:
+        """Freeze the process (SIGSTOP): its sockets stay open, nothing answers."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def sigcont(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+
 
 class Cluster:
     """Start, stop and inspect component processes; everything is killed at teardown."""
@@ -125,12 +133,19 @@ class Cluster:
                 "--metrics-port", "0", "--torch-threads", "1", "--log-level", "warning", *extra]
         return self._spawn(role, argv)
 
-    def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str) -> Proc:
-        """Start ``mammoth gateway`` on a free port; ready once >= 1 AR and >= 1 DiT are SERVING."""
+    def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str,
+                health_interval: float | None = 0.2) -> Proc:
+        """Start ``mammoth gateway`` on a free port; ready once >= 1 AR and >= 1 DiT are SERVING.
+
+        ``health_interval`` (seconds) is the gateway's health poll period; None keeps the default
+        setting (the fault-timing tests measure at default settings).
+        """
         argv = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                 "--ar", ",".join(p.address for p in ars), "--dit", ",".join(p.address for p in dits),
                 "--default-steps", str(STEPS), "--default-size", SIZE, "--min-pixels", "1024",
-                "--health-interval-seconds", "0.2", "--request-timeout-seconds", "30", *extra]
+                "--request-timeout-seconds", "30", *extra]
+        if health_interval is not None:
+            argv += ["--health-interval-seconds", str(health_interval)]
         return self._spawn("gateway", argv)
 
     def fake_stage(self, role: str, *extra: str) -> Proc:
@@ -162,14 +177,14 @@ class Cluster:
     def close(self) -> None:
         for p in self.procs:
             if p.alive():
-                p.proc.send_signal(signal.SIGKILL)
+                p.proc.send_signal(signal.SIGKILL)  # also ends a SIGSTOPped process
                 p.proc.wait()
 
 
 def image_request(url: str, *, stream: bool = False, seed: int = 1, timeout: float = 60.0,
                   size: str = SIZE, steps: int = STEPS) -> httpx.Response:
     """POST one image request and read the whole answer."""
-    body = {"prompt": "a lighthouse at dusk", "size": size, "num_inference_steps": steps,
+    body = {"prompt": PROMPT, "size": size, "num_inference_steps": steps,
             "seed": seed, "stream": stream}
     return httpx.post(f"{url}/v1/images/generations", json=body, timeout=timeout)
 
@@ -193,3 +208,45 @@ def assert_envelope(response: httpx.Response, statuses: tuple[int, ...]) -> dict
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str)
     return error
+
+
+#: a size whose AR decode lasts long enough on CPU to be killed mid-stream (32x33 grid tokens)
+BIG = "512x512"
+PROMPT = "a lighthouse at dusk"
+
+
+def stream_until_ar_progress(url: str, timeout: float = 60.0, seed: int = 5):
+    """Open a streaming ``BIG`` request and return (client, response context, lines iterator) once
+    the AR has sent its first progress event (the AR is decoding and pushing rows to the DiT)."""
+    client = httpx.Client(timeout=timeout)
+    body = {"prompt": PROMPT, "size": BIG, "num_inference_steps": STEPS, "seed": seed, "stream": True}
+    cm = client.stream("POST", f"{url}/v1/images/generations", json=body)
+    response = cm.__enter__()
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data:"):
+            event = json.loads(line[5:])
+            if event.get("stage") == "ar" and event.get("tokens_generated", 0) > 0:
+                return client, cm, lines
+    raise AssertionError("no AR progress event")
+
+
+def sse_events(lines) -> list[dict]:
+    """The remaining server-sent events of ``lines``: ``{"event": type, **data}`` each."""
+    events = []
+    event_type = None
+    for line in lines:
+        if line.startswith("event:"):
+            event_type = line[6:].strip()
+        elif line.startswith("data:"):
+            events.append({"event": event_type, **json.loads(line[5:])})
+    return events
+
+
+def reference_image(url: str, seed: int = 5) -> str:
+    """``b64_json`` of the ``BIG`` image for ``seed`` from a run without faults (the image a run
+    with a failover must equal byte for byte)."""
+    response = image_request(url, seed=seed, size=BIG, timeout=120.0)
+    assert response.status_code == 200, response.text[:500]
+    return response.json()["data"][0]["b64_json"]
