@@ -8,10 +8,13 @@ Targets (``GatewaySettings.ar`` / ``.dit``), any mix of:
   address becomes its own backend ``ip:port``, so requests are balanced over pods by the gateway
   and the DiT address handed to the AR is a pod address the AR can dial.
 
-Health comes from ``grpc.health.v1.Health/Watch`` on the stage's service name (``mammoth.v1.AR`` /
-``mammoth.v1.DiT``), falling back to polling ``Check`` when Watch is unimplemented. A backend is
-eligible only while SERVING. `BackendPool.pick` returns the eligible backend with the fewest open
-calls from this gateway (ties rotate).
+Health comes from `gateway.health.HealthMonitor`: ``grpc.health.v1.Health/Watch`` on the stage's
+service name (``mammoth.v1.AR`` / ``mammoth.v1.DiT``) for changes, plus a ``Check`` with a deadline
+every ``refresh_seconds`` (a stage that does not answer in ``probe_timeout_seconds`` is hung). A
+backend is eligible only while SERVING. `BackendPool.pick` returns the eligible backend with the
+fewest open calls from this gateway (ties rotate). `BackendPool.available` says whether a request
+may still be served: some backend SERVING, or one being probed that may answer SERVING within the
+probe deadline; when neither, requests fail at once (503 ``no_backend``, ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.health import SERVING, HealthMonitor
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
+#: Default deadline of one health probe, seconds (`HealthMonitor`).
+PROBE_TIMEOUT_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,21 @@ class Backend:
         address: ``host:port`` the gateway dials (and hands to the AR as ``dit_address``).
         channel: the `grpc.aio.Channel` to it.
         stub: the generated stub (`mammoth_pb2_grpc.ARStub` / ``DiTStub``) on ``channel``.
-        status: last ``grpc.health.v1`` status (``SERVING`` = 1).
+        health: its `HealthMonitor` (status, probing, hung).
         in_flight: open ``Generate`` calls from this gateway.
     """
 
     address: str
     channel: grpc.aio.Channel
     stub: Any
-    status: int = health_pb2.HealthCheckResponse.UNKNOWN
+    health: HealthMonitor = field(repr=False)
     in_flight: int = 0
     retired: bool = False
-    watch_task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def status(self) -> int:
+        """Last known ``grpc.health.v1`` status (``SERVING`` = 1)."""
+        return self.health.status
 
     @property
     def serving(self) -> bool:
@@ -110,9 +118,10 @@ class BackendPool:
         service_name: health service name checked (``mammoth.v1.AR`` / ``mammoth.v1.DiT``).
         stub_factory: builds the stage stub from a channel.
         metrics: gateway metrics (``backends_serving``, ``backend_in_flight``).
-        refresh_seconds: DNS refresh and health retry period.
+        refresh_seconds: DNS refresh and health probe period.
         channel_options: gRPC channel options (message size limits).
         channel_credentials: TLS credentials to dial the backends with (None: plaintext).
+        probe_timeout_seconds: deadline of one health probe; no answer within it = hung.
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class BackendPool:
         refresh_seconds: float = 2.0,
         channel_options: list[tuple[str, Any]] | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        probe_timeout_seconds: float = PROBE_TIMEOUT_SECONDS,
     ) -> None:
         self.stage = stage
         self.targets = [Target.parse(t) for t in targets]
@@ -132,6 +142,7 @@ class BackendPool:
         self._stub_factory = stub_factory
         self._metrics = metrics
         self.refresh_seconds = refresh_seconds
+        self.probe_timeout_seconds = probe_timeout_seconds
         self._options = channel_options or []
         self._credentials = channel_credentials
         self.backends: dict[str, Backend] = {}
@@ -193,18 +204,19 @@ class BackendPool:
             channel = grpc.aio.insecure_channel(address, options=self._options)
         else:
             channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-        backend = Backend(address=address, channel=channel, stub=self._stub_factory(channel))
+        health = HealthMonitor(channel, self.service_name, self.refresh_seconds,
+                               self.probe_timeout_seconds, self._health_changed,
+                               f"{self.stage} backend {address}")
+        backend = Backend(address=address, channel=channel, stub=self._stub_factory(channel),
+                          health=health)
         self.backends[address] = backend
-        backend.watch_task = asyncio.create_task(self._watch(backend), name=f"{self.stage}-health")
+        health.start()
         logger.info("%s: backend %s added", self.stage, address)
 
     async def _remove(self, backend: Backend) -> None:
         backend.retired = True
         self.backends.pop(backend.address, None)
-        if backend.watch_task is not None:
-            backend.watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await backend.watch_task
+        await backend.health.stop()
         self._update_gauges()
         if backend.in_flight == 0:
             await backend.channel.close()
@@ -213,11 +225,7 @@ class BackendPool:
 
     # ---------------------------------------------------------------- health
 
-    def _set_status(self, backend: Backend, status: int) -> None:
-        if backend.status != status:
-            logger.info("%s: backend %s is %s", self.stage, backend.address,
-                        health_pb2.HealthCheckResponse.ServingStatus.Name(status))
-        backend.status = status
+    def _health_changed(self) -> None:
         self._update_gauges()
         self._changed.set()
         self._changed = asyncio.Event()
@@ -225,49 +233,22 @@ class BackendPool:
     def _update_gauges(self) -> None:
         self._metrics.backends_serving.labels(self.stage).set(len(self.serving()))
 
-    async def _watch(self, backend: Backend) -> None:
-        stub = health_pb2_grpc.HealthStub(backend.channel)
-        request = health_pb2.HealthCheckRequest(service=self.service_name)
-        use_watch = True
-        while not backend.retired:
-            try:
-                if use_watch:
-                    async for response in stub.Watch(request):
-                        self._set_status(backend, response.status)
-                else:
-                    response = await stub.Check(request, timeout=max(1.0, self.refresh_seconds))
-                    self._set_status(backend, response.status)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and use_watch:
-                    use_watch = False
-                    continue
-                self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - keep watching whatever happens
-                logger.exception("%s: health watch of %s failed", self.stage, backend.address)
-                self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
-            await asyncio.sleep(self.refresh_seconds)
-
     def mark_failed(self, backend: Backend) -> None:
-        """Take ``backend`` out of rotation after a transport failure, until health says SERVING.
-
-        The health watch is restarted: a ``Watch`` stream only speaks on a change, so without a new
-        one a backend that is in fact still SERVING would stay out of rotation indefinitely.
-        """
-        if backend.status == SERVING:
-            self._set_status(backend, health_pb2.HealthCheckResponse.UNKNOWN)
-        if backend.retired:
-            return
-        if backend.watch_task is not None:
-            backend.watch_task.cancel()
-        backend.watch_task = asyncio.create_task(self._watch(backend), name=f"{self.stage}-health")
+        """Take ``backend`` out of rotation after a transport failure of a call (a broken stream is
+        evidence enough) and probe it at once: it is back as soon as it answers SERVING."""
+        if not backend.retired:
+            backend.health.mark_down()
 
     # ---------------------------------------------------------------- selection
 
     def serving(self) -> list[Backend]:
         """Backends currently SERVING."""
         return [b for b in self.backends.values() if b.serving]
+
+    def available(self) -> bool:
+        """Whether a request may still be served: a backend is SERVING, or one is being probed
+        (it may answer SERVING within the probe deadline)."""
+        return any(b.serving or b.health.probing for b in self.backends.values() if not b.retired)
 
     def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> Backend | None:
         """The SERVING backend not in ``exclude`` (addresses) with the fewest open calls, or None."""

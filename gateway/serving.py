@@ -52,6 +52,7 @@ from gateway.errors import (
     outcome_of,
 )
 from gateway.images_store import ImageStore
+from gateway.progress_watch import ProgressWatch
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     INT64_MAX,
@@ -90,11 +91,6 @@ RETRY_AFTER_SECONDS = 1.0
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                          grpc.StatusCode.UNIMPLEMENTED})
 SSE_KEEPALIVE_SECONDS = 15.0
-#: With no replica of a stage SERVING at all, an image waits this many health intervals (at least
-#: `NO_BACKEND_GRACE_MIN_SECONDS`) for one to come back, then fails fast with 503 ``no_backend``
-#: instead of holding its DiT slot until the deadline.
-NO_BACKEND_GRACE_INTERVALS = 3
-NO_BACKEND_GRACE_MIN_SECONDS = 2.0
 #: Request outcome -> ``mammoth_gateway_cancellations_total{cause}`` (work cancelled in the stages).
 CANCELLATION_CAUSES = {"cancelled": "client_disconnect", "deadline": "deadline"}
 
@@ -551,7 +547,6 @@ class Orchestrator:
         request = pb.DiTGenerateRequest(request_id=pipeline_id, params=self._image_params(job, seed))
         metadata = tracing.inject(self._metadata)  # the image's span is the DiT's parent
         backoff = 0.05
-        none_since: float | None = None
         while True:
             tried: set[str] = set()
             while (dit := self.dit_pool.pick(exclude=tried)) is not None:
@@ -563,7 +558,7 @@ class Orchestrator:
                 lease.__enter__()
                 call = dit.stub.Generate(request, timeout=remaining, metadata=metadata)
                 try:
-                    first = await call.read()
+                    first = await ProgressWatch(call, dit.health).read()
                 except grpc.aio.AioRpcError as exc:
                     call.cancel()
                     lease.__exit__(None, None, None)
@@ -599,32 +594,23 @@ class Orchestrator:
             remaining = _remaining(deadline)
             if remaining <= 0:
                 raise _deadline_error("waiting for a DiT slot")
-            none_since = self._fail_if_none_serving(self.dit_pool, "DiT", none_since)
+            self._fail_if_unavailable(self.dit_pool, "DiT")
             await self._wait_for_capacity(min(backoff, remaining))
             backoff = min(backoff * 2, 1.0)
 
-    def _fail_if_none_serving(self, pool: BackendPool, name: str, since: float | None) -> float | None:
-        """Track how long no replica of ``pool`` has been SERVING (``since``: event-loop time it
-        began, None while some replica serves) and give up after the no-backend grace.
-
-        Returns the updated ``since``.
+    def _fail_if_unavailable(self, pool: BackendPool, name: str) -> None:
+        """Fail at once when no replica of ``pool`` can take the request: none SERVING and none
+        being probed (`BackendPool.available`). No replacement is waited for: a client retries
+        after ``Retry-After``, and on Kubernetes a rollout readies the new pod before the old one
+        drains.
 
         Raises:
-            UnavailableError: no replica has been SERVING for the grace (503 ``no_backend``).
+            UnavailableError: 503 ``no_backend`` with ``Retry-After``.
         """
-        if pool.serving():
-            return None
-        now = asyncio.get_running_loop().time()
-        if since is None:
-            return now
-        grace = max(NO_BACKEND_GRACE_MIN_SECONDS,
-                    NO_BACKEND_GRACE_INTERVALS * self.settings.health_interval_seconds)
-        if now - since >= grace:
-            raise UnavailableError(f"no {name} backend is serving (none for {now - since:.1f} s)",
-                                   code="no_backend",
+        if not pool.available():
+            raise UnavailableError(f"no {name} backend is serving", code="no_backend",
                                    retry_after=max(RETRY_AFTER_SECONDS,
                                                    self.settings.health_interval_seconds))
-        return since
 
     def _release_slot(self, call: grpc.aio.UnaryStreamCall) -> None:
         call.cancel()
@@ -643,12 +629,14 @@ class Orchestrator:
                 w.cancel()
 
     async def _consume_dit(self, call: grpc.aio.UnaryStreamCall, state: _SlotState, index: int,
-                           address: str, emit: Emit) -> pb.Image:
+                           dit: Backend, emit: Emit) -> pb.Image:
         """Read the DiT stream after ``Reserved`` until the final image."""
         phases = pb.DiTProgress.Phase
+        address = dit.address
+        stream = ProgressWatch(call, dit.health)
         try:
             while True:
-                msg = await call.read()
+                msg = await stream.read()
                 if msg is grpc.aio.EOF:
                     raise _StageFailure("dit", "EOF", "stream ended without an image", address)
                 kind = msg.WhichOneof("event")
@@ -695,7 +683,6 @@ class Orchestrator:
             dit_address=dit.address, reservation_token=token)
         backoff = 0.05
         full: set[str] = set()
-        none_since: float | None = None
         while True:
             remaining = _remaining(deadline)
             if remaining <= 0:
@@ -703,7 +690,7 @@ class Orchestrator:
             ar = (self.ar_pool.pick(exclude=state.excluded_ars | full)
                   or self.ar_pool.pick(exclude=full))
             if ar is None:
-                none_since = self._fail_if_none_serving(self.ar_pool, "AR", none_since)
+                self._fail_if_unavailable(self.ar_pool, "AR")
                 full.clear()
                 await self.ar_pool.wait_changed(min(backoff, remaining))
                 backoff = min(backoff * 2, 1.0)
@@ -715,9 +702,10 @@ class Orchestrator:
                     attributes={"mammoth.epoch": epoch, "server.address": ar.address}):
                 call = ar.stub.Generate(request, timeout=remaining,
                                         metadata=tracing.inject(self._metadata))
+                stream = ProgressWatch(call, ar.health)
                 try:
                     while True:
-                        msg = await call.read()
+                        msg = await stream.read()
                         if msg is grpc.aio.EOF:
                             raise _StageFailure("ar", "EOF", "stream ended without ARDone",
                                                 ar.address)
@@ -759,7 +747,7 @@ class Orchestrator:
         DiT failed: the caller retries from scratch.
         """
         state = _SlotState()
-        dit_task = asyncio.create_task(self._consume_dit(call, state, index, dit.address, emit))
+        dit_task = asyncio.create_task(self._consume_dit(call, state, index, dit, emit))
         ar_task: asyncio.Task | None = None
         ar_attempts = 0
         try:
@@ -913,7 +901,7 @@ class OpenAIServingImages:
             raise UnavailableError("the gateway is shutting down; retry on another replica",
                                    code="draining", retry_after=RETRY_AFTER_SECONDS)
         for pool, name in ((self.orchestrator.ar_pool, "AR"), (self.orchestrator.dit_pool, "DiT")):
-            if not pool.serving():
+            if not pool.available():
                 raise UnavailableError(f"no {name} backend is serving", code="no_backend",
                                        retry_after=max(RETRY_AFTER_SECONDS,
                                                        self.settings.health_interval_seconds))

@@ -13,17 +13,15 @@
 - `server_credentials` / `channel_credentials`: optional TLS (``tls_cert_file``, ``tls_key_file``,
   ``tls_ca_file``; with a CA the server also requires client certificates).
 - `HealthReporter`: ``grpc.health.v1`` servicer with a status per service name (``""`` and e.g.
-  ``mammoth.v1.DiT``); `install_drain_handler` flips everything to NOT_SERVING on SIGTERM, refuses
-  new work (`Drain.draining`) and stops the server with ``drain_grace_seconds`` of grace.
+  ``mammoth.v1.DiT``); `mammoth_core.drain` flips everything to NOT_SERVING on SIGTERM and stops the
+  server once the work in flight has ended.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import pathlib
-import signal
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import grpc
@@ -314,64 +312,3 @@ class HealthReporter:
         """NOT_SERVING for every service, permanently (later `set` calls are ignored)."""
         self.draining = True
         await self.servicer.enter_graceful_shutdown()
-
-
-async def drain(
-    server: grpc.aio.Server,
-    health: HealthReporter,
-    grace_seconds: float,
-    wait_idle: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Report NOT_SERVING, wait (within ``grace_seconds``) for ``wait_idle`` -- in-flight work that
-    still needs *new* RPCs, e.g. a DiT slot waiting for its ``PushConditions`` -- then stop the
-    server: new RPCs are refused and in-flight ones get the rest of the grace before cancellation."""
-    await health.enter_graceful_shutdown()
-    logger.info("draining: NOT_SERVING, %.1f s grace for in-flight work", grace_seconds)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_seconds
-    if wait_idle is not None:
-        try:
-            async with asyncio.timeout(grace_seconds):
-                await wait_idle()
-        except TimeoutError:
-            logger.warning("drain: in-flight work did not finish within %.1f s", grace_seconds)
-    await server.stop(max(0.0, deadline - loop.time()))
-
-
-def install_drain_handler(
-    server: grpc.aio.Server,
-    health: HealthReporter,
-    grace_seconds: float,
-    *,
-    on_drain: Callable[[], None] | None = None,
-    wait_idle: Callable[[], Awaitable[None]] | None = None,
-    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
-) -> asyncio.Event:
-    """On SIGTERM/SIGINT run `drain` once (``on_drain`` is called first, e.g. to refuse new work;
-    ``wait_idle`` is awaited within the grace before the server stops).
-
-    Returns an `asyncio.Event` set when the drain has finished (the server is stopped).
-    Must be called from the running event loop's thread.
-    """
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-    started = False
-
-    async def _run() -> None:
-        try:
-            await drain(server, health, grace_seconds, wait_idle)
-        finally:
-            done.set()
-
-    def _on_signal() -> None:
-        nonlocal started
-        if started:
-            return
-        started = True
-        if on_drain is not None:
-            on_drain()
-        loop.create_task(_run())
-
-    for sig in signals:
-        loop.add_signal_handler(sig, _on_signal)
-    return done

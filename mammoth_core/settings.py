@@ -257,6 +257,13 @@ class DiTSettings(StageSettings):
     profile_requests: int = field(
         default=0, metadata=_doc("profile the model work of the first N requests (0: off)")
     )
+    producer_grace_seconds: float = field(
+        default=1.0,
+        metadata=_doc(
+            "a slot whose producer's push stream broke is retired after this many seconds unless "
+            "a newer epoch (an AR retry) began meanwhile"
+        ),
+    )
     section: typing.ClassVar[str] = "dit"
 
     def validate(self) -> None:
@@ -265,6 +272,8 @@ class DiTSettings(StageSettings):
             raise SettingsError("slots must be >= 1")
         if not 0 <= self.profile_requests <= 100:
             raise SettingsError("profile_requests must be in [0, 100]")
+        if self.producer_grace_seconds < 0:
+            raise SettingsError("producer_grace_seconds must be >= 0")
 
 
 @dataclass
@@ -306,6 +315,11 @@ class GatewaySettings(BaseSettings):
         default=None, metadata=_doc("base URL for url responses when a proxy rewrites the Host header")
     )
     health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period"))
+    health_timeout_seconds: float = field(
+        default=1.0,
+        metadata=_doc("deadline of one backend health probe; a stage that does not answer within it "
+                      "is marked down as hung and its requests are retried elsewhere"),
+    )
     section: typing.ClassVar[str] = "gateway"
 
 

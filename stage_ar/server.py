@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from mammoth_core import grpc_common, tracing
+from mammoth_core import drain, grpc_common, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -368,8 +368,10 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     loads); the model loads in a worker thread; then health turns SERVING.
     """
     tracing.setup("ar", settings.trace_export, settings.trace_sample_ratio)
+    rpcs = drain.InFlightRpcs()
     server = grpc_common.create_server(
-        settings.max_message_bytes, settings.read_auth_token(), role_tokens=settings.read_role_tokens()
+        settings.max_message_bytes, settings.read_auth_token(), interceptors=[rpcs],
+        role_tokens=settings.read_role_tokens(),
     )
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     servicer = ARServicer(None, None, settings, settings.client_token(grpc_common.ROLE_AR))
@@ -399,8 +401,9 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
         while engine.running:
             await asyncio.sleep(0.05)
 
-    drained = grpc_common.install_drain_handler(
-        server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting, wait_idle=wait_idle
+    drained = drain.install_drain_handler(
+        server, health, settings.drain_grace_seconds, on_drain=engine.stop_accepting,
+        wait_idle=wait_idle, in_flight=rpcs,
     )
     await health.set_serving()
     logger.info("AR serving (model loaded in %.1f s)", time.perf_counter() - t0)

@@ -162,6 +162,8 @@ class Slot:
         self._complete = False
         self._finishing = False
         self.producer_lost = False
+        #: `time.monotonic` when the producer's stream broke (None while it has not).
+        self.producer_lost_at: float | None = None
         self.last_rejection: WireError | None = None
         self.timings = SlotTimings()
         #: Accepted chunks of this reservation: (epoch, sequence, role, row_offset, rows, unix ms).
@@ -232,6 +234,7 @@ class Slot:
         """A push stream of this reservation ended without its `StreamEnd` (disconnect, cancel)."""
         if self.state == "reserved" and self.token == token and not self._complete:
             self.producer_lost = True
+            self.producer_lost_at = time.monotonic()
             self._notify()
 
     def release(self, outcome: str) -> bool:
@@ -360,6 +363,7 @@ class Slot:
         self._epoch = st
         self.last_rejection = None
         self.producer_lost = False
+        self.producer_lost_at = None
 
     @staticmethod
     def _discard(st: _EpochState) -> None:

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Histogram
 
-from mammoth_core import grpc_common, tracing, wire
+from mammoth_core import drain, grpc_common, tracing, wire
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler
@@ -93,10 +93,14 @@ class DiTServicer(pb_grpc.DiTServicer):
         pool: the `SlotPool` (its ``hidden_size`` must equal the pipeline's AR hidden size).
         condition_timeout_s: longest wait for the conditions when the RPC has no deadline.
         progress_interval_s: at most one RECEIVING progress message per interval.
+        producer_grace_s: a slot whose producer's push stream broke (without its `StreamEnd`) is
+            retired this many seconds later (Generate ends with ABORTED) unless a newer epoch, an
+            AR retry, began meanwhile.
     """
 
     def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
                  condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1,
+                 producer_grace_s: float = 1.0,
                  trace_dir: str | None = None, answer_boundary: str = "prompt_length",
                  profiler: StageProfiler | None = None):
         self.pipeline = pipeline
@@ -106,6 +110,7 @@ class DiTServicer(pb_grpc.DiTServicer):
         self.pool = pool
         self.condition_timeout_s = condition_timeout_s
         self.progress_interval_s = progress_interval_s
+        self.producer_grace_s = producer_grace_s
         self.draining = False
         workers = len(pool.slots) if pool is not None else 4
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dit-pipeline")
@@ -175,6 +180,13 @@ class DiTServicer(pb_grpc.DiTServicer):
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"conditions incomplete after {budget:.1f} s ({outcome})",
+                    )
+                if self._producer_gone(slot, now):
+                    outcome = "producer_lost"
+                    await context.abort(
+                        grpc.StatusCode.ABORTED,
+                        f"the producer's stream broke and no retry began within "
+                        f"{self.producer_grace_s:.1f} s",
                     )
                 await slot.wait_changed(min(wait_until - now, self.progress_interval_s))
             conds = slot.conditions()
@@ -281,6 +293,11 @@ class DiTServicer(pb_grpc.DiTServicer):
         }
         path = pathlib.Path(self.trace_dir) / f"{request_id}.e{epoch}.dit.json"
         path.write_text(json.dumps(trace))
+
+    def _producer_gone(self, slot, now: float) -> bool:
+        """The slot's producer stream broke ``producer_grace_s`` ago and no newer epoch began."""
+        lost_at = slot.producer_lost_at
+        return slot.producer_lost and lost_at is not None and now - lost_at >= self.producer_grace_s
 
     @staticmethod
     def _waiting_outcome(slot, timed_out: bool) -> str:
@@ -457,18 +474,19 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
                              "dit", settings.profile_requests)
     metrics_port = start_metrics_server(settings.metrics_port, settings.host,
                                         routes={PROFILE_PATH: profiler.wsgi})
+    rpcs = drain.InFlightRpcs()
     server = grpc_common.create_server(
-        settings.max_message_bytes, token, role_tokens=settings.read_role_tokens()
+        settings.max_message_bytes, token, interceptors=[rpcs], role_tokens=settings.read_role_tokens()
     )
     servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary,
-                           profiler=profiler)
+                           profiler=profiler, producer_grace_s=settings.producer_grace_seconds)
     add_dit_servicer(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
     await server.start()
-    drained = grpc_common.install_drain_handler(
+    drained = drain.install_drain_handler(
         server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,
-        wait_idle=servicer.wait_idle,
+        wait_idle=servicer.wait_idle, in_flight=rpcs,
     )
     if pipeline is None:
         from stage_dit.loader import load_pipeline

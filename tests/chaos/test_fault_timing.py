@@ -179,7 +179,7 @@ def test_sigterm_with_work_exits_within_1_s_of_the_last_request(cluster):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         requests = [pool.submit(timed_request, url, seed=i, size=BIG) for i in range(2)]
         assert wait_for(lambda: dit.metric("mammoth_dit_slots_in_use") == 2
-                        and ar.metric("mammoth_ar_running_sequences") > 0, 20.0)
+                        and ar.metric("mammoth_ar_running_sequences") == 2, 20.0)
         t_term = time.monotonic()
         dit.sigterm()
         ar.sigterm()

@@ -346,15 +346,19 @@ async def test_producer_death_deadline_and_consumer_cancel_retire_the_slot(dit):
               for o in ("producer_lost", "deadline", "cancelled")}
     async with channel(dit) as ch:
         stub = pb_grpc.DiTStub(ch)
-        # Producer death: a real AR-like process pushes 8 rows and is killed with SIGKILL.
-        call, token = await reserve(stub, "dies", timeout=4.0)
+        # Producer death: a real AR-like process pushes 8 rows and is killed with SIGKILL. The DiT
+        # retires the slot once no newer epoch began within the producer grace (1 s by default),
+        # long before the call's deadline, and says why (ABORTED).
+        call, token = await reserve(stub, "dies", timeout=10.0)
         producer = subprocess.Popen([sys.executable, "-c", PRODUCER, dit.address, token],
                                     cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                     stdout=subprocess.PIPE, text=True)
         assert producer.stdout.readline().strip() == "pushed"
         producer.kill()
         producer.wait()
-        await expect_code(read_all(call), grpc.StatusCode.DEADLINE_EXCEEDED)
+        killed = time.monotonic()
+        await expect_code(read_all(call), grpc.StatusCode.ABORTED, "producer")
+        assert time.monotonic() - killed < 1.0 + 0.5
         # Deadline with no producer at all.
         call, _ = await reserve(stub, "late", timeout=1.0)
         await expect_code(read_all(call), grpc.StatusCode.DEADLINE_EXCEEDED)
