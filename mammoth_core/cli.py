@@ -23,6 +23,7 @@ from typing import Sequence
 
 from mammoth_core import settings as settings_mod
 from mammoth_core.logging import setup_logging
+from mammoth_core.runtime import exit_after_drain
 
 logger = logging.getLogger("mammoth")
 
@@ -84,7 +85,7 @@ def cmd_ar(args: argparse.Namespace) -> int:
     from stage_ar.server import serve
 
     asyncio.run(serve(s, ready_file=args.ready_file))
-    return 0
+    exit_after_drain(0)  # skip the interpreter's slow teardown (mammoth_core.runtime)
 
 
 def cmd_dit(args: argparse.Namespace) -> int:
@@ -94,7 +95,7 @@ def cmd_dit(args: argparse.Namespace) -> int:
     from stage_dit.server import serve
 
     asyncio.run(serve(s, ready_file=args.ready_file))
-    return 0
+    exit_after_drain(0)  # skip the interpreter's slow teardown (mammoth_core.runtime)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 
 def write_ready_file(path: str | None, address: str, **extra: Any) -> None:
@@ -19,6 +21,23 @@ def write_ready_file(path: str | None, address: str, **extra: Any) -> None:
     tmp = pathlib.Path(path + ".tmp")
     tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), **extra}))
     os.replace(tmp, path)
+
+
+def exit_after_drain(code: int = 0) -> NoReturn:
+    """End the process at once with ``code``, after flushing logs and stdio.
+
+    For a stage whose server has drained and stopped: what is left is the interpreter's teardown,
+    and torch's module finalisation alone takes about 2 s (more on a loaded host), time a rollout
+    would wait for nothing. Everything that must outlive the process (spans, logs) is flushed by
+    then.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = None) -> int:
