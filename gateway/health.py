@@ -7,10 +7,12 @@ Two sources, one state (`HealthMonitor`):
   marks the backend down and probes it at once.
 - A liveness probe: ``Health/Check`` with a deadline of ``timeout`` seconds, every ``interval``
   seconds and whenever `probe_now` asks (after a failed call, or when a request's progress is
-  overdue, see `gateway.progress_watch`). A stage that does not answer within the deadline
-  (SIGSTOP, a wedged event loop, a host gone without a reset) is **hung**: it is marked down and
-  `hung` is set, which fails the calls in flight on it so that they are retried on other replicas.
-  A refused connection (a dead process) marks it down too, without the hang.
+  overdue, see `gateway.progress_watch`). A probe without an answer within the deadline marks the
+  backend down at once and is repeated at once; a second one in a row (SIGSTOP, a wedged event
+  loop, a host gone without a reset) makes it **hung**: `hung` is set, which fails the calls in
+  flight on it so that they are retried on other replicas. One late answer (a stage's event loop
+  held up for a moment) costs no request. A refused connection (a dead process) marks the backend
+  down too, without the hang.
 
 While a requested probe is outstanding the backend is `probing`: it is not picked, but it may be
 SERVING within ``timeout`` seconds, so requests wait for the answer instead of failing (a backend
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 UNKNOWN = health_pb2.HealthCheckResponse.UNKNOWN
+#: Probes in a row without an answer within their deadline that make a backend hung.
+HUNG_AFTER_TIMEOUTS = 2
 
 
 def status_name(status: int) -> str:
@@ -52,8 +56,8 @@ class HealthMonitor:
     Attributes:
         status: last known ``HealthCheckResponse`` status (``UNKNOWN`` until the first answer).
         probing: a requested probe has not answered yet.
-        hung: an `asyncio.Event` set when a probe timed out; replaced by a fresh one once the
-            backend answers SERVING again.
+        hung: an `asyncio.Event` set when `HUNG_AFTER_TIMEOUTS` probes in a row timed out;
+            replaced by a fresh one once the backend answers SERVING again.
     """
 
     def __init__(self, channel: grpc.aio.Channel, service_name: str, interval: float,
@@ -67,6 +71,7 @@ class HealthMonitor:
         self.status = UNKNOWN
         self.probing = False
         self.hung = asyncio.Event()
+        self._timeouts = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -107,22 +112,29 @@ class HealthMonitor:
             self.status = status
             self._on_change()
 
-    def _set_hung(self) -> None:
-        if not self.hung.is_set():
-            logger.warning("%s did not answer its health check within %.1f s: marked down as hung",
-                           self.label, self.timeout)
-        self.hung.set()
+    def _timed_out(self) -> None:
+        self._timeouts += 1
         self._set(UNKNOWN)
+        if self._timeouts < HUNG_AFTER_TIMEOUTS:
+            self.probe_now()  # once more at once before calling it hung
+            return
+        if not self.hung.is_set():
+            logger.warning("%s did not answer %d health checks of %.1f s: hung", self.label,
+                           self._timeouts, self.timeout)
+        self.hung.set()
 
     async def _probe(self) -> None:
         try:
             response = await self._stub.Check(self._request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._set_hung()
-            elif exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # no Check: Watch alone decides
+                self._timed_out()
+                return
+            self._timeouts = 0
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # no Check: Watch alone decides
                 self._set(UNKNOWN)
         else:
+            self._timeouts = 0
             self._set(response.status)
 
     async def _probe_loop(self) -> None:

@@ -6,9 +6,10 @@ the DiT one per denoising step (and RECEIVING progress while rows arrive). `Prog
 reads the next message of one call and keeps the expected gap between messages (an exponential
 average of the gaps seen on this call). When no message has come for ``STALL_FACTOR`` times that
 gap (at least ``MIN_STALL_SECONDS``) it asks the backend's `HealthMonitor` for a probe at once;
-a slow step is not a fault (the stage answers the probe and the call goes on), a stage that does not
-answer within the probe deadline is hung, and the read fails with ``UNAVAILABLE``: the orchestrator
-treats it like a broken stream and retries the request on another replica within its budget.
+a slow step is not a fault (the stage answers the probe and the call goes on), a stage that answers
+no probe within its deadline twice in a row is hung, and the read fails with ``UNAVAILABLE``: the
+orchestrator treats it like a broken stream and retries the request on another replica within its
+budget.
 """
 
 from __future__ import annotations

@@ -115,13 +115,16 @@ class FakeDiT(pb_grpc.DiTServicer):
                     rows_received=len(slot.token_ids)))
                 if step in marks and partial_index < p.partial_images:
                     yield pb.DiTGenerateResponse(image=pb.Image(
-                        data=render(p, slot.token_ids, step / steps), format=p.output_format,
+                        data=await asyncio.to_thread(render, p, slot.token_ids, step / steps),
+                        format=p.output_format,
                         width=p.width, height=p.height, partial=True, partial_index=partial_index))
                     partial_index += 1
             yield pb.DiTGenerateResponse(progress=pb.DiTProgress(phase=pb.DiTProgress.DECODING,
                                                                  step=steps, total_steps=steps))
+            # rendered off the event loop, as the real DiT works in a thread: health answers go on
+            data = await asyncio.to_thread(render, p, slot.token_ids)
             yield pb.DiTGenerateResponse(image=pb.Image(
-                data=render(p, slot.token_ids), format=p.output_format, width=p.width,
+                data=data, format=p.output_format, width=p.width,
                 height=p.height, condition_rows=len(slot.token_ids),
                 timings=pb.DiTTimings(denoise_ms=steps * self.args.step_delay * 1e3)))
             outcome = "done"
