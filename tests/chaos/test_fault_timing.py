@@ -10,7 +10,8 @@ settings (docs/RELIABILITY.md, "Fault handling"; issue 24).
   work exits within 1 s of its last request; requests queued behind a draining only-replica fail
   fast with ``Retry-After`` (no replacement is waited for).
 
-Every measured duration is printed as ``MEASURED <name> <seconds>`` (run with ``-s``).
+Every measured duration is printed as ``MEASURED <name> <seconds>`` (run with ``-s``); the kill -9
+tests run 1 round in CI and 5 with ``MAMMOTH_CHAOS_FULL=1``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-from chaos_harness import (BIG, assert_envelope, image_request, reference_image, sse_events,
-                           stream_until_ar_progress, wait_for)
+from chaos_harness import (BIG, assert_envelope, count, image_request, reference_image,
+                           sse_events, stream_until_ar_progress, wait_for)
 
+#: kill -9 rounds per test (the killed stage is restarted between rounds): 1 in CI, 5 in full.
+ROUNDS = count(1, 5)
 #: Upper bounds of issue 24, seconds.
 FAILED_REQUEST_S = 1.5
 FREED_S = 1.0
@@ -71,10 +74,7 @@ def timed_request(url: str, **kwargs) -> tuple[float, object]:
     return time.monotonic(), response
 
 
-def test_kill9_the_only_ar_fails_fast_and_the_dit_slot_is_freed(cluster):
-    dit = cluster.stage("dit", "--slots", "2")
-    ar = cluster.stage("ar")
-    gw = cluster.gateway([ar], [dit], health_interval=None)
+def _kill9_the_only_ar_round(gw, ar, dit) -> None:
     url = f"http://{gw.address}"
     client, cm, lines = stream_until_ar_progress(url)
     assert dit.metric("mammoth_dit_slots_in_use") == 1
@@ -102,10 +102,18 @@ def test_kill9_the_only_ar_fails_fast_and_the_dit_slot_is_freed(cluster):
     assert gw.metric("mammoth_gateway_active_pipelines") == 0
 
 
-def test_kill9_the_only_dit_fails_fast_queued_requests_too_and_the_ar_is_freed(cluster):
-    dit = cluster.stage("dit", "--slots", "1")
+def test_kill9_the_only_ar_fails_fast_and_the_dit_slot_is_freed(cluster):
+    dit = cluster.stage("dit", "--slots", "2")
     ar = cluster.stage("ar")
     gw = cluster.gateway([ar], [dit], health_interval=None)
+    for i in range(ROUNDS):
+        if i:
+            ar = cluster.restart(ar)
+            assert wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="ar") == 1, 30.0)
+        _kill9_the_only_ar_round(gw, ar, dit)
+
+
+def _kill9_the_only_dit_round(gw, ar, dit) -> None:
     url = f"http://{gw.address}"
     client, cm, lines = stream_until_ar_progress(url)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -127,6 +135,17 @@ def test_kill9_the_only_dit_fails_fast_queued_requests_too_and_the_ar_is_freed(c
     assert measured("kill9_only_dit_queued_error", t_queued - t_kill) <= FAILED_REQUEST_S
     assert t_freed is not None
     assert measured("kill9_only_dit_ar_sequence_freed", t_freed - t_kill) <= FREED_S
+
+
+def test_kill9_the_only_dit_fails_fast_queued_requests_too_and_the_ar_is_freed(cluster):
+    dit = cluster.stage("dit", "--slots", "1")
+    ar = cluster.stage("ar")
+    gw = cluster.gateway([ar], [dit], health_interval=None)
+    for i in range(ROUNDS):
+        if i:
+            dit = cluster.restart(dit)
+            assert wait_for(lambda: gw.metric("mammoth_gateway_backends_serving", stage="dit") == 1, 30.0)
+        _kill9_the_only_dit_round(gw, ar, dit)
 
 
 def test_sigstop_of_a_dit_is_marked_down_and_the_request_finishes_on_the_other(cluster):

@@ -66,8 +66,8 @@ def test_restarted_stage_serves_again(cluster):
 
 
 def test_sigterm_drains_in_flight_and_new_requests_go_to_other_replicas(cluster):
-    dits = [cluster.stage("dit", "--slots", "2", "--drain-grace-seconds", "20") for _ in range(2)]
-    ars = [cluster.stage("ar", "--drain-grace-seconds", "20") for _ in range(2)]
+    dits = [cluster.stage("dit", "--slots", "2", "--drain-grace-seconds", "60") for _ in range(2)]
+    ars = [cluster.stage("ar", "--drain-grace-seconds", "60") for _ in range(2)]
     gw = cluster.gateway(ars, dits)
     url = f"http://{gw.address}"
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -84,7 +84,7 @@ def test_sigterm_drains_in_flight_and_new_requests_go_to_other_replicas(cluster)
         statuses = [f.result().status_code for f in in_flight + fresh]
     assert statuses == [200] * 8, statuses
     # the drained stages exit 0 once their work is done; the new requests went to replica 1
-    assert dits[0].proc.wait(30) == 0 and ars[0].proc.wait(30) == 0
+    assert dits[0].proc.wait(60) == 0 and ars[0].proc.wait(60) == 0
     assert dits[1].metric("mammoth_dit_reservations_total", result="reserved") >= served_before + 4
 
 
