@@ -207,10 +207,12 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         credentials = settings.grpc_channel_credentials()
         ar_pool = BackendPool("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub, metrics,
                               settings.health_interval_seconds, _channel_options(settings),
-                              credentials, settings.health_timeout_seconds)
+                              credentials,
+                              probe_timeout_seconds=settings.health_timeout_seconds)
         dit_pool = BackendPool("dit", settings.dit, DIT_SERVICE, pb_grpc.DiTStub, metrics,
                                settings.health_interval_seconds, _channel_options(settings),
-                               credentials, settings.health_timeout_seconds)
+                               credentials,
+                               probe_timeout_seconds=settings.health_timeout_seconds)
         await ar_pool.start()
         await dit_pool.start()
         orchestrator = Orchestrator(settings, ar_pool, dit_pool, metrics,

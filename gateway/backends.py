@@ -34,9 +34,6 @@ from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
-#: Default deadline of one health probe, seconds (`HealthMonitor`).
-PROBE_TIMEOUT_SECONDS = 1.0
-
 
 @dataclass(frozen=True)
 class Target:
@@ -121,7 +118,7 @@ class BackendPool:
         refresh_seconds: DNS refresh and health probe period.
         channel_options: gRPC channel options (message size limits).
         channel_credentials: TLS credentials to dial the backends with (None: plaintext).
-        probe_timeout_seconds: deadline of one health probe; no answer within it = hung.
+        probe_timeout_seconds: deadline of one health probe (``health_timeout_seconds``), seconds.
     """
 
     def __init__(
@@ -134,7 +131,8 @@ class BackendPool:
         refresh_seconds: float = 2.0,
         channel_options: list[tuple[str, Any]] | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
-        probe_timeout_seconds: float = PROBE_TIMEOUT_SECONDS,
+        *,
+        probe_timeout_seconds: float,
     ) -> None:
         self.stage = stage
         self.targets = [Target.parse(t) for t in targets]

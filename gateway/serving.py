@@ -52,8 +52,8 @@ from gateway.errors import (
     outcome_of,
 )
 from gateway.images_store import ImageStore
-from gateway.progress_watch import ProgressWatch
 from gateway.metrics import GatewayMetrics
+from gateway.progress_watch import ProgressWatch
 from gateway.protocol import (
     INT64_MAX,
     UNSUPPORTED_OPENAI_FIELDS,
@@ -600,9 +600,9 @@ class Orchestrator:
 
     def _fail_if_unavailable(self, pool: BackendPool, name: str) -> None:
         """Fail at once when no replica of ``pool`` can take the request: none SERVING and none
-        being probed (`BackendPool.available`). No replacement is waited for: a client retries
-        after ``Retry-After``, and on Kubernetes a rollout readies the new pod before the old one
-        drains.
+        being probed (`BackendPool.available`). No replacement is waited for: the gateway cannot
+        see one coming (a headless Service lists a pod once it is Ready) and a model load takes
+        minutes; the client retries after ``Retry-After`` (docs/RELIABILITY.md).
 
         Raises:
             UnavailableError: 503 ``no_backend`` with ``Retry-After``.

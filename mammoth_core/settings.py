@@ -317,10 +317,15 @@ class GatewaySettings(BaseSettings):
     health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period"))
     health_timeout_seconds: float = field(
         default=1.0,
-        metadata=_doc("deadline of one backend health probe; a stage that does not answer within it "
-                      "is marked down as hung and its requests are retried elsewhere"),
+        metadata=_doc("deadline of one backend health probe: a stage that does not answer within it "
+                      "is marked down; twice in a row, hung (its requests are retried elsewhere)"),
     )
     section: typing.ClassVar[str] = "gateway"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.health_interval_seconds <= 0 or self.health_timeout_seconds <= 0:
+            raise SettingsError("health_interval_seconds and health_timeout_seconds must be > 0")
 
 
 # ------------------------------------------------------------------------------------------------

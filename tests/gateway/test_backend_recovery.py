@@ -17,7 +17,7 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 async def test_marked_failed_backend_returns_when_its_health_is_serving(fakes):
     ar = fakes("ar")
     pool = BackendPool("ar", [ar.address], "mammoth.v1.AR", pb_grpc.ARStub, GatewayMetrics(),
-                       refresh_seconds=0.2)
+                       refresh_seconds=0.2, probe_timeout_seconds=1.0)
     await pool.start()
     try:
         for _ in range(100):
@@ -85,7 +85,7 @@ async def test_marked_failed_backend_is_available_while_probed_and_a_dead_one_is
     with a refused connection and is unavailable within milliseconds."""
     ar = fakes("ar")
     pool = BackendPool("ar", [ar.address], "mammoth.v1.AR", pb_grpc.ARStub, GatewayMetrics(),
-                       refresh_seconds=2.0)
+                       refresh_seconds=2.0, probe_timeout_seconds=1.0)
     await pool.start()
     try:
         assert await _until(lambda: pool.serving(), 5.0) is not None
