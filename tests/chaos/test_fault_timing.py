@@ -4,8 +4,8 @@ settings (docs/RELIABILITY.md, "Fault handling"; issue 24).
 - ``kill -9`` of the only AR / the only DiT mid-request: a clean error within 1.5 s, the other
   stage's resources (DiT slot, AR sequence) freed within 1 s of the death; a request queued behind
   the dead replica fails as fast, with ``Retry-After``.
-- SIGSTOP of one of two DiTs: marked down within 3 s, the request finishes on the other DiT with
-  the same bytes as a run without the fault.
+- SIGSTOP of one of two DiTs (or ARs): marked down within 3 s, the request finishes on the other
+  replica with the same bytes as a run without the fault.
 - SIGTERM: an idle stage exits within 2 s (the gateway's health watches are no work); a stage with
   work exits within 1 s of its last request; requests queued behind a draining only-replica fail
   fast with ``Retry-After`` (no replacement is waited for).
@@ -176,6 +176,34 @@ def test_sigstop_of_a_dit_is_marked_down_and_the_request_finishes_on_the_other(c
     assert events[-1]["b64_json"] == expected  # the same bytes as the run without the fault
     measured("sigstop_dit_request_done_after_stop", t_done - t_stop)
     assert gw.metric("mammoth_gateway_retries_total", stage="dit") >= 1
+
+
+def test_sigstop_of_an_ar_is_routed_around_with_the_next_epoch(cluster):
+    """The same detection for the AR: the frozen AR's call fails as hung, the request goes on with
+    ``epoch + 1`` on the other AR (the DiT slot survives) and the image has the same bytes."""
+    dit = cluster.stage("dit", "--slots", "2")
+    ars = [cluster.stage("ar") for _ in range(2)]
+    gw = cluster.gateway(ars, [dit], health_interval=None)
+    url = f"http://{gw.address}"
+    expected = reference_image(url)
+    client, cm, lines = stream_until_ar_progress(url)
+    (busy,) = [a for a in ars if a.metric("mammoth_ar_running_sequences") == 1]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        t_stop = time.monotonic()
+        busy.sigstop()
+        try:
+            marked = when(pool, lambda: gw.metric("mammoth_gateway_backends_serving", stage="ar") == 1)
+            events = sse_events(lines)
+            cm.__exit__(None, None, None)
+            client.close()
+            t_marked = marked.result()
+        finally:
+            busy.sigcont()
+    assert t_marked is not None
+    assert measured("sigstop_ar_marked_down", t_marked - t_stop) <= MARKED_DOWN_S
+    assert events[-1]["event"] == "image_generation.completed", events[-3:]
+    assert {e.get("epoch") for e in events if e.get("stage") == "ar"} == {0, 1}
+    assert events[-1]["b64_json"] == expected
 
 
 def test_sigterm_to_idle_stages_exits_within_2_s(cluster):
