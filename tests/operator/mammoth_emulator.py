@@ -13,16 +13,25 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   validation against the ``openAPIV3Schema`` (``jsonschema``) and evaluation of the
   ``x-kubernetes-validations`` CEL rules (``cel-python``); a violation answers 422 ``Invalid`` like
   the real API server;
-* a request log of writes (``writes``) to count what a client changed.
+* a request log of writes (``writes``) to count what a client changed;
+* what a real API server does where the operator's faults live: built-in defaulting
+  (``emulator_semantics``: a null Deployment ``replicas`` becomes 1 ...), ``PUT`` updates,
+  409 ``Conflict`` for a write carrying a stale ``metadata.resourceVersion``, the ``Table`` answer
+  to ``kubectl get`` (printer columns), deletion propagation, garbage collection, finalizers,
+  namespace termination and per-subject authorization with owner-reference permission enforcement
+  (``emulator_lifecycle``); ``stall`` delays chosen requests (timeouts of a stuck server).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import functools
+import ipaddress
 import itertools
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -33,6 +42,9 @@ import jsonpointer
 import jsonschema
 import kmock
 from kmock._internal import dicts, enums, k8s, parsing
+
+from emulator_lifecycle import LifecycleMixin, Permission, resource_key
+from emulator_semantics import TABLE_ACCEPT, default_builtin, to_table
 
 _original_parse_path = parsing.parse_path
 
@@ -51,6 +63,18 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 
 
 parsing.parse_path = _parse_path  # the request parser looks it up on the module at every request
+
+_original_guess_k8s = parsing.guess_k8s
+
+
+def _guess_k8s(k8s_path: parsing.ParsedPath, method: enums.method, query: dict[str, str]) -> enums.action | None:
+    """KMock 0.8 has no action for ``PUT`` on a named object: it is an update (a full replace)."""
+    if method == enums.method.PUT and k8s_path.group is not None and k8s_path.name is not None:
+        return enums.action.UPDATE
+    return _original_guess_k8s(k8s_path, method, query)
+
+
+parsing.guess_k8s = _guess_k8s
 
 _RV = itertools.count(1000)
 
@@ -219,8 +243,9 @@ def _removal_patch(old: Any, new: Any) -> Any:
 
 
 @attrs.define(kw_only=True)
-class MammothEmulator(kmock.KubernetesEmulator):
-    """KMock's emulator plus metadata, status subresources, discovery and CRD validation (see module)."""
+class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
+    """KMock's emulator plus metadata, status subresources, discovery, CRD validation, defaulting,
+    conflicts, tables, deletion semantics and authorization (see module)."""
 
     crds: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # "group/version/plural" -> CRD
     status_subresources: set[str] = attrs.field(factory=set)
@@ -228,6 +253,14 @@ class MammothEmulator(kmock.KubernetesEmulator):
     pruned: list[str] = attrs.field(factory=list)
     openapi_paths: dict[str, Any] = attrs.field(factory=dict)
     admission: bool = True  # False: store custom resources unchecked (an older CRD, a bypassed webhook)
+    #: Decides the requests bearing ``subject_token`` (None: every request is allowed).
+    authorizer: Callable[[Permission], bool] | None = None
+    subject_token: str = "operator-serviceaccount-token"
+    denied: list[Permission] = attrs.field(factory=list)
+    checks: list[Permission] = attrs.field(factory=list)
+    #: Seconds to hold a request before answering it (None or 0: answer at once).
+    stall: Callable[[kmock.Request], float] | None = None
+    _cluster_ips: Any = attrs.field(factory=lambda: iter(ipaddress.ip_network("10.96.0.0/16").hosts()))
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -304,19 +337,56 @@ class MammothEmulator(kmock.KubernetesEmulator):
         for item in payload["items"]:
             item.setdefault("kind", info.kind)
             item.setdefault("apiVersion", payload["apiVersion"])
+        if self._wants_table(request):
+            return to_table(payload["items"], self._crd_version(request), payload["metadata"]["resourceVersion"])
         return payload
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        """A single object, or its one-row Table for ``kubectl get NAME``."""
+        payload = await super()._serve_fetch(request)
+        if self._wants_table(request):
+            return to_table([payload], self._crd_version(request), str(payload.get("metadata", {}).get("resourceVersion")))
+        return payload
+
+    @staticmethod
+    def _wants_table(request: kmock.Request) -> bool:
+        return TABLE_ACCEPT in str(request.headers.get("Accept", ""))
+
+    def _crd_version(self, request: kmock.Request) -> dict[str, Any] | None:
+        crd = self.crds.get(self._key(request))
+        if crd is None:
+            return None
+        return next((v for v in crd["spec"]["versions"] if v["name"] == request.resource.version), None)
 
     # -- request interception -----------------------------------------------------------------------
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if self.stall is not None and (delay := self.stall(request)):
+            await asyncio.sleep(delay)
+        if request.resource is not None:
+            self._authorize_request(request)
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE):
             async with self._lock:
+                self._refuse_create_in_terminating(request)
                 self._prepare_write(request)
-        return await super()._handle(request)
+        if request.resource is not None and request.action == enums.action.DELETE and request.name:
+            async with self._lock:
+                self._prepare_delete(request, self._key(request))
+        try:
+            return await super()._handle(request)
+        finally:
+            if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE):
+                async with self._lock:
+                    await self._collect_garbage()
 
     def _key(self, request: kmock.Request) -> str:
-        r = request.resource
-        return f"{r.group}/{r.version}/{r.plural}" if r.group else f"{r.version}/{r.plural}"
+        return resource_key(request.resource)
+
+    def _default(self, key: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Built-in defaulting (after admission), as the API server applies it on every write."""
+        if key not in self.crds:
+            default_builtin(key, obj, str(next(self._cluster_ips)))
+        return obj
 
     def _prepare_write(self, request: kmock.Request) -> None:
         """Turn the request body into what a real API server would store (mutating it in place)."""
@@ -337,7 +407,8 @@ class MammothEmulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = str(next(_RV))
             meta["generation"] = 1
             meta["creationTimestamp"] = _now()
-            final = self._admit(key, copy.deepcopy(data), meta.get("name", ""), request)
+            final = self._default(key, self._admit(key, copy.deepcopy(data), meta.get("name", ""), request))
+            self._enforce_owner_references(request, final, None)
             data.clear()
             data.update(final)
             if key == "apiextensions.k8s.io/v1/customresourcedefinitions":
@@ -350,18 +421,17 @@ class MammothEmulator(kmock.KubernetesEmulator):
         if obj is None:
             return  # the base class answers 404
         old = copy.deepcopy(obj.raw)
-        patch = copy.deepcopy(data)
-        if key in self.status_subresources:
-            if request.subresource == "status":
-                patch = {"status": patch.get("status")} if "status" in patch else {}
-            else:
-                patch.pop("status", None)
-        new = dict(dicts.patch_dict(copy.deepcopy(old), patch))
+        logged = copy.deepcopy(data)
+        self._refuse_stale(key, request, old, data)
+        new = self._updated(key, request, old, copy.deepcopy(data))
         new.setdefault("metadata", {})
         for field in ("uid", "namespace", "name", "creationTimestamp", "generation"):
             if field in old.get("metadata", {}):
                 new["metadata"][field] = old["metadata"][field]
         final = self._admit(key, new, request.name or "", request)
+        if request.subresource != "status":
+            final = self._default(key, final)
+            self._enforce_owner_references(request, final, old)
         strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         generation = int(old.get("metadata", {}).get("generation", 1))
         if strip(final) != strip(old):
@@ -371,7 +441,39 @@ class MammothEmulator(kmock.KubernetesEmulator):
         data.clear()
         data.update(_removal_patch(old, final))
         self.writes.append({"verb": "patch", "resource": key, "namespace": request.namespace, "name": request.name,
-                            "subresource": request.subresource, "body": patch})
+                            "subresource": request.subresource, "body": logged})
+
+    def _updated(self, key: str, request: kmock.Request, old: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        """The object after a merge patch or, for ``PUT``, a full replace (status kept apart)."""
+        status_apart = key in self.status_subresources
+        if request.method == enums.method.PUT:
+            if status_apart and request.subresource == "status":
+                new = dict(copy.deepcopy(old), status=body.get("status"))
+            else:
+                new = body
+                if status_apart:
+                    new.pop("status", None)
+                    if "status" in old:
+                        new["status"] = copy.deepcopy(old["status"])
+            return {k: v for k, v in new.items() if v is not None}
+        if status_apart:
+            if request.subresource == "status":
+                body = {"status": body.get("status")} if "status" in body else {}
+            else:
+                body.pop("status", None)
+        return dict(dicts.patch_dict(copy.deepcopy(old), body))
+
+    @staticmethod
+    def _refuse_stale(key: str, request: kmock.Request, old: dict[str, Any], body: dict[str, Any]) -> None:
+        """409 Conflict when the write names a ``resourceVersion`` other than the stored one."""
+        wanted = (body.get("metadata") or {}).get("resourceVersion")
+        stored = (old.get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and str(wanted) != str(stored):
+            group = key.split("/")[0] if key.count("/") == 2 else ""
+            plural = key.rsplit("/", 1)[-1]
+            raise k8s.KubernetesError(status=409, reason="Conflict", message=(
+                f'Operation cannot be fulfilled on {plural}{"." + group if group else ""} "{request.name}": '
+                "the object has been modified; please apply your changes to the latest version and try again"))
 
     def _jsonpatch_to_merge(self, request: kmock.Request) -> None:
         obj = self._stored(request)
