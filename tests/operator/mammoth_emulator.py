@@ -321,6 +321,8 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
     async def _serve_version(self, request: kmock.Request) -> Any:
         """Subresource entries (``x/status``) carry no short names or categories (kubectl warns otherwise)."""
         payload = await super()._serve_version(request)
+        if str(payload.get("groupVersion", "")).startswith("/"):
+            payload["groupVersion"] = payload["groupVersion"][1:]  # KMock 0.8 answers "/v1" for the core group
         for entry in payload["resources"]:
             if "/" in entry["name"]:
                 entry["shortNames"], entry["categories"] = [], []

@@ -1,0 +1,100 @@
+"""The emulator behaves like a real API server where the operator's faults live (with real kubectl)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import NAMESPACE, PIPELINES, child_path, example_pipeline, wait_for
+
+DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
+CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
+
+
+def _deployment(name: str, **spec) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "c", "image": "busybox:1"}]}}, **spec}}
+
+
+def test_apps_v1_defaulting_turns_null_replicas_into_one(api):
+    assert api.create(DEPLOYMENTS, _deployment("web", replicas=3)).status_code in (200, 201)
+    stored = api.child("Deployment", "web")
+    assert stored["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+    assert stored["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] == "/dev/termination-log"
+    assert api.patch(child_path("Deployment", "web"), {"spec": {"replicas": None}}).status_code == 200
+    assert api.child("Deployment", "web")["spec"]["replicas"] == 1
+
+
+def test_stale_resource_version_is_a_conflict(api):
+    assert api.create(CONFIGMAPS, {"metadata": {"name": "c"}, "data": {"a": "1"}}).status_code in (200, 201)
+    first = api.get(f"{CONFIGMAPS}/c")
+    assert api.patch(f"{CONFIGMAPS}/c", {"data": {"a": "2"}}).status_code == 200
+    stale = dict(first, data={"a": "3"})
+    r = api.http.put(f"{CONFIGMAPS}/c", json=stale)
+    assert r.status_code == 409 and r.json()["reason"] == "Conflict", r.text
+    fresh = api.get(f"{CONFIGMAPS}/c")
+    r = api.http.put(f"{CONFIGMAPS}/c", json=dict(fresh, data={"b": "4"}))
+    assert r.status_code == 200 and api.get(f"{CONFIGMAPS}/c")["data"] == {"b": "4"}
+
+
+def test_kubectl_get_shows_the_printer_columns(api, crd_installed, kubectl):
+    assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
+    api.patch(f"{PIPELINES}/tiny/status", {"status": {"conditions": [{"type": "Ready", "status": "True"}],
+                                                      "ar": {"ready": "1/1"}, "dit": {"ready": "0/1"},
+                                                      "endpoint": "http://tiny-gateway"}})
+    out = kubectl("get", "mmp").stdout.splitlines()
+    assert out[0].split() == ["NAME", "READY", "AR", "DIT", "ENDPOINT", "AGE"], out
+    assert out[1].split()[:5] == ["tiny", "True", "1/1", "0/1", "http://tiny-gateway"], out
+
+
+def test_background_and_foreground_deletion_collect_dependents(api, crd_installed, kubectl):
+    for name in ("bg", "fg"):
+        assert api.create(PIPELINES, example_pipeline(name)).status_code in (200, 201)
+        owner = api.pipeline(name)
+        ref = {"apiVersion": "mammoth.dev/v1alpha1", "kind": "MammothPipeline", "name": name,
+               "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        body = {"metadata": {"name": f"{name}-config", "ownerReferences": [ref], "finalizers": ["test/hold"]}}
+        assert api.create(CONFIGMAPS, body).status_code in (200, 201)
+    kubectl("delete", "mmp", "bg", "--wait=false")
+    assert api.pipeline("bg") is None  # background: the owner goes at once
+    wait_for(lambda: api.get(f"{CONFIGMAPS}/bg-config")["metadata"].get("deletionTimestamp"), what="dependent deleting")
+    kubectl("delete", "mmp", "fg", "--cascade=foreground", "--wait=false")
+    assert api.pipeline("fg")["metadata"]["finalizers"] == ["foregroundDeletion"]  # blocked by its dependent
+    for name in ("bg", "fg"):
+        api.patch(f"{CONFIGMAPS}/{name}-config", {"metadata": {"finalizers": None}})
+    assert api.get(f"{CONFIGMAPS}/bg-config") is None and api.get(f"{CONFIGMAPS}/fg-config") is None
+    assert api.pipeline("fg") is None
+
+
+def test_finalizers_block_namespace_deletion_until_removed(api, crd_installed, kubectl):
+    assert api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                             "metadata": {"name": "team-x"}}).status_code in (200, 201)
+    base = "/apis/mammoth.dev/v1alpha1/namespaces/team-x/mammothpipelines"
+    body = example_pipeline("held")
+    body["metadata"] = {"name": "held", "namespace": "team-x", "finalizers": ["mammoth.dev/finalizer"]}
+    assert api.create(base, body).status_code in (200, 201)
+    result = kubectl("delete", "ns", "team-x", "--timeout=2s", check=False)
+    assert result.returncode != 0  # a finalizer nobody removes holds the namespace
+    assert api.get("/api/v1/namespaces/team-x")["status"]["phase"] == "Terminating"
+    assert api.create(f"/api/v1/namespaces/team-x/configmaps", {"metadata": {"name": "x"}}).status_code == 403
+    api.patch(f"{base}/held", {"metadata": {"finalizers": None}})
+    wait_for(lambda: api.get("/api/v1/namespaces/team-x") is None, what="namespace gone")
+    assert NAMESPACE == "default"
+
+
+def test_block_owner_deletion_needs_update_on_the_owners_finalizers(api, crd_installed, emulator):
+    assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
+    owner = api.pipeline("tiny")
+    emulator.authorizer = lambda p: p[1] != "mammothpipelines/finalizers"
+    headers = {"Authorization": f"Bearer {emulator.subject_token}"}
+    ref = {"apiVersion": "mammoth.dev/v1alpha1", "kind": "MammothPipeline", "name": "tiny",
+           "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    r = api.http.post(CONFIGMAPS, json={"metadata": {"name": "owned", "ownerReferences": [ref]}}, headers=headers)
+    assert r.status_code == 403 and "blockOwnerDeletion" in r.json()["message"], r.text
+    assert ("mammoth.dev", "mammothpipelines/finalizers", "update", "default") in emulator.denied
+    r = api.http.post(CONFIGMAPS, json={"metadata": {"name": "owned", "ownerReferences": [dict(ref, blockOwnerDeletion=False)]}},
+                      headers=headers)
+    assert r.status_code in (200, 201), r.text
+    r = api.http.post(CONFIGMAPS, json={"metadata": {"name": "by-admin", "ownerReferences": [ref]}})
+    assert r.status_code in (200, 201), json.dumps(r.json())  # other identities are not restricted
