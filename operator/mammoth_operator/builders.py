@@ -8,11 +8,12 @@ Children of a pipeline ``N`` (deterministic names, :func:`child_names`):
 ==================  =========================================  ==========================
 name                kind                                       when
 ==================  =========================================  ==========================
+``N-stage-tokens``  Secret (per-role stage tokens)             unless ``roleTokensSecretRef``
 ``N-config``        ConfigMap (``pipeline.yaml``)              always
 ``N-ar``            Deployment, headless Service, PDB, HPA     PDB/HPA when enabled
 ``N-dit``           Deployment, headless Service, PDB, HPA     PDB/HPA when enabled
 ``N-gateway``       Deployment, Service, PDB                   PDB when enabled
-``N-stages``        NetworkPolicy                              ``spec.networkPolicy.enabled``
+``N-stages``        NetworkPolicy (AR, DiT and gateway pods)   ``spec.networkPolicy.enabled`` (default)
 ==================  =========================================  ==========================
 
 The ports, flags and settings keys follow the runtime contract (docs: helper-notes/RUNTIME_CONTRACT):
@@ -22,15 +23,19 @@ AR gRPC 50051 / metrics 9091, DiT gRPC 50052 / metrics 9092, gateway HTTP 8000; 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from mammoth_operator.spec import ROLE_TOKEN_KEYS, Disruption, Gateway, PipelineSpec, Placement, Rollout, Stage
+from mammoth_core.settings import ARSettings, DiTSettings, GatewaySettings
+from mammoth_operator.spec import (DEFAULT_REQUESTS, ROLE_TOKEN_KEYS, Disruption, Gateway, PipelineSpec, Placement,
+                                   Rollout, Stage)
 
 GROUP = "mammoth.dev"
 APP_NAME = "mammoth-pipeline"
@@ -57,13 +62,21 @@ GATEWAY_PORT = 8000
 PRESTOP_SLEEP_SECONDS = 5
 #: Extra grace on top of the drain (process exit, flushing logs).
 TERMINATION_SLACK_SECONDS = 15
+#: Longest ``terminationGracePeriodSeconds``: the cluster autoscaler's default
+#: ``--max-graceful-termination-sec`` (600 s); a longer grace is cut short by a scale-down anyway.
+MAX_TERMINATION_GRACE_SECONDS = 600
 #: Startup probe period; failureThreshold = ceil(startupTimeoutSeconds / period).
 STARTUP_PROBE_PERIOD_SECONDS = 10
 #: Non-root user of the images.
 RUN_AS_USER = 65532
 
-#: Annotation on pod templates: the ConfigMap's hash, so a config change rolls the pods.
+#: Annotation on pod templates: the hash of the settings *that component reads*, so an edit rolls
+#: exactly the components it concerns (``requestDefaults.steps`` rolls the gateway, not the GPUs).
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+#: Annotation on pod templates: the hash of the generated stage tokens, so a rotation rolls the pods.
+TOKENS_HASH_ANNOTATION = f"{GROUP}/stage-tokens-hash"
+#: Settings class of each component: the keys it reads from ``pipeline.yaml``.
+SETTINGS_CLASSES = {"ar": ARSettings, "dit": DiTSettings, "gateway": GatewaySettings}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +115,13 @@ class ChildNames:
     dit: str
     gateway: str
     network_policy: str
+    stage_tokens: str
 
 
 def child_names(name: str) -> ChildNames:
     """Deterministic child names of the pipeline ``name`` (at most 47 characters, so all stay DNS labels)."""
-    return ChildNames(f"{name}-config", f"{name}-ar", f"{name}-dit", f"{name}-gateway", f"{name}-stages")
+    return ChildNames(f"{name}-config", f"{name}-ar", f"{name}-dit", f"{name}-gateway", f"{name}-stages",
+                      f"{name}-stage-tokens")
 
 
 def selector_labels(name: str, component: str) -> dict[str, str]:
@@ -128,12 +143,15 @@ def labels(name: str, component: str) -> dict[str, str]:
 
 
 def drain_grace_seconds(spec: PipelineSpec) -> int:
-    """Drain grace of every pod: the longest request (``requestDefaults.requestTimeoutSeconds``)."""
-    return spec.request_defaults.request_timeout_seconds
+    """Drain grace of every pod: the longest request (``requestDefaults.requestTimeoutSeconds``), cut so
+    the whole termination grace fits :data:`MAX_TERMINATION_GRACE_SECONDS` (580 s at most)."""
+    longest = MAX_TERMINATION_GRACE_SECONDS - PRESTOP_SLEEP_SECONDS - TERMINATION_SLACK_SECONDS
+    return min(spec.request_defaults.request_timeout_seconds, longest)
 
 
 def termination_grace_seconds(spec: PipelineSpec) -> int:
-    """``terminationGracePeriodSeconds``: preStop sleep + drain of the longest request + slack."""
+    """``terminationGracePeriodSeconds``: preStop sleep + drain + slack, at most
+    :data:`MAX_TERMINATION_GRACE_SECONDS`."""
     return PRESTOP_SLEEP_SECONDS + drain_grace_seconds(spec) + TERMINATION_SLACK_SECONDS
 
 
@@ -213,9 +231,37 @@ def render_config(spec: PipelineSpec) -> str:
     return yaml.safe_dump(pipeline_config(spec), sort_keys=True)
 
 
-def config_hash(spec: PipelineSpec) -> str:
-    """First 16 hex digits of the SHA-256 of ``pipeline.yaml``."""
-    return hashlib.sha256(render_config(spec).encode()).hexdigest()[:16]
+def component_settings(spec: PipelineSpec, component: str) -> dict[str, Any]:
+    """The settings ``component`` reads from ``pipeline.yaml``: flat keys with its section merged on top
+    (as ``mammoth_core.settings.read_config_file`` does), only the keys its settings class declares."""
+    config = pipeline_config(spec)
+    merged = {k: v for k, v in config.items() if k not in SETTINGS_CLASSES} | dict(config.get(component) or {})
+    known = {f.name for f in dataclasses.fields(SETTINGS_CLASSES[component])}
+    return {k: v for k, v in merged.items() if k in known}
+
+
+def config_hash(spec: PipelineSpec, component: str) -> str:
+    """First 16 hex digits of the SHA-256 of the settings ``component`` reads (:func:`component_settings`)."""
+    return hashlib.sha256(canonical_json(component_settings(spec, component)).encode()).hexdigest()[:16]
+
+
+def tokens_hash(tokens: Mapping[str, str]) -> str:
+    """First 16 hex digits of the SHA-256 of the stage tokens (role -> token); rolls pods on rotation."""
+    return hashlib.sha256(canonical_json(dict(tokens)).encode()).hexdigest()[:16]
+
+
+def build_stage_tokens_secret(spec: PipelineSpec, tokens: Mapping[str, str]) -> Child:
+    """The generated per-role token Secret (keys ``gateway`` and ``ar``). ``data`` is create-only and the
+    Secret immutable: rotation is deleting it (the operator creates fresh tokens and the pods roll)."""
+    data = {ROLE_TOKEN_KEYS[role]: base64.b64encode(tokens[role].encode()).decode() for role in ROLE_TOKEN_KEYS}
+    return Child({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": child_names(spec.name).stage_tokens, "labels": labels(spec.name, "stage-tokens")},
+        "type": "Opaque",
+        "immutable": True,
+        "data": data,
+    }, create_only=(("data",),))
 
 
 def build_config_map(spec: PipelineSpec) -> dict[str, Any]:
@@ -231,11 +277,14 @@ def build_config_map(spec: PipelineSpec) -> dict[str, Any]:
 # Pods
 
 
-def _resources(placement: Placement, gpus: int) -> dict[str, Any]:
+def _resources(placement: Placement, gpus: int, container: str) -> dict[str, Any]:
+    """Requests/limits of one container: :data:`~mammoth_operator.spec.DEFAULT_REQUESTS` under the spec's."""
     result: dict[str, Any] = {}
     for section in ("requests", "limits"):
         # Quantities as strings, the way the API serves them back (and the typed client insists).
         values = {name: str(q) for name, q in placement.resources.get(section, {}).items()}
+        if section == "requests":
+            values = dict(DEFAULT_REQUESTS[container]) | values
         if gpus:
             values["nvidia.com/gpu"] = str(gpus)
         if values:
@@ -323,6 +372,7 @@ def _download_init_container(spec: PipelineSpec, stage: Stage) -> dict[str, Any]
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
+        "resources": {"requests": dict(DEFAULT_REQUESTS["download-model"])},
         "securityContext": _container_security(),
     }
 
@@ -331,6 +381,8 @@ def _pod_spec(spec: PipelineSpec, component: str, placement: Placement, containe
               init_containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
+        # No pod of a pipeline calls the Kubernetes API: no token in the pod at all.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True,
@@ -369,8 +421,11 @@ def _pod_spec(spec: PipelineSpec, component: str, placement: Placement, containe
 
 
 def _deployment(spec: PipelineSpec, component: str, name: str, replicas: int, rollout: Rollout,
-                placement: Placement, pod: dict[str, Any], progress_deadline: int) -> dict[str, Any]:
-    annotations = {**placement.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash(spec)}
+                placement: Placement, pod: dict[str, Any], progress_deadline: int,
+                stage_tokens: str | None) -> dict[str, Any]:
+    annotations = {**placement.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash(spec, component)}
+    if stage_tokens is not None:
+        annotations[TOKENS_HASH_ANNOTATION] = stage_tokens
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -392,13 +447,14 @@ def _deployment(spec: PipelineSpec, component: str, name: str, replicas: int, ro
     }
 
 
-def build_stage_deployment(spec: PipelineSpec, stage: Stage) -> Child:
+def build_stage_deployment(spec: PipelineSpec, stage: Stage, stage_tokens: str | None = None) -> Child:
     """The AR or DiT Deployment.
 
     Probes: a gRPC startup probe on the stage's health service tolerates ``startupTimeoutSeconds``
     of model loading; the gRPC readiness probe passes only while the stage is SERVING; liveness is a
     TCP check, so a draining stage (NOT_SERVING, port still open) is not killed mid-drain.
     With autoscaling on, ``spec.replicas`` is create-only: the HPA owns it afterwards.
+    ``stage_tokens`` is :func:`tokens_hash` of the generated token Secret (None: a user's Secret).
     """
     component = stage.component
     grpc_port, metrics_port = STAGE_PORTS[component]
@@ -437,20 +493,18 @@ def build_stage_deployment(spec: PipelineSpec, stage: Stage) -> Child:
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
-    resources = _resources(placement, stage.gpus)
-    if resources:
-        container["resources"] = resources
+    container["resources"] = _resources(placement, stage.gpus, component)
     init = [_download_init_container(spec, stage)] if spec.model.source.scheme == "hf" else []
     pod = _pod_spec(spec, component, placement, container, init, volumes)
     name = child_names(spec.name).ar if component == "ar" else child_names(spec.name).dit
     autoscaled = stage.autoscaling.enabled
     replicas = stage.autoscaling.min_replicas if autoscaled else stage.replicas
     manifest = _deployment(spec, component, name, replicas, stage.rollout, placement, pod,
-                           progress_deadline=stage.startup_timeout_seconds + 600)
+                           progress_deadline=stage.startup_timeout_seconds + 600, stage_tokens=stage_tokens)
     return Child(manifest, create_only=(("spec", "replicas"),) if autoscaled else ())
 
 
-def build_gateway_deployment(spec: PipelineSpec) -> Child:
+def build_gateway_deployment(spec: PipelineSpec, stage_tokens: str | None = None) -> Child:
     """The gateway Deployment (``/readyz`` is ready only once it reaches >= 1 AR and >= 1 DiT)."""
     gw: Gateway = spec.gateway
     placement = gw.placement
@@ -471,12 +525,10 @@ def build_gateway_deployment(spec: PipelineSpec) -> Child:
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     }
-    resources = _resources(placement, 0)
-    if resources:
-        container["resources"] = resources
+    container["resources"] = _resources(placement, 0, "gateway")
     pod = _pod_spec(spec, "gateway", placement, container, [], volumes)
     manifest = _deployment(spec, "gateway", child_names(spec.name).gateway, gw.replicas, gw.rollout,
-                           placement, pod, progress_deadline=600)
+                           placement, pod, progress_deadline=600, stage_tokens=stage_tokens)
     return Child(manifest)
 
 
@@ -578,8 +630,9 @@ def build_hpa(spec: PipelineSpec, stage: Stage) -> Child:
 
 
 def build_network_policy(spec: PipelineSpec) -> Child:
-    """Ingress of the stage pods: the gateway reaches the AR and DiT gRPC ports, AR pods reach the DiT
-    gRPC port, the ``networkPolicy.monitoring`` peer (if any) reaches the metrics ports; nothing else.
+    """Ingress of the pipeline's pods: the gateway reaches the AR and DiT gRPC ports, AR pods reach the DiT
+    gRPC port, the ``networkPolicy.monitoring`` peer (if any) reaches the metrics ports, anyone reaches
+    the gateway's HTTP port (the endpoint; its ``/metrics`` too); nothing else.
 
     One policy serves both stages because their ports differ (AR 50051/9091, DiT 50052/9092): the
     rule "AR pods -> 50052" can only ever admit traffic to DiT pods. Which RPC a caller may use is
@@ -592,6 +645,7 @@ def build_network_policy(spec: PipelineSpec) -> Child:
          "ports": [{"protocol": "TCP", "port": ar_grpc}, {"protocol": "TCP", "port": dit_grpc}]},
         {"from": [{"podSelector": {"matchLabels": selector_labels(spec.name, "ar")}}],
          "ports": [{"protocol": "TCP", "port": dit_grpc}]},
+        {"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]},
     ]
     if spec.monitoring_peer is not None:
         ingress.append({"from": [dict(spec.monitoring_peer)],
@@ -603,7 +657,8 @@ def build_network_policy(spec: PipelineSpec) -> Child:
         "spec": {
             "podSelector": {
                 "matchLabels": base,
-                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["ar", "dit"]}],
+                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                      "values": ["ar", "dit", "gateway"]}],
             },
             "policyTypes": ["Ingress"],
             "ingress": ingress,
@@ -611,17 +666,28 @@ def build_network_policy(spec: PipelineSpec) -> Child:
     })
 
 
-def build_children(spec: PipelineSpec) -> list[Child]:
-    """The full desired set of children, in apply order (config and Services before the pods using them)."""
+def build_children(spec: PipelineSpec, tokens: Mapping[str, str] | None = None) -> list[Child]:
+    """The full desired set of children, in apply order (Secret, config and Services before the pods).
+
+    ``tokens`` (role -> token) are the generated stage tokens: those of the existing Secret, or fresh
+    ones for its creation. Required when ``spec.transport.generated_role_tokens``.
+    """
     names = child_names(spec.name)
-    children = [
+    children: list[Child] = []
+    stage_tokens = None
+    if spec.transport.generated_role_tokens:
+        if tokens is None:
+            raise ValueError("build_children: the generated stage tokens are required")
+        children.append(build_stage_tokens_secret(spec, tokens))
+        stage_tokens = tokens_hash(tokens)
+    children += [
         Child(build_config_map(spec)),
         build_stage_service(spec, spec.ar),
         build_stage_service(spec, spec.dit),
         build_gateway_service(spec),
-        build_stage_deployment(spec, spec.ar),
-        build_stage_deployment(spec, spec.dit),
-        build_gateway_deployment(spec),
+        build_stage_deployment(spec, spec.ar, stage_tokens),
+        build_stage_deployment(spec, spec.dit, stage_tokens),
+        build_gateway_deployment(spec, stage_tokens),
     ]
     for component, name, disruption in (("ar", names.ar, spec.ar.disruption), ("dit", names.dit, spec.dit.disruption),
                                         ("gateway", names.gateway, spec.gateway.disruption)):
@@ -638,7 +704,7 @@ def build_children(spec: PipelineSpec) -> list[Child]:
 def unwanted_children(spec: PipelineSpec) -> list[ChildRef]:
     """Optional children this spec does not want (disabled PDB/HPA/NetworkPolicy): to delete if present."""
     names = child_names(spec.name)
-    wanted = {(c.kind, c.name) for c in build_children(spec)}
+    wanted = {(c.kind, c.name) for c in build_children(spec, {role: "" for role in ROLE_TOKEN_KEYS})}
     optional = [
         ChildRef("policy/v1", "PodDisruptionBudget", names.ar),
         ChildRef("policy/v1", "PodDisruptionBudget", names.dit),

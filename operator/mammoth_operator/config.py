@@ -8,7 +8,8 @@ variable                            meaning                                     
 ``MAMMOTH_OPERATOR_AR_IMAGE``       full default AR image (overrides the two above)  ``<registry>/mammoth-ar:<tag>``
 ``MAMMOTH_OPERATOR_DIT_IMAGE``      full default DiT image                           ``<registry>/mammoth-dit:<tag>``
 ``MAMMOTH_OPERATOR_GATEWAY_IMAGE``  full default gateway image                       ``<registry>/mammoth-gateway:<tag>``
-``MAMMOTH_OPERATOR_STATUS_INTERVAL`` seconds between status refreshes                ``10``
+``MAMMOTH_OPERATOR_PROBE_STALE``    seconds without a successful reconcile or API    ``300``
+                                    call before ``/healthz`` fails
 ==================================  ===============================================  =====================
 """
 
@@ -37,24 +38,26 @@ class OperatorConfig:
     """Settings of one operator process.
 
     ``images`` maps ``ar``/``dit``/``gateway`` to the image used when a pipeline leaves ``image`` empty.
-    ``status_interval_seconds`` is the period of the status timer. Watch timeouts are in seconds:
+    ``probe_stale_seconds``: the liveness probe fails when no reconcile or API call succeeded for
+    that long (or one run takes that long). ``request_timeout`` bounds every API call (seconds).
+    Watch timeouts are in seconds:
     the server closes a watch after ``watch_server_timeout`` and the client gives up after
     ``watch_client_timeout`` (then kopf re-lists), so a silently dropped connection heals.
     """
 
     images: Mapping[str, str]
-    status_interval_seconds: float = 10.0
+    probe_stale_seconds: float = 300.0
     watch_server_timeout: float = 300.0
     watch_client_timeout: float = 330.0
     watch_connect_timeout: float = 10.0
-    request_timeout: float = 60.0
+    request_timeout: float = 30.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
         """Build from ``MAMMOTH_OPERATOR_*`` variables (see the module docstring).
 
         Raises:
-            ValueError: ``MAMMOTH_OPERATOR_STATUS_INTERVAL`` is not a positive number.
+            ValueError: ``MAMMOTH_OPERATOR_PROBE_STALE`` is not a positive number.
         """
         env = os.environ if environ is None else environ
         tag = env.get("MAMMOTH_OPERATOR_IMAGE_TAG") or _package_version()
@@ -63,11 +66,11 @@ class OperatorConfig:
             component: env.get(f"MAMMOTH_OPERATOR_{component.upper()}_IMAGE") or f"{registry}/mammoth-{component}:{tag}"
             for component in ("ar", "dit", "gateway")
         }
-        raw = env.get("MAMMOTH_OPERATOR_STATUS_INTERVAL") or "10"
+        raw = env.get("MAMMOTH_OPERATOR_PROBE_STALE") or "300"
         try:
-            interval = float(raw)
+            stale = float(raw)
         except ValueError:
-            raise ValueError(f"MAMMOTH_OPERATOR_STATUS_INTERVAL must be a number of seconds, got {raw!r}") from None
-        if interval <= 0:
-            raise ValueError(f"MAMMOTH_OPERATOR_STATUS_INTERVAL must be positive, got {raw!r}")
-        return cls(images=images, status_interval_seconds=interval)
+            raise ValueError(f"MAMMOTH_OPERATOR_PROBE_STALE must be a number of seconds, got {raw!r}") from None
+        if stale <= 0:
+            raise ValueError(f"MAMMOTH_OPERATOR_PROBE_STALE must be positive, got {raw!r}")
+        return cls(images=images, probe_stale_seconds=stale)

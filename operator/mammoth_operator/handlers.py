@@ -2,11 +2,18 @@
 
 One concern per handler:
 
-* :func:`configure` (startup): kopf settings (own finalizer and annotation prefixes, progress kept in
-  annotations, watch timeouts, events) and the API client.
-* :func:`reconcile` (create, update, resume): validate the spec, build the full desired set of
-  children, create or patch them, write ``observedGeneration`` and the conditions.
-* :func:`report_status` (timer): refresh the status from the observed children.
+* :func:`configure` (startup): kopf settings (annotation prefixes, progress kept in annotations,
+  watch and request timeouts, events) and the API client with a timeout on every call.
+* :func:`reconcile` (create, update, resume of a pipeline): one :func:`~mammoth_operator.reconcile.converge`
+  with kopf's retries: an invalid spec fails permanently (until the spec changes); a refused or
+  failed apply (403, 409, 422, 5xx, timeouts) and a name conflict are retried with backoff.
+* :func:`observe_child` (every event of an owned child: Deployments, Services, ConfigMaps, Secrets,
+  PDBs, HPAs, NetworkPolicies with our ``managed-by`` label): converge the owning pipeline again, so
+  a child deleted or edited by hand is repaired within seconds and the status follows the
+  Deployments' status. No timer and no deletion handler: kopf puts no finalizer on pipelines, so
+  deleting a pipeline (or its namespace, or the CRD) never waits for the operator.
+* :func:`probe_progress` (liveness): fails when no reconcile or API call succeeded for
+  ``probe_stale_seconds`` or one run takes that long, so the kubelet restarts a stuck operator.
 
 Handlers are registered on an explicit registry by :func:`register`, so the process entry point (and
 the tests) choose the settings; nothing registers on import.
@@ -14,7 +21,6 @@ the tests) choose the settings; nothing registers on import.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -22,49 +28,25 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from mammoth_operator import builders, kube, metrics
-from mammoth_operator import status as pipeline_status
+from mammoth_operator import builders, kube, metrics, reconcile as convergence
 from mammoth_operator.config import GROUP, PLURAL, VERSION, OperatorConfig
-from mammoth_operator.spec import InvalidSpec, PipelineSpec, parse_spec
+from mammoth_operator.spec import InvalidSpec
 
-FINALIZER = f"{GROUP}/finalizer"
-#: Seconds before retrying an apply the API server refused for a transient reason.
-APPLY_RETRY_DELAY = 10
-
-
-def observe(children: kube.Children, namespace: str, name: str, autoscaled: frozenset[str]) -> pipeline_status.Observed:
-    """Read the children the status is computed from: three Deployments and the gateway Service."""
-    names = builders.child_names(name)
-    deployments = {
-        component: children.read("apps/v1", "Deployment", namespace, child)
-        for component, child in (("ar", names.ar), ("dit", names.dit), ("gateway", names.gateway))
-    }
-    service = children.read("v1", "Service", namespace, names.gateway)
-    return pipeline_status.Observed(deployments=deployments, gateway_service=service, autoscaled=autoscaled)
+FINALIZER = f"{GROUP}/finalizer"  # kept for the settings; no handler requires a finalizer
+#: First retry delay (seconds) of a failed apply; doubled per retry up to :data:`MAX_RETRY_DELAY`.
+APPLY_RETRY_DELAY = 2.0
+MAX_RETRY_DELAY = 300.0
+#: Seconds the liveness probe's own API call may take.
+PROBE_TIMEOUT_SECONDS = 5.0
+#: Kinds of children whose events trigger a convergence of their pipeline (kopf resource selectors).
+CHILD_RESOURCES = (("v1", "configmaps"), ("v1", "services"), ("v1", "secrets"), ("apps/v1", "deployments"),
+                   ("policy/v1", "poddisruptionbudgets"), ("autoscaling/v2", "horizontalpodautoscalers"),
+                   ("networking.k8s.io/v1", "networkpolicies"))
 
 
-def _autoscaled(spec: PipelineSpec) -> frozenset[str]:
-    return frozenset(stage.component for stage in (spec.ar, spec.dit) if stage.autoscaling.enabled)
-
-
-def status_changes(current: Mapping[str, Any] | None, generation: int, observed_generation: int | None,
-                   observed: pipeline_status.Observed, problem: pipeline_status.Problem | None,
-                   applied: bool) -> dict[str, Any]:
-    """The status keys that changed (empty when nothing changed).
-
-    ``current`` must be a snapshot taken when the handler started (kopf's ``status`` is a live view).
-    Only the reconcile (``applied``) writes ``observedGeneration``; the timer never moves it.
-    """
-    desired = pipeline_status.compute_status(generation, observed_generation, observed, problem)
-    desired["conditions"] = pipeline_status.merge_conditions((current or {}).get("conditions"), desired["conditions"],
-                                                             pipeline_status.now_iso())
-    if applied:
-        desired["observedGeneration"] = generation
-    return pipeline_status.status_changes(current, desired)
-
-
-def _snapshot(status: Mapping[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(dict(status))
+def backoff(retry: int) -> float:
+    """Delay before retry number ``retry`` (0-based): 2, 4, 8 ... seconds, at most 300."""
+    return min(APPLY_RETRY_DELAY * 2 ** retry, MAX_RETRY_DELAY)
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: OperatorConfig, **_: Any) -> None:
@@ -80,89 +62,116 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: Operator
     settings.posting.reporting_component = "mammoth-operator"
     settings.execution.max_workers = 8
     memo.config = config
-    memo.children = kube.Children(kube.new_api_client())
+    memo.children = kube.Children(kube.new_api_client(), timeout=config.request_timeout)
+    memo.serializer = convergence.Serializer()
+    memo.health = convergence.Health()
 
 
-def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
-              uid: str, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Level-triggered reconcile for create, update and resume: make the children equal the spec.
-
-    Raises:
-        kopf.PermanentError: the spec is invalid or the API server rejected a child as invalid
-            (reported as ``Degraded`` with a reason; retried only when the spec changes).
-        kopf.TemporaryError: a transient API failure (retried after :data:`APPLY_RETRY_DELAY`).
-    """
-    config: OperatorConfig = memo.config
-    children: kube.Children = memo.children
-    current = _snapshot(status)
-    generation = int(meta.get("generation") or 1)
-    try:
-        pipeline = parse_spec(name, namespace, spec, config.images)
-    except InvalidSpec as e:
-        problem = pipeline_status.Problem("InvalidSpec", str(e))
-        observed = observe(children, namespace, name, frozenset())
-        # kopf drops a failed handler's patch: write this status directly, then fail permanently.
-        children.patch_pipeline_status(namespace, name, status_changes(
-            current, generation, generation, observed, problem, applied=True))
-        kopf.warn(body, reason="InvalidSpec", message=str(e))
-        raise kopf.PermanentError(f"invalid spec: {e}") from e
-
-    desired = builders.build_children(pipeline)
-    kopf.adopt([child.manifest for child in desired], owner=body)
-    try:
-        results = [kube.apply(children, child) for child in desired]
-        deleted = kube.delete_unwanted(children, namespace, uid, builders.unwanted_children(pipeline))
-    except ApiException as e:
-        message = f"{e.status} {e.reason}: {(e.body or '')[:500]}"
-        permanent = e.status in (400, 403, 422)
-        problem = pipeline_status.Problem("ApplyFailed", message)
-        children.patch_pipeline_status(namespace, name, status_changes(
-            current, generation, current.get("observedGeneration"),
-            observe(children, namespace, name, _autoscaled(pipeline)), problem, applied=False))
-        kopf.warn(body, reason="ApplyFailed", message=message)
-        if permanent:
-            raise kopf.PermanentError(f"applying children failed: {message}") from e
-        raise kopf.TemporaryError(f"applying children failed: {message}", delay=APPLY_RETRY_DELAY) from e
-
-    for result in results:
+def _announce(body: kopf.Body, outcome: convergence.Outcome, name: str) -> None:
+    for result in outcome.results:
         if result.action == "created":
             kopf.info(body, reason="Created", message=f"Created {result.kind} {result.name}")
         elif result.action == "patched":
             fields = ", ".join(sorted(_paths(result.patch or {})))[:300]
             kopf.info(body, reason="Updated", message=f"Updated {result.kind} {result.name}: {fields}")
-    for ref in deleted:
+        if result.kind == "HorizontalPodAutoscaler" and result.action == "created":
+            kopf.info(body, reason="Autoscaling", message=f"replicas of Deployment {result.name} are owned by "
+                                                          f"HorizontalPodAutoscaler {result.name}")
+    for ref in outcome.deleted:
         kopf.info(body, reason="Deleted", message=f"Deleted {ref.kind} {ref.name} (disabled in the spec)")
-    for stage in (pipeline.ar, pipeline.dit):
-        if stage.autoscaling.enabled and any(r.kind == "HorizontalPodAutoscaler" and r.action == "created" for r in results):
-            kopf.info(body, reason="Autoscaling",
-                      message=f"{stage.component} replicas are owned by HorizontalPodAutoscaler "
-                              f"{getattr(builders.child_names(name), stage.component)}")
-    changed = [r for r in results if r.action != "unchanged"]
-    logger.info("Reconciled generation %s: %d children, %d changed.", generation, len(results), len(changed))
-    patch.status.update(status_changes(current, generation, generation,
-                                       observe(children, namespace, name, _autoscaled(pipeline)), None, applied=True))
 
 
-def report_status(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
-                  patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    """Refresh conditions, replica counts and the endpoint from the children (never touches them)."""
+def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger,
+              retry: int = 0, **_: Any) -> None:
+    """Level-triggered reconcile for create, update and resume: make the children equal the spec.
+
+    Raises:
+        kopf.PermanentError: the spec is invalid (``Degraded/InvalidSpec``; retried when it changes).
+        kopf.TemporaryError: a name conflict or a refused/failed API call (``Degraded/NameConflict`` or
+            ``Degraded/ApplyFailed``), retried after :func:`backoff` seconds.
+    """
     config: OperatorConfig = memo.config
-    current = _snapshot(status)
-    generation = int(meta.get("generation") or 1)
-    observed_generation = current.get("observedGeneration")
-    problem: pipeline_status.Problem | None = None
-    autoscaled: frozenset[str] = frozenset()
+    with memo.serializer.exclusive((namespace, name)), memo.health.running():
+        try:
+            outcome = convergence.converge(memo.children, body, config.images)
+        except InvalidSpec as e:
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            raise kopf.PermanentError(f"invalid spec: {e}") from e
+        except kube.NameConflict as e:
+            kopf.warn(body, reason="NameConflict", message=str(e))
+            raise kopf.TemporaryError(f"name conflict: {e}", delay=backoff(retry + 3)) from e
+        except ApiException as e:
+            if e.status == 400:  # a manifest the server cannot parse: only a spec change helps
+                kopf.warn(body, reason="ApplyFailed", message=convergence.describe(e))
+                raise kopf.PermanentError(f"applying children failed: {convergence.describe(e)}") from e
+            kopf.warn(body, reason="ApplyFailed", message=convergence.describe(e))
+            raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
+        except Exception as e:  # timeouts, connection errors
+            raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
+    memo.health.succeeded()
+    _announce(body, outcome, name)
+    changed = [r for r in outcome.results if r.action != "unchanged"]
+    logger.info("Reconciled generation %s: %d children, %d changed.", body["metadata"].get("generation"),
+                len(outcome.results), len(changed))
+
+
+def owner_name(body: Mapping[str, Any]) -> str | None:
+    """Name of the MammothPipeline controlling a child (from its owner references), or None."""
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == "MammothPipeline" and ref.get("apiVersion", "").startswith(f"{GROUP}/") and ref.get("controller"):
+            return str(ref.get("name"))
+    return None
+
+
+def _repair(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
+    config: OperatorConfig = memo.config
+    with memo.health.running():
+        body = memo.children.read_pipeline(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        if (body.get("status") or {}).get("observedGeneration") != int(body["metadata"].get("generation") or 1):
+            return  # the pipeline's own handler has this generation (with kopf's retries)
+        try:
+            outcome = convergence.converge(memo.children, body, config.images)
+        except (InvalidSpec, kube.NameConflict) as e:
+            logger.warning("Pipeline %s/%s not repaired: %s", namespace, name, e)
+            return
+    memo.health.succeeded()
+    for result in outcome.results:
+        if result.action != "unchanged":
+            kopf.warn(body, reason="Repaired", message=f"{result.action.capitalize()} {result.kind} {result.name} "
+                                                       "(it drifted from the spec)")
+
+
+def observe_child(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo, logger: logging.Logger,
+                  **_: Any) -> None:
+    """An owned child changed or went away: converge its pipeline (coalesced per pipeline)."""
+    name = owner_name(body) or (body.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/instance")
+    if type is None or not name:
+        return  # the initial listing: resume handlers converge every pipeline anyway
     try:
-        autoscaled = _autoscaled(parse_spec(name, namespace, spec, config.images))
-    except InvalidSpec as e:
-        problem = pipeline_status.Problem("InvalidSpec", str(e))
+        memo.serializer.request((namespace, name), lambda: _repair(memo, namespace, name, logger))
+    except Exception as e:  # the status says Degraded/ApplyFailed; the next event or retry repairs
+        logger.warning("Repairing %s/%s failed: %s", namespace, name, convergence.describe(e))
+
+
+def probe_progress(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    """Liveness: one cheap API call, then the freshness of the last success.
+
+    Raises:
+        kopf.PermanentError: stuck (``/healthz`` answers 500 and the kubelet restarts the pod).
+    """
+    config: OperatorConfig = memo.config
+    try:
+        memo.children.ping(min(PROBE_TIMEOUT_SECONDS, config.request_timeout))
+    except Exception as e:  # noqa: BLE001 - a failed call only makes the success older
+        logging.getLogger(__name__).warning("liveness: the API server did not answer: %s", convergence.describe(e))
     else:
-        degraded = pipeline_status.condition(current, "Degraded")
-        if (degraded and degraded.get("reason") == "ApplyFailed"
-                and (observed_generation is None or observed_generation < generation)):
-            problem = pipeline_status.Problem("ApplyFailed", str(degraded.get("message") or ""))
-    patch.status.update(status_changes(current, generation, observed_generation,
-                                       observe(memo.children, namespace, name, autoscaled), problem, applied=False))
+        memo.health.succeeded()
+    problem = memo.health.problem(config.probe_stale_seconds)
+    if problem is not None:
+        raise kopf.PermanentError(problem)
+    return {"ok": True}
 
 
 def _paths(patch: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -194,6 +203,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     kopf.on.resume(*resource, registry=registry, id="reconcile")(reconcile_timed)
     kopf.on.create(*resource, registry=registry, id="reconcile")(reconcile_timed)
     kopf.on.update(*resource, registry=registry, id="reconcile")(reconcile_timed)
-    kopf.timer(*resource, registry=registry, id="report_status", interval=config.status_interval_seconds,
-               initial_delay=min(1.0, config.status_interval_seconds))(metrics.timed("report_status")(report_status))
+    observe_timed = metrics.timed("observe_child")(observe_child)
+    for api_version, plural in CHILD_RESOURCES:
+        kopf.on.event(api_version, plural, registry=registry, id=f"observe_{plural}",
+                      labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY})(observe_timed)
+    kopf.on.probe(registry=registry, id="progress")(probe_progress)
     return registry

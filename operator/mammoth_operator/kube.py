@@ -8,13 +8,19 @@ wants are removed (``null`` in the patch): the previous desired state is kept in
 
 A field the server defaults (``terminationMessagePath``, ``protocol`` ...) is not a difference: the
 observed value only has to *contain* the desired one. Lists are compared item by item and replaced as
-a whole when they differ (merge-patch semantics).
+a whole when they differ (merge-patch semantics). A create-only field (``spec.replicas`` under an
+HPA) is never in a patch, not even as ``null`` (a real server defaults a null ``replicas`` to 1).
+
+An object with a child's name that this pipeline does not control (no owner reference with its uid
+and ``controller: true``) is never patched: :class:`NameConflict`. Every API call carries a request
+timeout (``Children(timeout=...)``), so a stuck API server fails the call instead of hanging it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -36,6 +42,7 @@ _MISSING = object()
 # (apiVersion, kind) -> (API class, method suffix of its namespaced operations)
 _APIS: dict[tuple[str, str], tuple[type, str]] = {
     ("v1", "ConfigMap"): (kubernetes.client.CoreV1Api, "config_map"),
+    ("v1", "Secret"): (kubernetes.client.CoreV1Api, "secret"),
     ("v1", "Service"): (kubernetes.client.CoreV1Api, "service"),
     ("apps/v1", "Deployment"): (kubernetes.client.AppsV1Api, "deployment"),
     ("policy/v1", "PodDisruptionBudget"): (kubernetes.client.PolicyV1Api, "pod_disruption_budget"),
@@ -54,21 +61,46 @@ class ApplyResult:
     patch: Mapping[str, Any] | None = None
 
 
+class NameConflict(Exception):
+    """An object with a child's name exists and this pipeline does not control it (never taken over)."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(f"{kind} {name} exists and is not owned by this pipeline; delete or rename it")
+        self.kind = kind
+        self.name = name
+
+
+def controlled_by(observed: Mapping[str, Any], owner_uid: str) -> bool:
+    """True when ``observed`` has an owner reference with ``owner_uid`` and ``controller: true``."""
+    owners = (observed.get("metadata") or {}).get("ownerReferences") or []
+    return any(o.get("uid") == owner_uid and o.get("controller") for o in owners)
+
+
 def new_api_client() -> kubernetes.client.ApiClient:
-    """An API client from the in-cluster service account, else from the kubeconfig (``KUBECONFIG``)."""
+    """An API client from the in-cluster service account, else from the kubeconfig (``KUBECONFIG``).
+
+    No transparent urllib3 retries: a timed-out call fails after one timeout and the handler's own
+    backoff decides what happens next (a retry per call would multiply every timeout by four).
+    """
     configuration = kubernetes.client.Configuration()
     try:
         kubernetes.config.load_incluster_config(client_configuration=configuration)
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config(client_configuration=configuration)
+    configuration.retries = 0
     return kubernetes.client.ApiClient(configuration)
 
 
 class Children:
-    """Typed access to the kinds of children a pipeline has, by (apiVersion, kind)."""
+    """Typed access to the kinds of children a pipeline has, by (apiVersion, kind).
 
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+    ``timeout`` (seconds) bounds every call: connect and read (``_request_timeout``); a call past it
+    raises ``urllib3`` timeout errors (the handlers retry them like a 5xx answer).
+    """
+
+    def __init__(self, api_client: kubernetes.client.ApiClient, timeout: float = 30.0) -> None:
         self.api_client = api_client
+        self.timeout = timeout
         self._apis: dict[type, Any] = {}
 
     def _method(self, api_version: str, kind: str, verb: str) -> Any:
@@ -78,7 +110,24 @@ class Children:
             raise ValueError(f"unsupported child kind {api_version}/{kind}") from None
         if cls not in self._apis:
             self._apis[cls] = cls(self.api_client)
-        return getattr(self._apis[cls], f"{verb}_namespaced_{suffix}")
+        method = getattr(self._apis[cls], f"{verb}_namespaced_{suffix}")
+        return functools.partial(method, _request_timeout=self.timeout)
+
+    def ping(self, timeout: float) -> None:
+        """One cheap call (``GET /version``) proving the API server answers within ``timeout`` seconds."""
+        kubernetes.client.VersionApi(self.api_client).get_code(_request_timeout=timeout)
+
+    def read_pipeline(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The MammothPipeline as served, or None when it does not exist."""
+        api = kubernetes.client.CustomObjectsApi(self.api_client)
+        try:
+            response = api.get_namespaced_custom_object(PIPELINE_GROUP, PIPELINE_VERSION, namespace, PIPELINE_PLURAL,
+                                                        name, _preload_content=False, _request_timeout=self.timeout)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return json.loads(response.data)
 
     def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as a plain dict (camelCase, as served), or None when it does not exist."""
@@ -107,7 +156,7 @@ class Children:
         api = kubernetes.client.CustomObjectsApi(self.api_client)
         api.patch_namespaced_custom_object_status(
             PIPELINE_GROUP, PIPELINE_VERSION, namespace, PIPELINE_PLURAL, name, {"status": dict(status)},
-            _content_type=MERGE_PATCH, _preload_content=False)
+            _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self.timeout)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete if present; True when something was deleted."""
@@ -185,28 +234,32 @@ def _with_last_applied(managed: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
-def apply(children: Children, child: Child) -> ApplyResult:
+def apply(children: Children, child: Child, observed: Mapping[str, Any] | None, owner_uid: str) -> ApplyResult:
     """Create ``child`` or patch the fields that differ; never touches its ``create_only`` fields once created.
 
-    The manifest must carry ``metadata.namespace`` (``kopf.adopt`` sets it).
+    ``observed`` is the object as read (None: absent). The manifest must carry ``metadata.namespace``
+    (``kopf.adopt`` sets it).
 
     Raises:
+        NameConflict: ``observed`` exists and is not controlled by ``owner_uid``.
         kubernetes.client.exceptions.ApiException: the API server refused (other than 404 on read).
     """
     manifest = child.manifest
     api_version, kind = manifest["apiVersion"], manifest["kind"]
     namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     managed = _with_last_applied(_without(manifest, child.create_only))
-    observed = children.read(api_version, kind, namespace, name)
     if observed is None:
         children.create(copy.deepcopy(dict(manifest)) | {"metadata": managed["metadata"]})
         return ApplyResult(kind, name, "created")
+    if not controlled_by(observed, owner_uid):
+        raise NameConflict(kind, name)
     raw_last = (observed.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED_ANNOTATION)
     try:
         last = json.loads(raw_last) if raw_last else {}
     except ValueError:
         last = {}
-    patch = merge_patch(last, managed, observed)
+    # A create-only field recorded before it became create-only must not turn into a null.
+    patch = merge_patch(_without(last, child.create_only), managed, observed)
     if not patch:
         return ApplyResult(kind, name, "unchanged")
     children.patch(api_version, kind, namespace, name, patch)
@@ -220,8 +273,7 @@ def delete_unwanted(children: Children, namespace: str, owner_uid: str, refs: li
         observed = children.read(ref.api_version, ref.kind, namespace, ref.name)
         if observed is None:
             continue
-        owners = observed.get("metadata", {}).get("ownerReferences") or []
-        if any(o.get("uid") == owner_uid and o.get("controller") for o in owners):
+        if controlled_by(observed, owner_uid):
             if children.delete(ref.api_version, ref.kind, namespace, ref.name):
                 deleted.append(ref)
     return deleted

@@ -5,8 +5,8 @@
   (`kopf.TemporaryError`: transient API failure), ``error`` (anything else).
 - ``mammoth_operator_reconcile_duration_seconds{handler,result}``: how long each run took.
 
-``handler`` is the kopf handler id: ``reconcile`` (create/update/resume) or ``report_status`` (the
-status timer).
+``handler`` is the kopf handler id: ``reconcile`` (create/update/resume of a pipeline) or
+``observe_child`` (an event of an owned child: repair and status).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ MODEL_SOURCE_RE = re.compile(
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*|file:///.+"
     r"|hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?|builtin://tiny)$"
 )
+#: An ``hf://`` revision the operator accepts: a full 40-hex commit sha, or a release tag
+#: (``v1.2``, ``1.0.0-rc1``). A branch name (``main``) moves under a running pipeline; refused.
+#: The same regular expression as the CRD's CEL rule.
+HF_REVISION_RE = re.compile(r"^([0-9a-f]{40}|v?[0-9]+(\.[0-9]+)*([-+.][A-Za-z0-9.]+)*)$")
 #: A Kubernetes resource quantity (the API server's grammar).
 QUANTITY_RE = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 #: Longest pipeline name: children append up to ``-gateway`` (8 characters) and must stay DNS labels.
@@ -145,8 +149,11 @@ class Transport:
     max_message_bytes: int
     auth_token: SecretRef | None
     #: Secret with per-role stage tokens (keys `ROLE_TOKEN_KEYS`): the gateway's token calls AR.Generate
-    #: and DiT.Generate, the AR's token calls DiT.PushConditions, nothing else.
+    #: and DiT.Generate, the AR's token calls DiT.PushConditions, nothing else. Always set: the
+    #: user's ``roleTokensSecretRef``, else the Secret the operator generates (``<name>-stage-tokens``).
     role_tokens: str | None = None
+    #: True when ``role_tokens`` is the operator's generated Secret (created, owned, rotated by deletion).
+    generated_role_tokens: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +231,20 @@ DEFAULTS: dict[str, Any] = {
     "runtime.dtype": "auto",
     "logging.format": "json",
     "logging.level": "info",
-    "networkPolicy.enabled": False,
+    "networkPolicy.enabled": True,
 }
+
+#: Default resource requests (CPU cores, memory) of each container, so no pod is BestEffort: the
+#: stages hold the model in host memory while loading it (safetensors mmap, then copy to the GPU).
+#: A pipeline's ``resources.requests`` override them key by key (docs/OPERATOR.md).
+DEFAULT_REQUESTS: dict[str, dict[str, str]] = {
+    "ar": {"cpu": "4", "memory": "32Gi"},
+    "dit": {"cpu": "4", "memory": "32Gi"},
+    "gateway": {"cpu": "500m", "memory": "512Mi"},
+    "download-model": {"cpu": "1", "memory": "2Gi"},
+}
+#: Suffix of the generated per-role token Secret's name.
+ROLE_TOKENS_SUFFIX = "-stage-tokens"
 
 
 def parse_model_source(uri: str) -> ModelSource:
@@ -249,6 +268,9 @@ def parse_model_source(uri: str) -> ModelSource:
         if "@" not in rest:
             raise InvalidSpec("spec.model.source", "hf:// sources must pin a revision: hf://<org>/<repo>@<revision>")
         repo, revision = rest.split("@", 1)
+        if not HF_REVISION_RE.match(revision):
+            raise InvalidSpec("spec.model.source", f"hf:// revision {revision!r} must be a 40-hex commit sha or a "
+                                                   "release tag such as v1.0 (a branch moves under a running pipeline)")
         return ModelSource(uri, scheme, repo=repo, revision=revision)
     return ModelSource(uri, scheme, path=rest)
 
@@ -348,7 +370,7 @@ ROLE_TOKEN_KEYS = {"gateway": "gateway", "ar": "ar"}
 
 
 def _role_tokens(tr: _Reader) -> str | None:
-    """Name of the per-role token Secret, or None."""
+    """Name of the user's per-role token Secret, or None (the operator then generates one)."""
     if tr.data.get("roleTokensSecretRef") is None:
         return None
     ref = tr.sub("roleTokensSecretRef")
@@ -396,7 +418,12 @@ def _rollout(r: _Reader, surge: int, unavailable: int) -> Rollout:
 
 
 def _disruption(r: _Reader) -> Disruption:
-    return Disruption(r.bool("enabled", DEFAULTS["pdb.enabled"]), r.int_or_percent("maxUnavailable", DEFAULTS["pdb.maxUnavailable"]))
+    """A PodDisruptionBudget; ``maxUnavailable: 0`` is refused (it blocks every node drain forever)."""
+    disruption = Disruption(r.bool("enabled", DEFAULTS["pdb.enabled"]),
+                            r.int_or_percent("maxUnavailable", DEFAULTS["pdb.maxUnavailable"]))
+    if _is_zero(disruption.max_unavailable):
+        raise InvalidSpec(f"{r.path}.maxUnavailable", "podDisruptionBudget.maxUnavailable must not be 0 (it blocks node drains)")
+    return disruption
 
 
 def _placement(r: _Reader, default_image: str) -> Placement:
@@ -486,7 +513,8 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
         chunk_rows=tr.int("chunkRows", DEFAULTS["transport.chunkRows"], 1, 4096),
         max_message_bytes=tr.int("maxMessageBytes", DEFAULTS["transport.maxMessageBytes"], 1048576, 2147483647),
         auth_token=tr.secret_ref("authTokenSecretRef", DEFAULTS["secret.token.key"]),
-        role_tokens=_role_tokens(tr),
+        role_tokens=_role_tokens(tr) or f"{name}{ROLE_TOKENS_SUFFIX}",
+        generated_role_tokens=tr.data.get("roleTokensSecretRef") is None,
     )
     if transport.chunk_rows * MAX_ROW_BYTES > transport.max_message_bytes:
         raise InvalidSpec(

@@ -262,34 +262,58 @@ class OperatorLog(logging.Handler):
 
 
 class OperatorProcess:
-    """Starts and stops the operator (kopf's ``KopfRunner`` thread) against the emulator."""
+    """Starts and stops the operator (kopf's ``KopfRunner`` thread) against the emulator.
 
-    def __init__(self, log: OperatorLog, status_interval: float = 0.3) -> None:
+    ``liveness_port`` serves kopf's ``/healthz`` on 127.0.0.1; ``stale_seconds`` is the operator's
+    ``probe_stale_seconds`` (how old the last successful reconcile or observation may be).
+    """
+
+    def __init__(self, log: OperatorLog, liveness_port: int | None = None, stale_seconds: float | None = None) -> None:
         self.log = log
-        self.status_interval = status_interval
+        self.liveness_port = liveness_port
+        self.stale_seconds = stale_seconds
         self.runner: Any = None
 
     def start(self) -> None:
+        import dataclasses
+
         import kopf
         from kopf.testing import KopfRunner
 
         from mammoth_operator.config import OperatorConfig
         from mammoth_operator.handlers import register
 
+        fields = {f.name for f in dataclasses.fields(OperatorConfig)}
+        overrides: dict[str, Any] = {"request_timeout": 10.0}
+        if "status_interval_seconds" in fields:
+            overrides["status_interval_seconds"] = 0.3
+        if self.stale_seconds is not None and "probe_stale_seconds" in fields:
+            overrides["probe_stale_seconds"] = self.stale_seconds
         config = OperatorConfig(
             images={"ar": "ghcr.io/mammoth-pipeline/mammoth-ar:test", "dit": "ghcr.io/mammoth-pipeline/mammoth-dit:test",
                     "gateway": "ghcr.io/mammoth-pipeline/mammoth-gateway:test"},
-            status_interval_seconds=self.status_interval,
+            **overrides,
         )
         registry = register(kopf.OperatorRegistry(), config)
-        self.runner = KopfRunner(["run", "--standalone", "--namespace", NAMESPACE, "--verbose"],
-                                 registry=registry, timeout=30)
+        args = ["run", "--standalone", "--namespace", NAMESPACE, "--verbose"]
+        if self.liveness_port is not None:
+            args.append(f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz")
+        self.runner = KopfRunner(args, registry=registry, timeout=30)
         self.runner.__enter__()
 
     def stop(self) -> None:
         if self.runner is not None:
             runner, self.runner = self.runner, None
             runner.__exit__(None, None, None)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -343,9 +343,26 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
             return to_table(payload["items"], self._crd_version(request), payload["metadata"]["resourceVersion"])
         return payload
 
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_update(request)
+        return self._as_scale(payload) if request.subresource == "scale" else payload
+
+    @staticmethod
+    def _as_scale(obj: dict[str, Any]) -> dict[str, Any]:
+        """The ``autoscaling/v1`` Scale view of a Deployment (its ``scale`` subresource)."""
+        meta = obj.get("metadata") or {}
+        labels = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
+                "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+                "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
+                           "selector": ",".join(f"{k}={v}" for k, v in sorted(labels.items()))}}
+
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         """A single object, or its one-row Table for ``kubectl get NAME``."""
         payload = await super()._serve_fetch(request)
+        if request.subresource == "scale":
+            return self._as_scale(payload)
         if self._wants_table(request):
             return to_table([payload], self._crd_version(request), str(payload.get("metadata", {}).get("resourceVersion")))
         return payload
@@ -458,7 +475,9 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
                     if "status" in old:
                         new["status"] = copy.deepcopy(old["status"])
             return {k: v for k, v in new.items() if v is not None}
-        if status_apart:
+        if request.subresource == "scale":  # only the replica count goes through the scale subresource
+            body = {"spec": {"replicas": (body.get("spec") or {}).get("replicas")}}
+        elif status_apart:
             if request.subresource == "status":
                 body = {"status": body.get("status")} if "status" in body else {}
             else:
