@@ -670,14 +670,13 @@ def build_children(spec: PipelineSpec, tokens: Mapping[str, str] | None = None) 
     """The full desired set of children, in apply order (Secret, config and Services before the pods).
 
     ``tokens`` (role -> token) are the generated stage tokens: those of the existing Secret, or fresh
-    ones for its creation. Required when ``spec.transport.generated_role_tokens``.
+    ones for its creation (the handlers always pass them when ``spec.transport.generated_role_tokens``;
+    None leaves the Secret and the pods' token hash out, for callers that only inspect manifests).
     """
     names = child_names(spec.name)
     children: list[Child] = []
     stage_tokens = None
-    if spec.transport.generated_role_tokens:
-        if tokens is None:
-            raise ValueError("build_children: the generated stage tokens are required")
+    if spec.transport.generated_role_tokens and tokens is not None:
         children.append(build_stage_tokens_secret(spec, tokens))
         stage_tokens = tokens_hash(tokens)
     children += [

@@ -124,10 +124,11 @@ _PATHS = {
     "PodDisruptionBudget": "/apis/policy/v1/namespaces/default/poddisruptionbudgets",
     "HorizontalPodAutoscaler": "/apis/autoscaling/v2/namespaces/default/horizontalpodautoscalers",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies",
+    "Secret": "/api/v1/namespaces/default/secrets",
     "MammothPipeline": PIPELINES,
 }
 CHILD_RESOURCES = {
-    "v1/configmaps", "v1/services", "apps/v1/deployments", "policy/v1/poddisruptionbudgets",
+    "v1/configmaps", "v1/secrets", "v1/services", "apps/v1/deployments", "policy/v1/poddisruptionbudgets",
     "autoscaling/v2/horizontalpodautoscalers", "networking.k8s.io/v1/networkpolicies",
 }
 
@@ -275,19 +276,14 @@ class OperatorProcess:
         self.runner: Any = None
 
     def start(self) -> None:
-        import dataclasses
-
         import kopf
         from kopf.testing import KopfRunner
 
         from mammoth_operator.config import OperatorConfig
         from mammoth_operator.handlers import register
 
-        fields = {f.name for f in dataclasses.fields(OperatorConfig)}
         overrides: dict[str, Any] = {"request_timeout": 10.0}
-        if "status_interval_seconds" in fields:
-            overrides["status_interval_seconds"] = 0.3
-        if self.stale_seconds is not None and "probe_stale_seconds" in fields:
+        if self.stale_seconds is not None:
             overrides["probe_stale_seconds"] = self.stale_seconds
         config = OperatorConfig(
             images={"ar": "ghcr.io/mammoth-pipeline/mammoth-ar:test", "dit": "ghcr.io/mammoth-pipeline/mammoth-dit:test",

@@ -28,7 +28,7 @@ VARIANTS = {
     "builtin": pipeline(),
     "pvc": pipeline(model={"source": "pvc://weights/mammoth/v1"}),
     "file": pipeline(model={"source": "file:///mnt/mammoth"}),
-    "hf": pipeline(model={"source": "hf://bytedance/MammothModa2@0a1b2c", "hfTokenSecretRef": {"name": "hf"},
+    "hf": pipeline(model={"source": "hf://bytedance/MammothModa2@0123456789abcdef0123456789abcdef01234567", "hfTokenSecretRef": {"name": "hf"},
                           "cache": {"claimName": "hf-cache"}}),
     "everything": pipeline(
         ar={"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}, "gpus": 2,
@@ -77,7 +77,8 @@ def test_selectors_match_pod_labels(variant):
             selector = manifest["spec"]["selector"]
             assert {c for c, labels in pods.items() if matches(selector, labels)} == {component}, name
         elif kind == "NetworkPolicy":
-            assert {c for c, labels in pods.items() if matches(manifest["spec"]["podSelector"], labels)} == {"ar", "dit"}
+            assert {c for c, labels in pods.items() if matches(manifest["spec"]["podSelector"], labels)} == {
+                "ar", "dit", "gateway"}
             # gRPC from the gateway (both stages) and from AR pods (the DiT's port only)
             peers = [manifest["spec"]["ingress"][i]["from"][0]["podSelector"] for i in (0, 1)]
             assert [{c for c, labels in pods.items() if matches(p, labels)} for p in peers] == [{"gateway"}, {"ar"}]
@@ -90,17 +91,18 @@ def test_both_stages_get_the_same_transport_limits():
     assert config["chunk_rows"] == 128 and config["max_message_bytes"] == 8388608
     for section in ("ar", "dit", "gateway"):
         assert "chunk_rows" not in config[section] and "max_message_bytes" not in config[section]
-    hashes = set()
+    hashes = {}
     for name in ("p-ar", "p-dit", "p-gateway"):
         pod = children[("Deployment", name)]["spec"]["template"]
         container = pod["spec"]["containers"][0]
         assert container["args"][1:3] == ["--config", builders.CONFIG_PATH]
         assert {"name": "config", "mountPath": "/etc/mammoth", "readOnly": True} in container["volumeMounts"]
         assert {"name": "config", "configMap": {"name": "p-config"}} in pod["spec"]["volumes"]
-        hashes.add(pod["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION])
-    assert len(hashes) == 1
+        hashes[name[2:]] = pod["metadata"]["annotations"][builders.CONFIG_HASH_ANNOTATION]
+    assert hashes == {c: builders.config_hash(spec, c) for c in ("ar", "dit", "gateway")}
     other = pipeline(transport={"chunkRows": 64, "maxMessageBytes": 8388608})
-    assert builders.config_hash(other) != hashes.pop()  # a transport change rolls every component
+    # chunk_rows is read by both stages, not by the gateway: exactly the stages roll
+    assert {c for c in hashes if builders.config_hash(other, c) != hashes[c]} == {"ar", "dit"}
 
 
 def test_stage_pods_probes_grace_and_rollout():
@@ -114,11 +116,13 @@ def test_stage_pods_probes_grace_and_rollout():
     assert container["startupProbe"]["failureThreshold"] == math.ceil(901 / 10)
     assert container["readinessProbe"]["grpc"] == {"port": 50051, "service": "mammoth.v1.AR"}
     assert "tcpSocket" in container["livenessProbe"]
-    assert pod["terminationGracePeriodSeconds"] >= 900 + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # the grace fits the cluster autoscaler's 600 s; the drain gets what is left of it
+    assert pod["terminationGracePeriodSeconds"] == builders.MAX_TERMINATION_GRACE_SECONDS == 600
+    assert pod["automountServiceAccountToken"] is False
     assert ar["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     config = yaml.safe_load(by_kind(builders.build_children(spec))[("ConfigMap", "p-config")]["data"]["pipeline.yaml"])
-    assert config["drain_grace_seconds"] == 900
+    assert config["drain_grace_seconds"] == 600 - 5 - 15
     dit = by_kind(builders.build_children(spec))[("Deployment", "p-dit")]
     assert dit["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["service"] == "mammoth.v1.DiT"
 
@@ -127,7 +131,7 @@ def test_stage_pods_probes_grace_and_rollout():
     ("builtin", "builtin://tiny", None),
     ("pvc", "/models/mammoth/v1", {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}),
     ("file", "/models", {"name": "model", "hostPath": {"path": "/mnt/mammoth", "type": "Directory"}}),
-    ("hf", "/models/hf/bytedance--MammothModa2/0a1b2c", {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}}),
+    ("hf", "/models/hf/bytedance--MammothModa2/0123456789abcdef0123456789abcdef01234567", {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}}),
 ])
 def test_model_sources(variant, checkpoint, volume):
     children = by_kind(builders.build_children(VARIANTS[variant]))
@@ -139,7 +143,7 @@ def test_model_sources(variant, checkpoint, volume):
         assert volumes == ([volume] if volume else [])
         if variant == "hf":
             (init,) = pod["initContainers"]
-            assert init["args"] == ["download-model", "hf://bytedance/MammothModa2@0a1b2c", checkpoint]
+            assert init["args"] == ["download-model", "hf://bytedance/MammothModa2@0123456789abcdef0123456789abcdef01234567", checkpoint]
             assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
         else:
             assert "initContainers" not in pod
@@ -168,7 +172,7 @@ def test_autoscaling_children():
     unwanted = builders.unwanted_children(VARIANTS["everything"])
     assert [(r.kind, r.name) for r in unwanted] == [("PodDisruptionBudget", "p-dit")]
     assert {(r.kind, r.name) for r in builders.unwanted_children(VARIANTS["builtin"])} == {
-        ("HorizontalPodAutoscaler", "p-ar"), ("HorizontalPodAutoscaler", "p-dit"), ("NetworkPolicy", "p-stages")}
+        ("HorizontalPodAutoscaler", "p-ar"), ("HorizontalPodAutoscaler", "p-dit")}  # NetworkPolicy: on by default
 
 
 def test_user_env_overrides_and_extra_args():

@@ -139,10 +139,18 @@ CEL_CASES = [
     ("name-length", _body("a" * 47), _body("a" * 48)),
     ("model-scheme-pvc", _body(model={"source": "pvc://models/mammoth/v1"}), _body(model={"source": "pvc://Models/x"})),
     ("model-scheme-file", _body(model={"source": "file:///mnt/models/mammoth"}), _body(model={"source": "file://relative"})),
-    ("model-scheme-hf", _body(model={"source": "hf://bytedance/MammothModa2@abc123"}),
+    ("model-scheme-hf", _body(model={"source": "hf://bytedance/MammothModa2@v1.0"}),
      _body(model={"source": "s3://bucket/model"})),
     ("model-scheme-builtin", _body(model={"source": "builtin://tiny"}), _body(model={"source": "builtin://huge"})),
-    ("hf-revision", _body(model={"source": "hf://org/repo@main"}), _body(model={"source": "hf://org/repo"})),
+    ("hf-revision", _body(model={"source": "hf://org/repo@v2"}), _body(model={"source": "hf://org/repo"})),
+    ("hf-revision-not-a-branch", _body(model={"source": "hf://org/repo@" + "0a" * 20}),
+     _body(model={"source": "hf://org/repo@main"})),
+    ("ar-pdb-not-zero", _body(ar={"podDisruptionBudget": {"maxUnavailable": "50%"}}),
+     _body(ar={"podDisruptionBudget": {"maxUnavailable": 0}})),
+    ("dit-pdb-not-zero", _body(dit={"podDisruptionBudget": {"maxUnavailable": 2}}),
+     _body(dit={"podDisruptionBudget": {"maxUnavailable": "0%"}})),
+    ("gateway-pdb-not-zero", _body(gateway={"podDisruptionBudget": {"enabled": False, "maxUnavailable": 1}}),
+     _body(gateway={"podDisruptionBudget": {"maxUnavailable": "0"}})),
     ("ar-rollout", _body(ar={"rollout": {"maxSurge": 0, "maxUnavailable": "25%"}}),
      _body(ar={"rollout": {"maxSurge": 0, "maxUnavailable": 0}})),
     ("dit-rollout", _body(dit={"rollout": {"maxSurge": 1, "maxUnavailable": 0}}),
@@ -166,9 +174,9 @@ CEL_CASES = [
 def test_every_cel_rule_has_a_case(crd):
     rules = [r["rule"] for _, node in _walk(openapi_schema(crd)) for r in node.get("x-kubernetes-validations") or []]
     # Rules on shared sub-schemas (rollout, autoscaling, source) appear once per use; the cases above
-    # cover each use: 1 name + 2 model + 3 rollout + 2 autoscaling + 1 transport + 2 requestDefaults
-    # + 1 networkPolicy.monitoring.
-    assert len(rules) == 12
+    # cover each use: 1 name + 3 model + 3 rollout + 3 podDisruptionBudget + 2 autoscaling + 1 transport
+    # + 2 requestDefaults + 1 networkPolicy.monitoring.
+    assert len(rules) == 16
 
 
 @pytest.mark.parametrize("case,accepted,rejected", CEL_CASES, ids=[c[0] for c in CEL_CASES])

@@ -17,6 +17,7 @@ EXPECTED_CHILDREN = {
     ("Service", "tiny-ar"), ("Service", "tiny-dit"), ("Service", "tiny-gateway"),
     ("Deployment", "tiny-ar"), ("Deployment", "tiny-dit"), ("Deployment", "tiny-gateway"),
     ("PodDisruptionBudget", "tiny-ar"), ("PodDisruptionBudget", "tiny-dit"), ("PodDisruptionBudget", "tiny-gateway"),
+    ("Secret", "tiny-stage-tokens"), ("NetworkPolicy", "tiny-stages"),
 }
 
 
@@ -65,7 +66,7 @@ def test_kubectl_apply_creates_every_child(api, running_operator, kubectl, emula
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "mammoth-operator"
         kubernetes_validate.validate(child, "1.35", strict=True)
     created = {(w["resource"], w["name"]) for w in child_writes(emulator, verbs=("create",))}
-    assert len(created) == len(EXPECTED_CHILDREN)  # nothing else (no HPA, no NetworkPolicy by default)
+    assert len(created) == len(EXPECTED_CHILDREN)  # nothing else (no HPA by default)
 
     ar = api.child("Deployment", "tiny-ar")
     container = ar["spec"]["template"]["spec"]["containers"][0]

@@ -16,7 +16,7 @@ def sample(name: str, **labels: str) -> float:
 def test_reconciles_are_counted_and_timed_by_result(api, running_operator, emulator):
     before = {r: sample("mammoth_operator_reconciles_total", handler="reconcile", result=r)
               for r in ("success", "invalid")}
-    status_before = sample("mammoth_operator_reconciles_total", handler="report_status", result="success")
+    status_before = sample("mammoth_operator_reconciles_total", handler="observe_child", result="success")
 
     assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
     wait_for(lambda: (api.pipeline("tiny") or {}).get("status", {}).get("observedGeneration") == 1,
@@ -32,10 +32,10 @@ def test_reconciles_are_counted_and_timed_by_result(api, running_operator, emula
              what="broken is Degraded")
     wait_for(lambda: sample("mammoth_operator_reconciles_total", handler="reconcile", result="invalid")
              == before["invalid"] + 1, what="the invalid spec counted")
-    wait_for(lambda: sample("mammoth_operator_reconciles_total", handler="report_status", result="success")
-             > status_before, what="status timer runs counted")
+    wait_for(lambda: sample("mammoth_operator_reconciles_total", handler="observe_child", result="success")
+             > status_before, what="child observations counted")
 
-    for handler in ("reconcile", "report_status"):
+    for handler in ("reconcile", "observe_child"):
         for result in ("success", "invalid", "retry", "error"):
             count = sample("mammoth_operator_reconcile_duration_seconds_count", handler=handler, result=result)
             assert count == sample("mammoth_operator_reconciles_total", handler=handler, result=result)

@@ -45,7 +45,7 @@ SECURE = dict(
 @pytest.mark.parametrize("spec", [
     pipeline(),
     pipeline(model={"source": "pvc://weights/mammoth/v1"}, **SECURE),
-    pipeline(model={"source": "hf://org/repo@abc", "hfTokenSecretRef": {"name": "hf"}}),  # init container
+    pipeline(model={"source": "hf://org/repo@0123456789abcdef0123456789abcdef01234567", "hfTokenSecretRef": {"name": "hf"}}),  # init container
 ], ids=["builtin", "pvc-secure", "hf-init"])
 def test_operator_pods_pass_the_restricted_profile(spec):
     pods = pod_specs(manifests(spec))
@@ -106,17 +106,20 @@ def test_network_policy_admits_exactly_the_designed_peers():
     (policy,) = [m for m in manifests(spec) if m["kind"] == "NetworkPolicy"]
     rules = policy["spec"]["ingress"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    summary = [(r["from"], sorted(p["port"] for p in r["ports"])) for r in rules]
+    summary = [(r.get("from"), sorted(p["port"] for p in r["ports"])) for r in rules]
     assert summary == [
         ([{"podSelector": {"matchLabels": builders.selector_labels("p", "gateway")}}], [50051, 50052]),
         ([{"podSelector": {"matchLabels": builders.selector_labels("p", "ar")}}], [50052]),
+        (None, [8000]),  # the gateway's HTTP port: the pipeline's endpoint, from anywhere
         ([SECURE["networkPolicy"]["monitoring"]], [9091, 9092]),
     ]
+    selected = policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
+    assert selected == ["ar", "dit", "gateway"]
     # without a monitoring selector the metrics ports admit nobody
     plain = pipeline(networkPolicy={"enabled": True})
     (policy,) = [m for m in manifests(plain) if m["kind"] == "NetworkPolicy"]
     ports = {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]}
-    assert ports == {50051, 50052}
+    assert ports == {50051, 50052, 8000}
 
 
 def test_invalid_monitoring_selector_is_refused():
