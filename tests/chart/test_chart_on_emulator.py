@@ -35,7 +35,6 @@ from chart_tools import CI_VALUES_DIR, EXAMPLE_PIPELINE, REPO_ROOT, by_kind, hel
 sys.path.insert(0, str(REPO_ROOT / "tests" / "operator"))
 kmock = pytest.importorskip("kmock")
 mammoth_emulator = pytest.importorskip("mammoth_emulator")
-from kmock._internal import k8s  # noqa: E402  (KubernetesError with a status, as the emulator uses)
 
 ADMIN_TOKEN = "admin-token"
 OPERATOR_TOKEN = "operator-serviceaccount-token"
@@ -51,38 +50,16 @@ EXTRA_RESOURCES = [  # what the chart applies that the operator tests never need
 
 class ChartEmulator(mammoth_emulator.MammothEmulator):
     """The operator tests' emulator, plus what `kubectl apply` of the chart needs: the RBAC and
-    ServiceAccount resources, and core-group discovery naming its groupVersion `v1` (KMock 0.8
-    answers `/v1`, which kubectl cannot map)."""
+    ServiceAccount resources. Requests bearing the operator's token are authorized against the
+    rendered RBAC (`authorizer`, set per install), owner-reference permission checks included."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.authorizer: Callable[[Any], bool] | None = None  # decides the operator's requests
-        self.denied: list[tuple] = []
+        self.subject_token = OPERATOR_TOKEN
         for key, kind, namespaced, short in EXTRA_RESOURCES:
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind, singular=kind.lower(), namespaced=namespaced,
                 verbs=mammoth_emulator.VERBS, shortnames=short, subresources=[])
-
-    async def _handle(self, request):
-        """Answer 403 Forbidden to operator requests its rendered RBAC does not allow."""
-        if self.authorizer is not None and request.headers.get("Authorization") == f"Bearer {OPERATOR_TOKEN}":
-            permission = request_permission(request)
-            if permission is not None and not self.authorizer(permission):
-                self.denied.append(permission)
-                group, resource, verb, namespace = permission
-                raise k8s.KubernetesError(
-                    status=403, reason="Forbidden",
-                    message=f'{resource}{"." + group if group else ""} is forbidden: User '
-                            f'"system:serviceaccount:operator" cannot {verb} resource "{resource}" '
-                            f'in API group "{group}"' + (f' in the namespace "{namespace}"' if namespace else
-                                                         " at the cluster scope"))
-        return await super()._handle(request)
-
-    async def _serve_version(self, request):
-        payload = await super()._serve_version(request)
-        if isinstance(payload, dict) and str(payload.get("groupVersion", "")).startswith("/"):
-            payload["groupVersion"] = payload["groupVersion"][1:]
-        return payload
 
 
 class EmulatorServer:
@@ -107,6 +84,11 @@ class EmulatorServer:
     @property
     def url(self) -> str:
         return str(self.server.url).rstrip("/")
+
+    def get_json(self, path: str) -> dict | None:
+        """GET ``path`` as the administrator; None on 404."""
+        response = httpx.get(self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        return None if response.status_code == 404 else response.raise_for_status().json()
 
     def requests(self) -> list:
         """Every request received so far (KMock's request log)."""
@@ -235,8 +217,7 @@ def installed(request, helm, kubectl, tmp_path_factory) -> Iterator[Scenario]:
         [deployment] = by_kind(rendered, "Deployment")
         argv, env = operator_command(deployment)
         log = tmp_path / "operator.log"
-        environment = dict(os.environ, **env, KUBECONFIG=str(operator_cfg), HOME=str(tmp_path),
-                           MAMMOTH_OPERATOR_STATUS_INTERVAL="0.5")
+        environment = dict(os.environ, **env, KUBECONFIG=str(operator_cfg), HOME=str(tmp_path))
         environment.pop("KUBERNETES_SERVICE_HOST", None)
         process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=environment,
                                    cwd=tmp_path, start_new_session=True)
@@ -341,23 +322,13 @@ def _ok(url: str) -> bool:
 # RBAC: the rendered rules against the operator's own requests
 
 
-def request_permission(request) -> tuple[str, str, str, str | None] | None:
-    """(apiGroup, resource[/subresource], verb, namespace) of one API request; None for discovery."""
-    if request.resource is None or not getattr(request.resource, "plural", None):
-        return None
-    method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
-    watch = str(request.params.get("watch", "")).lower() in ("true", "1")
-    if method == "GET":
-        verb = "get" if request.name else ("watch" if watch else "list")
-    else:
-        verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
-                "DELETE": "delete" if request.name else "deletecollection"}[method]
-    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-    return (request.resource.group or "", resource, verb, request.namespace)
+request_permission = mammoth_emulator.request_permission
 
 
 def operator_permissions(server: EmulatorServer) -> set[tuple[str, str, str, str | None]]:
-    used = set()
+    """Every permission the operator's requests needed, including the admission plugins' own checks
+    (``update`` on ``mammothpipelines/finalizers`` for ``blockOwnerDeletion``)."""
+    used = set(server.emulator.checks)
     for request in server.requests():
         if request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}":
             continue
@@ -395,7 +366,7 @@ KOPF_TOLERATED_IN_NAMESPACE_MODE = {
 CHILD_KINDS = {  # kubectl resource name -> API path segment (namespaced)
     "configmaps": "/api/v1", "services": "/api/v1", "deployments": "/apis/apps/v1",
     "poddisruptionbudgets": "/apis/policy/v1", "horizontalpodautoscalers": "/apis/autoscaling/v2",
-    "networkpolicies": "/apis/networking.k8s.io/v1",
+    "networkpolicies": "/apis/networking.k8s.io/v1", "secrets": "/api/v1",
 }
 
 

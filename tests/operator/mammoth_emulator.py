@@ -43,7 +43,8 @@ import jsonschema
 import kmock
 from kmock._internal import dicts, enums, k8s, parsing
 
-from emulator_lifecycle import LifecycleMixin, Permission, resource_key
+import emulator_protobuf
+from emulator_lifecycle import LifecycleMixin, Permission, request_permission, resource_key  # noqa: F401 (re-exported)
 from emulator_semantics import TABLE_ACCEPT, default_builtin, to_table
 
 _original_parse_path = parsing.parse_path
@@ -75,6 +76,7 @@ def _guess_k8s(k8s_path: parsing.ParsedPath, method: enums.method, query: dict[s
 
 
 parsing.guess_k8s = _guess_k8s
+emulator_protobuf.install()  # client-go's typed clients (Helm's storage, kubectl create) send protobuf
 
 _RV = itertools.count(1000)
 
@@ -92,6 +94,14 @@ BUILTIN_RESOURCES = [
     ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, ["netpol"], []),
     ("events.k8s.io/v1/events", "Event", True, ["ev"], []),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, ["crd", "crds"], ["status"]),
+]
+#: Kinds the chart installs besides the operator's children (served with OpenAPI documents).
+EXTRA_BUILTINS = [
+    ("v1/serviceaccounts", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1/clusterroles", "ClusterRole"),
+    ("rbac.authorization.k8s.io/v1/clusterrolebindings", "ClusterRoleBinding"),
+    ("rbac.authorization.k8s.io/v1/roles", "Role"),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding"),
 ]
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
@@ -271,6 +281,7 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
             if "status" in subresources and key not in ("v1/namespaces",):
                 self.status_subresources.add(key)
         self.fallback["get /openapi/v3"] << (lambda request: {"paths": self.openapi_paths})
+        self._serve_builtin_openapi()
         self.objects["v1/namespaces", None, "default"] = {
             "apiVersion": "v1", "kind": "Namespace",
             "metadata": {"name": "default", "uid": str(uuid.uuid4()), "resourceVersion": "1"}}
@@ -292,6 +303,30 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
                 self.status_subresources.add(key)
             self.crds[key] = crd
             self._serve_openapi(spec["group"], version["name"], names, version["schema"]["openAPIV3Schema"])
+
+    def _serve_builtin_openapi(self) -> None:
+        """Permissive OpenAPI v3 documents of the built-in group-versions (any field accepted), so
+        clients that insist on a schema (Helm, ``kubectl apply`` validation) find one; the manifests'
+        real schemas are checked with ``kubernetes-validate`` in the chart and builder tests."""
+        kinds: dict[str, list[dict[str, str]]] = {}
+        for key, kind, *_ in BUILTIN_RESOURCES + list(EXTRA_BUILTINS):
+            group_version = key.rsplit("/", 1)[0]
+            group, _, version = group_version.rpartition("/")
+            kinds.setdefault(group_version, []).append({"group": group, "version": version, "kind": kind})
+        for group_version, gvks in kinds.items():
+            schemas = {f"{g['group'] or 'core'}.{g['version']}.{g['kind']}": {
+                "type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                "x-kubernetes-group-version-kind": [g]} for g in gvks}
+            document = {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.35.0"},
+                        "paths": {}, "components": {"schemas": schemas}}
+            relative = ("api/" if "/" not in group_version else "apis/") + group_version
+            self.openapi_paths[relative] = {"serverRelativeURL": f"/openapi/v3/{relative}"}
+            self.fallback[f"get /openapi/v3/{relative}"] << document
+        self.fallback["get /openapi/v2"] << (lambda request: {
+            "swagger": "2.0", "info": {"title": "Kubernetes", "version": "v1.35.0"}, "paths": {},
+            "definitions": {f"{g['group'] or 'core'}.{g['version']}.{g['kind']}": {
+                "type": "object", "x-kubernetes-group-version-kind": [g]}
+                for gvks in kinds.values() for g in gvks}})
 
     def _serve_openapi(self, group: str, version: str, names: dict[str, Any], schema: dict[str, Any]) -> None:
         """An OpenAPI v3 group-version document, so kubectl's schema and ``fieldValidation`` checks work."""
@@ -317,6 +352,12 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
         self.fallback[f"get {url}"] << document
 
     # -- discovery and listing fixes for kubectl ----------------------------------------------------
+
+    async def _serve_server_version(self, request: kmock.Request) -> Any:
+        """Kubernetes 1.35, the version the chart and the kubectl used here target."""
+        return {"major": "1", "minor": "35", "gitVersion": "v1.35.0", "gitCommit": "emulator",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+                "compiler": "gc", "platform": "linux/amd64"}
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         """Subresource entries (``x/status``) carry no short names or categories (kubectl warns otherwise)."""
@@ -383,6 +424,7 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
         if self.stall is not None and (delay := self.stall(request)):
             await asyncio.sleep(delay)
         if request.resource is not None:
+            self._server_side_apply(request)
             self._authorize_request(request)
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE):
             async with self._lock:
@@ -397,6 +439,19 @@ class MammothEmulator(LifecycleMixin, kmock.KubernetesEmulator):
             if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE):
                 async with self._lock:
                     await self._collect_garbage()
+
+    def _server_side_apply(self, request: kmock.Request) -> None:
+        """``application/apply-patch+yaml`` (Helm 4's default): creates a missing object, else merges.
+
+        The merge is a JSON merge patch (lists replaced, no field managers): enough for installs and
+        upgrades of whole manifests, which is how Helm applies.
+        """
+        if request.action != enums.action.UPDATE or "apply-patch" not in str(request.headers.get("Content-Type", "")):
+            return
+        if self._stored(request) is None and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {}).setdefault("name", request.name)
+            object.__setattr__(request, "action", enums.action.CREATE)
+            object.__setattr__(request, "method", enums.method.POST)
 
     def _key(self, request: kmock.Request) -> str:
         return resource_key(request.resource)
