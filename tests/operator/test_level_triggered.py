@@ -206,3 +206,12 @@ def test_network_policy_is_on_by_default_and_covers_the_gateway(api, running_ope
     components = policy["spec"]["podSelector"]["matchExpressions"][0]["values"]
     assert set(components) == {"ar", "dit", "gateway"}
 
+
+
+def test_a_finalizer_left_by_an_older_operator_is_removed(api, running_operator, kubectl):
+    body = example_pipeline()
+    body["metadata"]["finalizers"] = ["mammoth.dev/finalizer"]  # what the timer-based operator added
+    assert api.create(PIPELINES, body).status_code in (200, 201)
+    wait_applied(api, "tiny", 1)
+    wait_for(lambda: not api.pipeline("tiny")["metadata"].get("finalizers"), what="legacy finalizer removed")
+    kubectl("delete", "mmp", "tiny", "--timeout=20s")
