@@ -36,7 +36,7 @@ def test_drift_is_repaired_within_seconds_and_reported(api, running_operator, ku
     t0 = time.monotonic()
     wait_for(lambda: (d := api.child("Deployment", "tiny-dit")) and d["metadata"]["uid"] != old_uid,
              timeout=15, what="the deleted DiT Deployment recreated")
-    assert time.monotonic() - t0 < 15
+    print(f"deleted DiT Deployment recreated after {time.monotonic() - t0:.2f} s")
     missing = [s for s in _status_patches(emulator, since)
                if any(c["type"] == "Degraded" and c["status"] == "True" and c["reason"] == "ChildMissing"
                       for c in s.get("conditions") or [])]
@@ -45,7 +45,9 @@ def test_drift_is_repaired_within_seconds_and_reported(api, running_operator, ku
     wait_for(lambda: condition(api.pipeline("tiny"), "Degraded")["status"] == "False", timeout=15, what="Degraded=False")
 
     kubectl("scale", "deployment", "tiny-ar", "--replicas=3")
+    t0 = time.monotonic()
     wait_for(lambda: api.child("Deployment", "tiny-ar")["spec"]["replicas"] == 1, timeout=15, what="AR replicas back to 1")
+    print(f"hand-scaled AR back to 1 replica after {time.monotonic() - t0:.2f} s")
 
     kubectl("patch", "service", "tiny-gateway", "--type=merge", "-p", json.dumps({"spec": {"sessionAffinity": "None"}}))
     wait_for(lambda: api.child("Service", "tiny-gateway")["spec"]["sessionAffinity"] == "ClientIP",
