@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import CRD_FILE, EXAMPLE_FILE, load_yaml
+from emulator_harness import CRD_FILE, EXAMPLE_FILE, load_yaml
 from mammoth_emulator import cel_violations, validate_custom_resource
 from mammoth_operator import builders, status
 from mammoth_operator.config import OperatorConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import NAMESPACE, PIPELINES, child_path, example_pipeline, wait_for
+from emulator_harness import NAMESPACE, PIPELINES, child_path, example_pipeline, wait_for
 
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 CONFIGMAPS = "/api/v1/namespaces/default/configmaps"

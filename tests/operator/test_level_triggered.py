@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import PIPELINES, Api, OperatorProcess, condition, example_pipeline, free_port, wait_for
+from emulator_harness import PIPELINES, Api, OperatorProcess, condition, example_pipeline, free_port, wait_for
 from test_operator import patch_spec, wait_applied
 
 HASH = "mammoth.dev/config-hash"

@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
-from conftest import (EXAMPLE_FILE, PIPELINES, Api, OperatorProcess, child_path, child_writes, condition,
+from emulator_harness import (EXAMPLE_FILE, PIPELINES, Api, OperatorProcess, child_path, child_writes, condition,
                       example_pipeline, load_yaml, wait_for)
 from mammoth_emulator import validate_custom_resource
 

@@ -6,7 +6,7 @@ import httpx
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PIPELINES, condition, example_pipeline, wait_for
+from emulator_harness import PIPELINES, condition, example_pipeline, wait_for
 
 
 def sample(name: str, **labels: str) -> float:
