@@ -229,3 +229,13 @@ def test_gateway_service_uses_client_ip_affinity_for_url_images():
     spec = parse_spec("demo", "default", example["spec"], OperatorConfig.from_env().images)
     service = build_gateway_service(spec).manifest
     assert service["spec"]["sessionAffinity"] == "ClientIP"
+
+
+def test_every_key_the_operator_writes_is_read_by_a_component(tmp_path):
+    """The ConfigMap's pipeline.yaml has no key the settings ignore (and so no hash over dead keys)."""
+    from mammoth_core.settings import unknown_config_keys
+
+    for variant, spec in VARIANTS.items():
+        path = tmp_path / f"{variant}.yaml"
+        path.write_text(builders.render_config(spec))
+        assert unknown_config_keys(path) == [], variant
