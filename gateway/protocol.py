@@ -19,6 +19,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
 
+from mammoth_core.limits import GUIDANCE_SCALE_RANGE
+
 logger = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
@@ -31,6 +33,7 @@ EXTENSION_FIELDS = (
     "text_guidance_scale",
     "cfg_range",
     "ar_guidance_scale",
+    "ar_grid",
 )
 
 #: OpenAI request fields this deployment cannot honour; any non-null value is a 400 naming it.
@@ -59,7 +62,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
     quality, background, style, moderation, user, safety_identifier, stream, partial_images
     (complexity, frame_count, frame_duration_ms and svg are recognised and rejected).
     Extensions: seed, negative_prompt, num_inference_steps, text_guidance_scale, cfg_range,
-    ar_guidance_scale.
+    ar_guidance_scale, ar_grid.
     """
 
     prompt: str = Field(min_length=1, description="Text description of the image (length cap: "
@@ -109,13 +112,18 @@ class ImageGenerationRequest(OpenAIBaseModel):
                                         "classifier-free guidance.")
     num_inference_steps: StrictInt | None = Field(None, ge=1, description="Extension: denoising steps "
                                             "(default: the gateway's `default_steps`).")
-    text_guidance_scale: StrictFloat | None = Field(None, ge=0.0, le=100.0, description="Extension: "
+    text_guidance_scale: StrictFloat | None = Field(None, ge=GUIDANCE_SCALE_RANGE[0],
+                                              le=GUIDANCE_SCALE_RANGE[1], description="Extension: "
                                               "DiT classifier-free guidance scale (<= 1: off).")
     cfg_range: tuple[StrictFloat, StrictFloat] | None = Field(None, description="Extension: [start, end] in "
                                                   "[0, 1]: guidance applies while start <= i/N <= "
                                                   "end.")
     ar_guidance_scale: StrictFloat | None = Field(None, ge=0.0, le=100.0, description="Extension: AR-side "
                                             "classifier-free guidance (<= 1: off, default).")
+    ar_grid: str | None = Field(None, description="Extension: the AR grid, `auto` (width/16 x "
+                                "height/16) or `WxH` cells (W*H cells in the image's aspect ratio; "
+                                "default: the gateway's `default_ar_grid`). Checked against the AR's "
+                                "position limit.")
     extra_body: dict[str, Any] | None = Field(None, description="Extensions may also be sent "
                                               "inside this object.")
 
@@ -176,6 +184,8 @@ class ImageUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
+    ar_grid: str | None = Field(None, description="Extension: the AR grid used, `WxH` cells "
+                                "(output tokens per image = H * (W + 1)).")
 
 
 class ImagesResponse(BaseModel):

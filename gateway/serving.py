@@ -11,9 +11,11 @@ Per image (DESIGN.md, "Request path"):
 3. read both streams concurrently: AR progress (tokens), DiT progress (steps), DiT partial images,
    and the final DiT ``Image``.
 
-Failure rules: an AR failure before the DiT reported that it has every condition row (phase
-DENOISING or later) is retried on another AR with the same request id and ``epoch + 1`` (the slot
-survives); an AR failure after that is harmless. A DiT failure drops the slot and starts over
+Failure rules: an AR failure before the DiT said ``ConditionsComplete`` (its explicit event: every
+condition row is resident) is retried on another AR with the same request id and ``epoch + 1`` (the
+slot survives); after that event no AR retry starts, and an AR failure is harmless. A push the DiT
+refused because the conditions are already complete (refusal reason CONDITIONS_COMPLETE, relayed by
+the AR in its trailers) is not an AR failure: it is neither retried nor counted. A DiT failure drops the slot and starts over
 (new slot, new AR run) while the deadline allows. Every RPC carries ``timeout = deadline - now``.
 Cancelling the pipeline task (client disconnect) cancels both calls; the DiT frees the slot when its
 ``Generate`` stream closes.
@@ -67,8 +69,9 @@ from gateway.protocol import (
     OutputTokensDetails,
     ProgressEvent,
 )
-from mammoth_core import grpc_common, tracing
+from mammoth_core import grpc_common, limits, tracing
 from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.refusals import refusal_of
 from mammoth_core.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -85,6 +88,9 @@ NATURAL_GUIDANCE_FACTOR = 0.5
 #: JPEG/WebP ``output_compression`` when the request gives none (encoder quality 75).
 DEFAULT_OUTPUT_COMPRESSION = 25
 MAX_AR_ATTEMPTS = 4
+#: After an AR failure, how long the DiT stream may take to say it failed too or that the
+#: conditions are complete (then no AR retry starts), seconds.
+AR_FAILURE_GRACE_SECONDS = 0.1
 MAX_DIT_ATTEMPTS = 3
 RETRY_AFTER_SECONDS = 1.0
 #: Stage answers that no retry can fix (configuration errors): answered with 502 at once.
@@ -112,6 +118,8 @@ class ImageJob:
     negative_prompt: str
     width: int
     height: int
+    #: AR grid ``(width, height)`` in cells (`mammoth_core.limits.resolve_grid`).
+    ar_grid: tuple[int, int]
     n: int
     seed: int
     num_inference_steps: int
@@ -134,7 +142,8 @@ class ImageJob:
 def parse_size(size: str | None, settings: GatewaySettings) -> tuple[int, int]:
     """``"WxH"`` or ``"auto"`` -> ``(width, height)`` in pixels.
 
-    Rules: both sides positive multiples of 16; ``min_pixels <= width*height <= max_pixels``.
+    Rules: both sides positive multiples of 16; ``min_pixels <= width*height <= max_pixels``
+    (`mammoth_core.limits.check_image`, the rule the DiT applies too).
 
     Raises:
         InvalidRequestError: with ``param="size"`` for any violation.
@@ -146,18 +155,37 @@ def parse_size(size: str | None, settings: GatewaySettings) -> tuple[int, int]:
             f"invalid size {size!r}: expected 'auto' or 'WIDTHxHEIGHT' with positive integers, "
             "e.g. '1024x1024'", param="size", code="invalid_size")
     width, height = int(m.group(1)), int(m.group(2))
-    if width <= 0 or height <= 0:
-        raise InvalidRequestError(f"invalid size {size!r}: width and height must be positive",
-                                  param="size", code="invalid_size")
-    if width % 16 or height % 16:
-        raise InvalidRequestError(f"invalid size {size!r}: width and height must be multiples of 16",
-                                  param="size", code="invalid_size")
-    pixels = width * height
-    if pixels > settings.max_pixels or pixels < settings.min_pixels:
-        raise InvalidRequestError(
-            f"invalid size {size!r}: {pixels} pixels is outside [{settings.min_pixels}, "
-            f"{settings.max_pixels}]", param="size", code="invalid_size")
+    with _limit_errors():
+        limits.check_image(width, height, 1, limits.from_settings(settings))
     return width, height
+
+
+@contextlib.contextmanager
+def _limit_errors() -> Iterator[None]:
+    """Turn a `mammoth_core.limits.LimitError` into the 400 naming its ``param``."""
+    try:
+        yield
+    except limits.LimitError as exc:
+        raise InvalidRequestError(exc.message, param=exc.param, code=exc.code) from None
+
+
+def resolve_ar_grid(req: ImageGenerationRequest, width: int, height: int, prompt: str,
+                    negative: str, settings: GatewaySettings) -> tuple[int, int]:
+    """The AR grid (cells) of the request: ``ar_grid`` or the deployment's ``default_ar_grid``,
+    checked against what the AR and the DiT hold (`mammoth_core.limits.check_positions`).
+
+    Raises:
+        InvalidRequestError: ``param`` is ``ar_grid`` (malformed, or a given grid too large),
+            ``size`` (the auto grid of this size too large), ``prompt`` or ``negative_prompt``.
+    """
+    given = req.ar_grid is not None
+    text = req.ar_grid if given else settings.default_ar_grid
+    with _limit_errors():
+        grid = limits.resolve_grid(width, height, text)
+        grid_param = "size" if text == "auto" else "ar_grid"
+        limits.check_positions(prompt, negative, width, height, grid, grid_param,
+                               limits.from_settings(settings))
+    return grid
 
 
 def _check_extra_body_conflicts(req: ImageGenerationRequest) -> None:
@@ -204,6 +232,7 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
             f"negative_prompt is {len(negative)} characters; the maximum is "
             f"{settings.max_prompt_chars}", param="negative_prompt", code="string_above_max_length")
     width, height = parse_size(req.size, settings)
+    grid = resolve_ar_grid(req, width, height, req.prompt, negative, settings)
     n = req.n or 1
 
     output_format = req.output_format or "png"
@@ -224,11 +253,10 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         steps = req.num_inference_steps
     else:
         steps = max(1, round(settings.default_steps * QUALITY_STEP_FACTORS[quality]))
-    if steps > settings.max_steps:
-        if req.num_inference_steps is not None:
-            raise InvalidRequestError(f"num_inference_steps must be <= {settings.max_steps}",
-                                      param="num_inference_steps")
-        steps = settings.max_steps
+    if steps > settings.max_steps and req.num_inference_steps is None:
+        steps = settings.max_steps  # quality scales the default, capped
+    with _limit_errors():
+        limits.check_image(width, height, steps, limits.from_settings(settings))
 
     if req.text_guidance_scale is not None:
         if req.style is not None:
@@ -259,6 +287,7 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         negative_prompt=negative,
         width=width,
         height=height,
+        ar_grid=grid,
         n=n,
         seed=seed,
         num_inference_steps=steps,
@@ -416,22 +445,39 @@ Emit = Callable[[object], None]
 
 
 class _StageFailure(Exception):
-    """A retryable failure of one stage call (``code``: the gRPC status name or a short reason)."""
+    """A retryable failure of one stage call (``code``: the gRPC status name or a short reason;
+    ``refusal``: the ``mammoth.v1.RefusalReason`` in its trailers, 0 for none)."""
 
-    def __init__(self, stage: str, code: str, message: str, address: str = "") -> None:
+    def __init__(self, stage: str, code: str, message: str, address: str = "",
+                 refusal: int = 0) -> None:
         super().__init__(f"{stage} {address}: {code}: {message}")
         self.stage = stage
         self.code = code
         self.address = address
+        self.refusal = refusal
 
 
 @dataclass
 class _SlotState:
-    conditions_complete: bool = False
+    #: Set when the DiT said ``ConditionsComplete`` (or refused a push for it): no AR retry after.
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
     ar_address: str = ""
     ar_done: pb.ARDone | None = None
     ar_started_unix_ms: float = 0.0
     excluded_ars: set[str] = field(default_factory=set)
+
+    @property
+    def conditions_complete(self) -> bool:
+        return self.complete.is_set()
+
+
+async def _wait_first(tasks: set[asyncio.Task], event: asyncio.Event, timeout: float) -> None:
+    """Wait until one of ``tasks`` is done or ``event`` is set, at most ``timeout`` seconds."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({*tasks, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 def _remaining(deadline: float) -> float:
@@ -640,10 +686,10 @@ class Orchestrator:
                 if msg is grpc.aio.EOF:
                     raise _StageFailure("dit", "EOF", "stream ended without an image", address)
                 kind = msg.WhichOneof("event")
-                if kind == "progress":
+                if kind == "conditions_complete":
+                    state.complete.set()
+                elif kind == "progress":
                     p = msg.progress
-                    if p.phase in (phases.DENOISING, phases.DECODING):
-                        state.conditions_complete = True
                     if p.phase == phases.DENOISING:
                         emit(StageProgress(index, "dit", "denoising", step=p.step,
                                            total_steps=p.total_steps))
@@ -654,7 +700,7 @@ class Orchestrator:
                     if msg.image.partial:
                         emit(PartialImage(index, msg.image.partial_index, msg.image.data))
                         continue
-                    state.conditions_complete = True
+                    state.complete.set()
                     return msg.image
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -680,7 +726,8 @@ class Orchestrator:
             request_id=pipeline_id, epoch=epoch, prompt=job.prompt,
             negative_prompt=job.negative_prompt, width=job.width, height=job.height, seed=seed,
             sampling=pb.SamplingParams(), ar_guidance_scale=job.ar_guidance_scale,
-            dit_address=dit.address, reservation_token=token)
+            dit_address=dit.address, reservation_token=token, grid_width=job.ar_grid[0],
+            grid_height=job.ar_grid[1])
         backoff = 0.05
         full: set[str] = set()
         while True:
@@ -732,7 +779,8 @@ class Orchestrator:
                                            f"{code.name} {exc.details()}") from exc
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self.ar_pool.mark_failed(ar)
-                    raise _StageFailure("ar", code.name, exc.details() or "", ar.address) from exc
+                    raise _StageFailure("ar", code.name, exc.details() or "", ar.address,
+                                        refusal=refusal_of(exc)) from exc
                 finally:
                     call.cancel()
 
@@ -788,8 +836,15 @@ class Orchestrator:
                         raise exc
                     if not isinstance(exc, _StageFailure):
                         raise exc
-                    # a dying DiT often takes the AR's push down with it: let the DiT speak first
-                    await asyncio.wait({dit_task}, timeout=0.1)
+                    if exc.refusal == pb.CONDITIONS_COMPLETE:
+                        # the DiT holds every row already: nothing to retry, and no AR failed
+                        logger.info("request %s image %d: the DiT refused a push of epoch %d, its "
+                                    "conditions are complete", job.request_id, index, epoch)
+                        state.complete.set()
+                        continue
+                    # a dying DiT often takes the AR's push down with it, and a ConditionsComplete
+                    # may be on its way on the other stream: let the DiT speak first
+                    await _wait_first({dit_task}, state.complete, AR_FAILURE_GRACE_SECONDS)
                     if dit_task.done() or state.conditions_complete:
                         continue
                     logger.warning("request %s image %d: AR failed before the DiT had every row "
@@ -847,13 +902,13 @@ class GatewayState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _usage(results: list[ImageResult]) -> ImageUsage:
+def _usage(results: list[ImageResult], job: ImageJob) -> ImageUsage:
     prompt = sum(r.prompt_tokens for r in results)
     generated = sum(r.generated_tokens for r in results)
     return ImageUsage(
         input_tokens=prompt, input_tokens_details=InputTokensDetails(text_tokens=prompt),
         output_tokens=generated, output_tokens_details=OutputTokensDetails(image_tokens=generated),
-        total_tokens=prompt + generated)
+        total_tokens=prompt + generated, ar_grid="{}x{}".format(*job.ar_grid))
 
 
 def _sse(event: str, payload: dict) -> bytes:
@@ -922,8 +977,9 @@ class OpenAIServingImages:
         job = resolve_request(body, self.settings, request_id)
         self._check_available()
         ticket = self.admission.enter(job.n)
-        logger.info("request %s: n=%d size=%s steps=%d seed=%d user=%s", request_id, job.n,
-                    job.size, job.num_inference_steps, job.seed, job.safety_identifier)
+        logger.info("request %s: n=%d size=%s ar_grid=%dx%d steps=%d seed=%d user=%s", request_id,
+                    job.n, job.size, *job.ar_grid, job.num_inference_steps, job.seed,
+                    job.safety_identifier)
         deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_seconds
         if job.stream:
             return StreamingResponse(
@@ -963,7 +1019,7 @@ class OpenAIServingImages:
             else:
                 data.append(ImageObject(b64_json=base64.b64encode(r.data).decode(), seed=r.seed))
         return ImagesResponse(
-            created=int(time.time()), data=data, usage=_usage(results),
+            created=int(time.time()), data=data, usage=_usage(results, job),
             output_format=job.output_format, quality=job.quality, size=job.size,
             safety_identifier=job.safety_identifier, seed=job.seed,
             num_inference_steps=job.num_inference_steps,
@@ -1032,7 +1088,7 @@ class OpenAIServingImages:
                             ev = ImageGenCompletedEvent(
                                 b64_json=base64.b64encode(r.data).decode(), created_at=now,
                                 output_format=job.output_format, quality=job.quality,
-                                size=job.size, usage=_usage([r]),
+                                size=job.size, usage=_usage([r], job),
                                 safety_identifier=job.safety_identifier, image_index=r.index,
                                 seed=r.seed, url=url,
                                 timings=timings_ms(r.timings, time.perf_counter() - request_started))

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from mammoth_core import limits
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "MAMMOTH_"
@@ -43,6 +45,15 @@ def default_cache_dir() -> str:
 
 def _doc(help_text: str, **kw: Any) -> dict[str, Any]:
     return {"help": help_text, **kw}
+
+
+def _limit(name: str) -> Any:
+    """A settings field whose default and help come from the request-limits table
+    (`mammoth_core.limits.RequestLimits`): the one home of request defaults and limits."""
+    if isinstance(limits.field_default(name), list):
+        return field(default_factory=lambda: limits.field_default(name),
+                     metadata=_doc(limits.field_help(name)))
+    return field(default=limits.field_default(name), metadata=_doc(limits.field_help(name)))
 
 
 @dataclass
@@ -225,10 +236,7 @@ class ARSettings(StageSettings):
     max_running_sequences: int = field(
         default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)")
     )
-    max_sequence_length: int = field(
-        default=6400,
-        metadata=_doc("KV-cache positions per sequence (prompt + grid; 1024x1024 needs ~4,230)"),
-    )
+    max_sequence_length: int = _limit("max_sequence_length")
     section: typing.ClassVar[str] = "ar"
 
     def validate(self) -> None:
@@ -244,9 +252,10 @@ class DiTSettings(StageSettings):
     port: int = field(default=50052, metadata=_doc("gRPC port (0: any free port)"))
     metrics_port: int = field(default=9092, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
     slots: int = field(default=4, metadata=_doc("condition slots (concurrent requests)"))
-    max_rows_per_slot: int = field(
-        default=8192, metadata=_doc("largest CONDITION+NEGATIVE row count a slot accepts")
-    )
+    max_rows_per_slot: int = _limit("max_rows_per_slot")
+    min_pixels: int = _limit("min_pixels")
+    max_pixels: int = _limit("max_pixels")
+    max_steps: int = _limit("max_steps")
     profile_dir: str | None = field(
         default=None,
         metadata=_doc(
@@ -270,6 +279,7 @@ class DiTSettings(StageSettings):
         super().validate()
         if self.slots < 1:
             raise SettingsError("slots must be >= 1")
+        _validate_limits(self)
         if not 0 <= self.profile_requests <= 100:
             raise SettingsError("profile_requests must be in [0, 100]")
         if self.producer_grace_seconds < 0:
@@ -290,21 +300,22 @@ class GatewaySettings(BaseSettings):
         metadata=_doc("DiT backends: host:port,... or dns:///name:port (headless Service)"),
     )
     model_name: str = field(default="mammothmoda2", metadata=_doc("model id served"))
-    default_steps: int = field(default=50, metadata=_doc("default num_inference_steps"))
-    default_guidance_scale: float = field(default=9.0, metadata=_doc("default text_guidance_scale"))
-    default_cfg_range: list[float] = field(
-        default_factory=lambda: [0.0, 1.0], metadata=_doc("default cfg_range start,end")
-    )
-    default_size: str = field(default="1024x1024", metadata=_doc("size used for size=auto"))
-    max_pixels: int = field(default=1536 * 1536, metadata=_doc("largest width*height accepted"))
-    min_pixels: int = field(default=64 * 64, metadata=_doc("smallest width*height accepted"))
-    max_steps: int = field(default=200, metadata=_doc("largest num_inference_steps accepted"))
-    max_prompt_chars: int = field(default=4000, metadata=_doc("longest prompt accepted"))
+    default_steps: int = _limit("default_steps")
+    default_guidance_scale: float = _limit("default_guidance_scale")
+    default_cfg_range: list[float] = _limit("default_cfg_range")
+    default_size: str = _limit("default_size")
+    default_ar_grid: str = _limit("default_ar_grid")
+    max_pixels: int = _limit("max_pixels")
+    min_pixels: int = _limit("min_pixels")
+    max_steps: int = _limit("max_steps")
+    max_prompt_chars: int = _limit("max_prompt_chars")
+    max_sequence_length: int = _limit("max_sequence_length")
+    max_rows_per_slot: int = _limit("max_rows_per_slot")
     max_body_bytes: int = field(
         default=1024 * 1024,
         metadata=_doc("largest HTTP request body in bytes (413 above it; chunked bodies counted too)"),
     )
-    request_timeout_seconds: float = field(default=600.0, metadata=_doc("per-request time budget"))
+    request_timeout_seconds: float = _limit("request_timeout_seconds")
     queue_size: int = field(default=64, metadata=_doc("requests waiting for a slot, at most"))
     api_keys_file: str | None = field(default=None, metadata=_doc("file of API keys, one a line"))
     image_ttl_seconds: float = field(default=3600.0, metadata=_doc("lifetime of url images"))
@@ -326,6 +337,15 @@ class GatewaySettings(BaseSettings):
         super().validate()
         if self.health_interval_seconds <= 0 or self.health_timeout_seconds <= 0:
             raise SettingsError("health_interval_seconds and health_timeout_seconds must be > 0")
+        _validate_limits(self)
+
+
+def _validate_limits(settings: BaseSettings) -> None:
+    """`mammoth_core.limits.validate` over the request limits ``settings`` carries."""
+    try:
+        limits.validate(limits.from_settings(settings))
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 # ------------------------------------------------------------------------------------------------

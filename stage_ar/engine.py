@@ -268,13 +268,19 @@ class DecodeEngine:
             run.slot = None
         if run.seq is not None:
             run.seq.release()  # frees the KV cache now, whatever happens to the request
-        try:
-            if exc is None:
+        if exc is None:
+            # Decoding is recorded as done BEFORE the push is finished: once the sink sends its last
+            # chunk the DiT may acknowledge the stream at once, and an acknowledgement that arrives
+            # before "done" reads as a DiT that closed the stream early (issue 15.1).
+            try:
+                run.job.on_done(None, run.stats)
+            finally:
                 run.job.sink.finish()
-            else:
+        else:
+            try:
                 run.job.sink.abort()
-        finally:
-            run.job.on_done(exc, run.stats)
+            finally:
+                run.job.on_done(exc, run.stats)
 
     def _admit_new(self, running: list[_Running], block: bool) -> None:
         while True:

@@ -24,8 +24,9 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from mammoth_core import drain, grpc_common, tracing
+from mammoth_core import drain, grpc_common, limits, tracing
 from mammoth_core.logging import request_id_var
+from mammoth_core.refusals import refusal_of, refusal_trailers
 from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
@@ -38,7 +39,7 @@ from stage_ar.sender import HiddenStateSender
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mammoth.v1.AR"
-GRID_PIXELS = 16  # MODEL.md: ar_width = width // 16
+GRID_PIXELS = limits.GRID_PIXELS  # the default (auto) grid: width // 16 x height // 16
 MAX_PROMPT_CHARS = 16_384
 
 AR_REQUESTS = Counter("mammoth_ar_requests_total", "AR Generate calls by outcome", ["outcome"])
@@ -127,6 +128,8 @@ class ARServicer(pb_grpc.ARServicer):
             value = getattr(request, name)
             if value < GRID_PIXELS or value % GRID_PIXELS:
                 return f"{name} must be a positive multiple of {GRID_PIXELS}, got {value}"
+        if bool(request.grid_width) != bool(request.grid_height):
+            return "grid_width and grid_height go together (both 0: width // 16 x height // 16)"
         if not request.dit_address:
             return "dit_address is required"
         if not request.reservation_token:
@@ -149,7 +152,7 @@ class ARServicer(pb_grpc.ARServicer):
             AR_REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         tok = self.bundle.tokenizer
-        ar_w, ar_h = request.width // GRID_PIXELS, request.height // GRID_PIXELS
+        ar_w, ar_h = _grid(request)
         prompt_ids = tok.encode_t2i_prompt(request.prompt, ar_w, ar_h)
         negative_ids = tok.encode_negative_prompt(request.negative_prompt) if request.negative_prompt else None
         total_rows = len(prompt_ids) + ar_h * (ar_w + 1)
@@ -158,7 +161,8 @@ class ARServicer(pb_grpc.ARServicer):
             AR_REQUESTS.labels("invalid").inc()
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{request.width}x{request.height} needs {total_rows} positions; the model has {max_pos}",
+                f"{request.width}x{request.height} with a {ar_w}x{ar_h} grid needs {total_rows} positions; "
+                f"the model has {max_pos}",
             )
         remaining = context.time_remaining()
         # tracing (no-ops when off): this call's span, and the push stream's span as the DiT's parent
@@ -263,7 +267,8 @@ class ARServicer(pb_grpc.ARServicer):
                 outcome = "push_failed"
                 code, details = _push_status(exc)
                 logger.warning("push to %s failed: %s %s", request.dit_address, code.name, details)
-                await context.abort(code, f"pushing hidden states to the DiT failed: {details}")
+                await context.abort(code, f"pushing hidden states to the DiT failed: {details}",
+                                    trailing_metadata=refusal_trailers(refusal_of(exc)))
             if not decoded:
                 outcome = "push_failed"
                 await context.abort(grpc.StatusCode.ABORTED, "the DiT closed the condition stream early")
@@ -302,6 +307,14 @@ class ARServicer(pb_grpc.ARServicer):
             if server_span is not None:
                 _record_engine_spans(server_span, stats)
                 _end_spans((server_span,), None if outcome == "ok" else outcome)
+
+
+def _grid(request: pb.ARGenerateRequest) -> tuple[int, int]:
+    """The AR grid in cells: ``grid_width x grid_height``, or ``width // 16 x height // 16`` when
+    they are 0 (an older gateway)."""
+    if request.grid_width:
+        return request.grid_width, request.grid_height
+    return request.width // GRID_PIXELS, request.height // GRID_PIXELS
 
 
 def _end_spans(spans, error: str | None) -> None:

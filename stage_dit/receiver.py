@@ -324,7 +324,9 @@ class Slot:
         if self.state != "reserved":
             raise WireError(grpc.StatusCode.NOT_FOUND, "reservation is no longer valid")
         if self._complete or self._finishing:
-            raise _precondition("conditions already complete; no further chunks are accepted")
+            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                            "conditions already complete; no further chunks are accepted",
+                            reason=pb.CONDITIONS_COMPLETE)
         if not chunk.HasField("header"):
             raise _invalid("chunk without header")
         h = chunk.header

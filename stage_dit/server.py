@@ -1,16 +1,20 @@
 """The DiT stage's gRPC server: the ``mammoth.v1.DiT`` servicer, health, metrics and drain.
 
-``Generate`` (gateway -> DiT, server stream): validate the image parameters, reserve a slot (fail
-fast with RESOURCE_EXHAUSTED when the pool is full), answer `Reserved`, stream RECEIVING progress
-while the AR pushes the conditions, run the pipeline in a worker thread (never on the event loop)
-with one DENOISING progress message per step, then DECODING, then the final `Image`. The slot
+``Generate`` (gateway -> DiT, server stream): validate the image parameters (the request limits
+of `mammoth_core.limits`, as the gateway does), reserve a slot (fail fast with RESOURCE_EXHAUSTED
+when the pool is full), answer `Reserved`, stream RECEIVING progress while the AR pushes the
+conditions, send `ConditionsComplete` the moment they are resident (no AR is needed after it),
+run the pipeline in a worker thread (never on the event loop) with one DENOISING progress
+message per step, then DECODING, then the final `Image`. The slot
 lives exactly as long as this stream: it is released in ``finally`` (after the worker thread has
 stopped reading it), so closing or cancelling the stream makes any further push fail.
 
 ``PushConditions`` (AR -> DiT, client stream): every chunk goes through `Slot.accept`; a violation
 aborts the call with the rule's status (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION for an
-unsupported protocol major, NOT_FOUND for an unknown token). The stream is acknowledged only when
-the conditions are resident on the device.
+unsupported protocol major, NOT_FOUND for an unknown token; a push to a slot whose conditions are
+already complete gets FAILED_PRECONDITION with the refusal reason CONDITIONS_COMPLETE in its
+trailers, `mammoth_core.refusals`). The stream is acknowledged only when the conditions are
+resident on the device.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Histogram
 
-from mammoth_core import drain, grpc_common, tracing, wire
+from mammoth_core import drain, grpc_common, limits, tracing, wire
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler
+from mammoth_core.refusals import refusal_trailers
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.runtime import start_metrics_server, write_ready_file
@@ -43,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mammoth.v1.DiT"
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
-MAX_SIDE = 4096
-MAX_STEPS = 1000
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 DIT_REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)",
@@ -65,14 +68,17 @@ class _StopRequested(Exception):
     """Raised inside the pipeline callback when the Generate stream went away."""
 
 
-def validate_params(params: pb.ImageParams) -> str | None:
-    """Why ``params`` cannot be served, or None. Sizes in pixels (multiples of 16)."""
-    for name in ("width", "height"):
-        v = getattr(params, name)
-        if v < 16 or v > MAX_SIDE or v % 16:
-            return f"{name} must be a multiple of 16 in [16, {MAX_SIDE}], got {v}"
-    if not 1 <= params.num_inference_steps <= MAX_STEPS:
-        return f"num_inference_steps must be in [1, {MAX_STEPS}], got {params.num_inference_steps}"
+def validate_params(params: pb.ImageParams, table: limits.RequestLimits = limits.DEFAULTS) -> str | None:
+    """Why ``params`` cannot be served, or None: the same size and step limits the gateway applies
+    (`mammoth_core.limits.check_image` over this DiT's ``min_pixels``/``max_pixels``/``max_steps``),
+    so a direct call gets no more than a request through the gateway."""
+    try:
+        limits.check_image(params.width, params.height, params.num_inference_steps, table)
+    except limits.LimitError as exc:
+        return exc.message
+    lo, hi = limits.GUIDANCE_SCALE_RANGE
+    if not lo <= params.text_guidance_scale <= hi:
+        return f"text_guidance_scale must be in [{lo}, {hi}], got {params.text_guidance_scale}"
     if not 0.0 <= params.cfg_range_start <= params.cfg_range_end <= 1.0:
         return "cfg_range must satisfy 0 <= start <= end <= 1"
     fmt = (params.output_format or "png").lower()
@@ -96,14 +102,17 @@ class DiTServicer(pb_grpc.DiTServicer):
         producer_grace_s: a slot whose producer's push stream broke (without its `StreamEnd`) is
             retired this many seconds later (Generate ends with ABORTED) unless a newer epoch, an
             AR retry, began meanwhile.
+        request_limits: the size and step limits enforced on every call (the DiT's settings).
     """
 
     def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
                  condition_timeout_s: float = 600.0, progress_interval_s: float = 0.1,
                  producer_grace_s: float = 1.0,
                  trace_dir: str | None = None, answer_boundary: str = "prompt_length",
-                 profiler: StageProfiler | None = None):
+                 profiler: StageProfiler | None = None,
+                 request_limits: limits.RequestLimits = limits.DEFAULTS):
         self.pipeline = pipeline
+        self.request_limits = request_limits
         self.profiler = profiler
         self.trace_dir = trace_dir
         self.answer_boundary = answer_boundary
@@ -145,7 +154,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "DiT is draining")
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        why = validate_params(request.params)
+        why = validate_params(request.params, self.request_limits)
         if why:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
@@ -190,6 +199,10 @@ class DiTServicer(pb_grpc.DiTServicer):
                     )
                 await slot.wait_changed(min(wait_until - now, self.progress_interval_s))
             conds = slot.conditions()
+            # The gateway learns here, not from later progress, that no AR is needed any more.
+            yield pb.DiTGenerateResponse(conditions_complete=pb.ConditionsComplete(
+                epoch=slot.epoch or 0, condition_rows=conds.hidden.shape[0],
+                negative_rows=0 if conds.negative is None else conds.negative.shape[0]))
             if span is not None and slot.timings.first_chunk_at and slot.timings.resident_at:
                 tracing.record_span("dit.receive", span,
                                     tracing.monotonic_to_unix_ns(slot.timings.first_chunk_at),
@@ -419,7 +432,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             metrics.STREAMS.labels(side="receive", result="rejected").inc()
             if slot is not None and token is not None and err.code == grpc.StatusCode.DATA_LOSS:
                 slot.mark_producer_lost(token)
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, trailing_metadata=refusal_trailers(err.reason))
         except asyncio.CancelledError:
             metrics.STREAMS.labels(side="receive", result="lost").inc()
             if slot is not None and token is not None:
@@ -479,7 +492,8 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
         settings.max_message_bytes, token, interceptors=[rpcs], role_tokens=settings.read_role_tokens()
     )
     servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary,
-                           profiler=profiler, producer_grace_s=settings.producer_grace_seconds)
+                           profiler=profiler, producer_grace_s=settings.producer_grace_seconds,
+                           request_limits=limits.from_settings(settings))
     add_dit_servicer(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())

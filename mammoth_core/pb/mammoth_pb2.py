@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmammoth_core/pb/mammoth.proto\x12\nmammoth.v1\"\x85\x02\n\x0bImageParams\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x03 \x01(\r\x12\x1b\n\x13text_guidance_scale\x18\x04 \x01(\x02\x12\x17\n\x0f\x63\x66g_range_start\x18\x05 \x01(\x02\x12\x15\n\rcfg_range_end\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x15\n\routput_format\x18\x08 \x01(\t\x12\x1a\n\x12output_compression\x18\t \x01(\r\x12\x16\n\x0epartial_images\x18\n \x01(\r\x12\x14\n\x0chas_negative\x18\x0b \x01(\x08\"Q\n\x12\x44iTGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.ImageParams\"6\n\x08Reserved\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\x12\x0f\n\x07slot_id\x18\x02 \x01(\t\"\xc1\x01\n\x0b\x44iTProgress\x12,\n\x05phase\x18\x01 \x01(\x0e\x32\x1d.mammoth.v1.DiTProgress.Phase\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\x12\x15\n\rrows_received\x18\x04 \x01(\x04\"J\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\r\n\tRECEIVING\x10\x01\x12\r\n\tDENOISING\x10\x02\x12\x0c\n\x08\x44\x45\x43ODING\x10\x03\"\x83\x01\n\nDiTTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nreceive_ms\x18\x02 \x01(\x01\x12\x18\n\x10transfer_tail_ms\x18\x03 \x01(\x01\x12\x12\n\ndenoise_ms\x18\x04 \x01(\x01\x12\x0e\n\x06vae_ms\x18\x05 \x01(\x01\x12\x11\n\tencode_ms\x18\x06 \x01(\x01\"\xc4\x01\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x15\n\rpartial_index\x18\x06 \x01(\r\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.mammoth.v1.DiTTimings\x12\x16\n\x0e\x63ondition_rows\x18\x08 \x01(\x04\x12\x15\n\rnegative_rows\x18\t \x01(\x04\"\x99\x01\n\x13\x44iTGenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.mammoth.v1.ReservedH\x00\x12+\n\x08progress\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.DiTProgressH\x00\x12\"\n\x05image\x18\x03 \x01(\x0b\x32\x11.mammoth.v1.ImageH\x00\x42\x07\n\x05\x65vent\"\xe3\x01\n\x0eStreamMetadata\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.mammoth.v1.DType\x12\x1a\n\x12\x61nswer_start_index\x18\x05 \x01(\x04\x12\x15\n\rexpected_rows\x18\x06 \x01(\x04\x12\x1e\n\x16\x65xpected_negative_rows\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswer_boundary\x18\x08 \x01(\t\"\xd0\x01\n\x0b\x43hunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x1e\n\x04role\x18\x04 \x01(\x0e\x32\x10.mammoth.v1.Role\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.mammoth.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\x12\n\nrow_offset\x18\x07 \x01(\x04\x12\x11\n\ttoken_ids\x18\x08 \x03(\x03\x12\x14\n\x0csent_unix_ms\x18\t \x01(\x01\"e\n\tStreamEnd\x12\x12\n\ntotal_rows\x18\x01 \x01(\x04\x12\x1b\n\x13total_negative_rows\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\x12\x17\n\x0fnegative_crc32c\x18\x04 \x01(\r\"\xb6\x01\n\x10HiddenStateChunk\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.ChunkHeader\x12,\n\x08metadata\x18\x03 \x01(\x0b\x32\x1a.mammoth.v1.StreamMetadata\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\"\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x15.mammoth.v1.StreamEnd\"h\n\x16PushConditionsResponse\x12\x15\n\rrows_accepted\x18\x01 \x01(\x04\x12\x1e\n\x16negative_rows_accepted\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_accepted\x18\x03 \x01(\x04\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\"\x85\x02\n\x11\x41RGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x04 \x01(\t\x12\r\n\x05width\x18\x05 \x01(\r\x12\x0e\n\x06height\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.mammoth.v1.SamplingParams\x12\x19\n\x11\x61r_guidance_scale\x18\t \x01(\x02\x12\x13\n\x0b\x64it_address\x18\n \x01(\t\x12\x19\n\x11reservation_token\x18\x0b \x01(\t\"f\n\nARProgress\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x04\x12\x11\n\trows_sent\x18\x04 \x01(\x04\"\x8d\x01\n\x06\x41RDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x04\x12\x11\n\trows_sent\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x18\n\x10last_row_unix_ms\x18\x06 \x01(\x01\"m\n\x12\x41RGenerateResponse\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.mammoth.v1.ARProgressH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.mammoth.v1.ARDoneH\x00\x42\x07\n\x05\x65vent*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03*9\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCONDITION\x10\x01\x12\x0c\n\x08NEGATIVE\x10\x02\x32\xaa\x01\n\x03\x44iT\x12M\n\x08Generate\x12\x1e.mammoth.v1.DiTGenerateRequest\x1a\x1f.mammoth.v1.DiTGenerateResponse0\x01\x12T\n\x0ePushConditions\x12\x1c.mammoth.v1.HiddenStateChunk\x1a\".mammoth.v1.PushConditionsResponse(\x01\x32Q\n\x02\x41R\x12K\n\x08Generate\x12\x1d.mammoth.v1.ARGenerateRequest\x1a\x1e.mammoth.v1.ARGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmammoth_core/pb/mammoth.proto\x12\nmammoth.v1\"\x85\x02\n\x0bImageParams\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x03 \x01(\r\x12\x1b\n\x13text_guidance_scale\x18\x04 \x01(\x02\x12\x17\n\x0f\x63\x66g_range_start\x18\x05 \x01(\x02\x12\x15\n\rcfg_range_end\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12\x15\n\routput_format\x18\x08 \x01(\t\x12\x1a\n\x12output_compression\x18\t \x01(\r\x12\x16\n\x0epartial_images\x18\n \x01(\r\x12\x14\n\x0chas_negative\x18\x0b \x01(\x08\"Q\n\x12\x44iTGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.ImageParams\"6\n\x08Reserved\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\x12\x0f\n\x07slot_id\x18\x02 \x01(\t\"\xc1\x01\n\x0b\x44iTProgress\x12,\n\x05phase\x18\x01 \x01(\x0e\x32\x1d.mammoth.v1.DiTProgress.Phase\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\x12\x15\n\rrows_received\x18\x04 \x01(\x04\"J\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\r\n\tRECEIVING\x10\x01\x12\r\n\tDENOISING\x10\x02\x12\x0c\n\x08\x44\x45\x43ODING\x10\x03\"\x83\x01\n\nDiTTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nreceive_ms\x18\x02 \x01(\x01\x12\x18\n\x10transfer_tail_ms\x18\x03 \x01(\x01\x12\x12\n\ndenoise_ms\x18\x04 \x01(\x01\x12\x0e\n\x06vae_ms\x18\x05 \x01(\x01\x12\x11\n\tencode_ms\x18\x06 \x01(\x01\"\xc4\x01\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x15\n\rpartial_index\x18\x06 \x01(\r\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.mammoth.v1.DiTTimings\x12\x16\n\x0e\x63ondition_rows\x18\x08 \x01(\x04\x12\x15\n\rnegative_rows\x18\t \x01(\x04\"R\n\x12\x43onditionsComplete\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x16\n\x0e\x63ondition_rows\x18\x02 \x01(\x04\x12\x15\n\rnegative_rows\x18\x03 \x01(\x04\"\xd8\x01\n\x13\x44iTGenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.mammoth.v1.ReservedH\x00\x12+\n\x08progress\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.DiTProgressH\x00\x12\"\n\x05image\x18\x03 \x01(\x0b\x32\x11.mammoth.v1.ImageH\x00\x12=\n\x13\x63onditions_complete\x18\x04 \x01(\x0b\x32\x1e.mammoth.v1.ConditionsCompleteH\x00\x42\x07\n\x05\x65vent\"4\n\x07Refusal\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.mammoth.v1.RefusalReason\"\xe3\x01\n\x0eStreamMetadata\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.mammoth.v1.DType\x12\x1a\n\x12\x61nswer_start_index\x18\x05 \x01(\x04\x12\x15\n\rexpected_rows\x18\x06 \x01(\x04\x12\x1e\n\x16\x65xpected_negative_rows\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswer_boundary\x18\x08 \x01(\t\"\xd0\x01\n\x0b\x43hunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x1e\n\x04role\x18\x04 \x01(\x0e\x32\x10.mammoth.v1.Role\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.mammoth.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\x12\n\nrow_offset\x18\x07 \x01(\x04\x12\x11\n\ttoken_ids\x18\x08 \x03(\x03\x12\x14\n\x0csent_unix_ms\x18\t \x01(\x01\"e\n\tStreamEnd\x12\x12\n\ntotal_rows\x18\x01 \x01(\x04\x12\x1b\n\x13total_negative_rows\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\x12\x17\n\x0fnegative_crc32c\x18\x04 \x01(\r\"\xb6\x01\n\x10HiddenStateChunk\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\x12\'\n\x06header\x18\x02 \x01(\x0b\x32\x17.mammoth.v1.ChunkHeader\x12,\n\x08metadata\x18\x03 \x01(\x0b\x32\x1a.mammoth.v1.StreamMetadata\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\"\n\x03\x65nd\x18\x05 \x01(\x0b\x32\x15.mammoth.v1.StreamEnd\"h\n\x16PushConditionsResponse\x12\x15\n\rrows_accepted\x18\x01 \x01(\x04\x12\x1e\n\x16negative_rows_accepted\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_accepted\x18\x03 \x01(\x04\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\"\xae\x02\n\x11\x41RGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x04 \x01(\t\x12\r\n\x05width\x18\x05 \x01(\r\x12\x0e\n\x06height\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x03\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.mammoth.v1.SamplingParams\x12\x19\n\x11\x61r_guidance_scale\x18\t \x01(\x02\x12\x13\n\x0b\x64it_address\x18\n \x01(\t\x12\x19\n\x11reservation_token\x18\x0b \x01(\t\x12\x12\n\ngrid_width\x18\x0c \x01(\r\x12\x13\n\x0bgrid_height\x18\r \x01(\r\"f\n\nARProgress\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x04\x12\x11\n\trows_sent\x18\x04 \x01(\x04\"\x8d\x01\n\x06\x41RDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x04\x12\x11\n\trows_sent\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x18\n\x10last_row_unix_ms\x18\x06 \x01(\x01\"m\n\x12\x41RGenerateResponse\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.mammoth.v1.ARProgressH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.mammoth.v1.ARDoneH\x00\x42\x07\n\x05\x65vent*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03*9\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tCONDITION\x10\x01\x12\x0c\n\x08NEGATIVE\x10\x02*H\n\rRefusalReason\x12\x1e\n\x1aREFUSAL_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONDITIONS_COMPLETE\x10\x01\x32\xaa\x01\n\x03\x44iT\x12M\n\x08Generate\x12\x1e.mammoth.v1.DiTGenerateRequest\x1a\x1f.mammoth.v1.DiTGenerateResponse0\x01\x12T\n\x0ePushConditions\x12\x1c.mammoth.v1.HiddenStateChunk\x1a\".mammoth.v1.PushConditionsResponse(\x01\x32Q\n\x02\x41R\x12K\n\x08Generate\x12\x1d.mammoth.v1.ARGenerateRequest\x1a\x1e.mammoth.v1.ARGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mammoth_core.pb.mammoth_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2660
-  _globals['_DTYPE']._serialized_end=2730
-  _globals['_ROLE']._serialized_start=2732
-  _globals['_ROLE']._serialized_end=2789
+  _globals['_DTYPE']._serialized_start=2902
+  _globals['_DTYPE']._serialized_end=2972
+  _globals['_ROLE']._serialized_start=2974
+  _globals['_ROLE']._serialized_end=3031
+  _globals['_REFUSALREASON']._serialized_start=3033
+  _globals['_REFUSALREASON']._serialized_end=3105
   _globals['_IMAGEPARAMS']._serialized_start=46
   _globals['_IMAGEPARAMS']._serialized_end=307
   _globals['_DITGENERATEREQUEST']._serialized_start=309
@@ -49,30 +51,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DITTIMINGS']._serialized_end=776
   _globals['_IMAGE']._serialized_start=779
   _globals['_IMAGE']._serialized_end=975
-  _globals['_DITGENERATERESPONSE']._serialized_start=978
-  _globals['_DITGENERATERESPONSE']._serialized_end=1131
-  _globals['_STREAMMETADATA']._serialized_start=1134
-  _globals['_STREAMMETADATA']._serialized_end=1361
-  _globals['_CHUNKHEADER']._serialized_start=1364
-  _globals['_CHUNKHEADER']._serialized_end=1572
-  _globals['_STREAMEND']._serialized_start=1574
-  _globals['_STREAMEND']._serialized_end=1675
-  _globals['_HIDDENSTATECHUNK']._serialized_start=1678
-  _globals['_HIDDENSTATECHUNK']._serialized_end=1860
-  _globals['_PUSHCONDITIONSRESPONSE']._serialized_start=1862
-  _globals['_PUSHCONDITIONSRESPONSE']._serialized_end=1966
-  _globals['_SAMPLINGPARAMS']._serialized_start=1968
-  _globals['_SAMPLINGPARAMS']._serialized_end=2035
-  _globals['_ARGENERATEREQUEST']._serialized_start=2038
-  _globals['_ARGENERATEREQUEST']._serialized_end=2299
-  _globals['_ARPROGRESS']._serialized_start=2301
-  _globals['_ARPROGRESS']._serialized_end=2403
-  _globals['_ARDONE']._serialized_start=2406
-  _globals['_ARDONE']._serialized_end=2547
-  _globals['_ARGENERATERESPONSE']._serialized_start=2549
-  _globals['_ARGENERATERESPONSE']._serialized_end=2658
-  _globals['_DIT']._serialized_start=2792
-  _globals['_DIT']._serialized_end=2962
-  _globals['_AR']._serialized_start=2964
-  _globals['_AR']._serialized_end=3045
+  _globals['_CONDITIONSCOMPLETE']._serialized_start=977
+  _globals['_CONDITIONSCOMPLETE']._serialized_end=1059
+  _globals['_DITGENERATERESPONSE']._serialized_start=1062
+  _globals['_DITGENERATERESPONSE']._serialized_end=1278
+  _globals['_REFUSAL']._serialized_start=1280
+  _globals['_REFUSAL']._serialized_end=1332
+  _globals['_STREAMMETADATA']._serialized_start=1335
+  _globals['_STREAMMETADATA']._serialized_end=1562
+  _globals['_CHUNKHEADER']._serialized_start=1565
+  _globals['_CHUNKHEADER']._serialized_end=1773
+  _globals['_STREAMEND']._serialized_start=1775
+  _globals['_STREAMEND']._serialized_end=1876
+  _globals['_HIDDENSTATECHUNK']._serialized_start=1879
+  _globals['_HIDDENSTATECHUNK']._serialized_end=2061
+  _globals['_PUSHCONDITIONSRESPONSE']._serialized_start=2063
+  _globals['_PUSHCONDITIONSRESPONSE']._serialized_end=2167
+  _globals['_SAMPLINGPARAMS']._serialized_start=2169
+  _globals['_SAMPLINGPARAMS']._serialized_end=2236
+  _globals['_ARGENERATEREQUEST']._serialized_start=2239
+  _globals['_ARGENERATEREQUEST']._serialized_end=2541
+  _globals['_ARPROGRESS']._serialized_start=2543
+  _globals['_ARPROGRESS']._serialized_end=2645
+  _globals['_ARDONE']._serialized_start=2648
+  _globals['_ARDONE']._serialized_end=2789
+  _globals['_ARGENERATERESPONSE']._serialized_start=2791
+  _globals['_ARGENERATERESPONSE']._serialized_end=2900
+  _globals['_DIT']._serialized_start=3108
+  _globals['_DIT']._serialized_end=3278
+  _globals['_AR']._serialized_start=3280
+  _globals['_AR']._serialized_end=3361
 # @@protoc_insertion_point(module_scope)

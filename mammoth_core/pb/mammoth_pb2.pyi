@@ -19,6 +19,11 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     CONDITION: _ClassVar[Role]
     NEGATIVE: _ClassVar[Role]
+
+class RefusalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_REASON_UNSPECIFIED: _ClassVar[RefusalReason]
+    CONDITIONS_COMPLETE: _ClassVar[RefusalReason]
 DTYPE_UNSPECIFIED: DType
 BFLOAT16: DType
 FLOAT16: DType
@@ -26,6 +31,8 @@ FLOAT32: DType
 ROLE_UNSPECIFIED: Role
 CONDITION: Role
 NEGATIVE: Role
+REFUSAL_REASON_UNSPECIFIED: RefusalReason
+CONDITIONS_COMPLETE: RefusalReason
 
 class ImageParams(_message.Message):
     __slots__ = ("width", "height", "num_inference_steps", "text_guidance_scale", "cfg_range_start", "cfg_range_end", "seed", "output_format", "output_compression", "partial_images", "has_negative")
@@ -129,15 +136,33 @@ class Image(_message.Message):
     negative_rows: int
     def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., partial: _Optional[bool] = ..., partial_index: _Optional[int] = ..., timings: _Optional[_Union[DiTTimings, _Mapping]] = ..., condition_rows: _Optional[int] = ..., negative_rows: _Optional[int] = ...) -> None: ...
 
+class ConditionsComplete(_message.Message):
+    __slots__ = ("epoch", "condition_rows", "negative_rows")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONDITION_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    condition_rows: int
+    negative_rows: int
+    def __init__(self, epoch: _Optional[int] = ..., condition_rows: _Optional[int] = ..., negative_rows: _Optional[int] = ...) -> None: ...
+
 class DiTGenerateResponse(_message.Message):
-    __slots__ = ("reserved", "progress", "image")
+    __slots__ = ("reserved", "progress", "image", "conditions_complete")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     progress: DiTProgress
     image: Image
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., progress: _Optional[_Union[DiTProgress, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+    conditions_complete: ConditionsComplete
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., progress: _Optional[_Union[DiTProgress, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., conditions_complete: _Optional[_Union[ConditionsComplete, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: RefusalReason
+    def __init__(self, reason: _Optional[_Union[RefusalReason, str]] = ...) -> None: ...
 
 class StreamMetadata(_message.Message):
     __slots__ = ("protocol_major", "protocol_minor", "hidden_size", "dtype", "answer_start_index", "expected_rows", "expected_negative_rows", "answer_boundary")
@@ -228,7 +253,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class ARGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "sampling", "ar_guidance_scale", "dit_address", "reservation_token")
+    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "sampling", "ar_guidance_scale", "dit_address", "reservation_token", "grid_width", "grid_height")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +265,8 @@ class ARGenerateRequest(_message.Message):
     AR_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     DIT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GRID_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    GRID_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt: str
@@ -251,7 +278,9 @@ class ARGenerateRequest(_message.Message):
     ar_guidance_scale: float
     dit_address: str
     reservation_token: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ...) -> None: ...
+    grid_width: int
+    grid_height: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ..., grid_width: _Optional[int] = ..., grid_height: _Optional[int] = ...) -> None: ...
 
 class ARProgress(_message.Message):
     __slots__ = ("prompt_tokens", "tokens_generated", "total_tokens", "rows_sent")

@@ -192,6 +192,9 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "cache_dir": CACHE_DIR,
         "log_format": spec.log_format,
         "log_level": spec.log_level,
+        # request limits the DiT enforces as well as the gateway (flat: every component reads them)
+        "max_pixels": rd.max_pixels,
+        "min_pixels": rd.min_pixels,
     }
     if spec.transport.auth_token is not None:
         config["auth_token_file"] = f"{AUTH_DIR}/token"
@@ -210,8 +213,7 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "default_steps": rd.steps,
         "default_guidance_scale": rd.guidance_scale,
         "default_cfg_range": list(rd.cfg_range),
-        "max_pixels": rd.max_pixels,
-        "min_pixels": rd.min_pixels,
+        "default_ar_grid": rd.ar_grid,
         "max_prompt_chars": rd.max_prompt_chars,
         "request_timeout_seconds": rd.request_timeout_seconds,
         "queue_size": spec.gateway.queue_size,

@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mammoth_core import limits
+
 #: The model source URI grammar; the same regular expression as the CRD's CEL rule on ``spec.model``.
 MODEL_SOURCE_RE = re.compile(
     r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*|file:///.+"
@@ -165,6 +167,8 @@ class RequestDefaults:
     min_pixels: int
     max_prompt_chars: int
     request_timeout_seconds: int
+    #: AR grid recipe for requests without ``ar_grid`` (`mammoth_core.limits.resolve_grid`).
+    ar_grid: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,19 +224,20 @@ DEFAULTS: dict[str, Any] = {
     "secret.apiKeys.key": "api-keys",
     "transport.chunkRows": 64,
     "transport.maxMessageBytes": 67108864,
-    "requestDefaults.steps": 50,
-    "requestDefaults.guidanceScale": 9.0,
-    "requestDefaults.cfgRange": [0.0, 1.0],
-    "requestDefaults.maxPixels": 2359296,
-    "requestDefaults.minPixels": 65536,
-    "requestDefaults.maxPromptChars": 8192,
-    "requestDefaults.requestTimeoutSeconds": 600,
+    # requestDefaults.*: from the one table of request limits (mammoth_core.limits), below
     "runtime.device": "auto",
     "runtime.dtype": "auto",
     "logging.format": "json",
     "logging.level": "info",
     "networkPolicy.enabled": True,
 }
+DEFAULTS.update({f"requestDefaults.{crd}": limits.field_default(name) for name, crd in limits.crd_keys().items()})
+
+
+def _bounds(name: str) -> tuple[Any, Any]:
+    """``(minimum, maximum)`` of the request-limits table's field ``name``."""
+    meta = limits.RequestLimits.__dataclass_fields__[name].metadata
+    return meta["minimum"], meta["maximum"]
 
 #: Default resource requests (CPU cores, memory) of each container, so no pod is BestEffort: the
 #: stages hold the model in host memory while loading it (safetensors mmap, then copy to the GPU).
@@ -530,16 +535,24 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
     if cfg[0] > cfg[1]:
         raise InvalidSpec("spec.requestDefaults.cfgRange", "requestDefaults.cfgRange must be [start, end] with start <= end")
     request_defaults = RequestDefaults(
-        steps=qr.int("steps", DEFAULTS["requestDefaults.steps"], 1, 200),
-        guidance_scale=qr.num("guidanceScale", DEFAULTS["requestDefaults.guidanceScale"], 0, 30),
+        steps=qr.int("steps", DEFAULTS["requestDefaults.steps"], *_bounds("default_steps")),
+        guidance_scale=qr.num("guidanceScale", DEFAULTS["requestDefaults.guidanceScale"],
+                              *_bounds("default_guidance_scale")),
         cfg_range=(float(cfg[0]), float(cfg[1])),
-        max_pixels=qr.int("maxPixels", DEFAULTS["requestDefaults.maxPixels"], 4096, 16777216),
-        min_pixels=qr.int("minPixels", DEFAULTS["requestDefaults.minPixels"], 4096, 16777216),
-        max_prompt_chars=qr.int("maxPromptChars", DEFAULTS["requestDefaults.maxPromptChars"], 1, 1000000),
-        request_timeout_seconds=qr.int("requestTimeoutSeconds", DEFAULTS["requestDefaults.requestTimeoutSeconds"], 10, 3600),
+        max_pixels=qr.int("maxPixels", DEFAULTS["requestDefaults.maxPixels"], *_bounds("max_pixels")),
+        min_pixels=qr.int("minPixels", DEFAULTS["requestDefaults.minPixels"], *_bounds("min_pixels")),
+        max_prompt_chars=qr.int("maxPromptChars", DEFAULTS["requestDefaults.maxPromptChars"],
+                                *_bounds("max_prompt_chars")),
+        request_timeout_seconds=qr.int("requestTimeoutSeconds", DEFAULTS["requestDefaults.requestTimeoutSeconds"],
+                                       *_bounds("request_timeout_seconds")),
+        ar_grid=qr.str("arGrid", DEFAULTS["requestDefaults.arGrid"], max_length=16),
     )
     if request_defaults.min_pixels > request_defaults.max_pixels:
         raise InvalidSpec("spec.requestDefaults.minPixels", "requestDefaults.minPixels must not exceed maxPixels")
+    try:
+        limits.parse_ar_grid(request_defaults.ar_grid)
+    except limits.LimitError as exc:
+        raise InvalidSpec("spec.requestDefaults.arGrid", exc.message) from None
 
     gr = r.sub("gateway")
     sr = gr.sub("service")

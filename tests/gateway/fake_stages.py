@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc  # noqa: E402
+from mammoth_core.refusals import refusal_of, refusal_trailers  # noqa: E402
 
 HIDDEN = 4
 
@@ -105,6 +106,9 @@ class FakeDiT(pb_grpc.DiTServicer):
         try:
             yield pb.DiTGenerateResponse(reserved=pb.Reserved(reservation_token=token, slot_id=token))
             await slot.complete.wait()
+            await asyncio.sleep(self.args.complete_event_delay)  # a DiT slow to say so
+            yield pb.DiTGenerateResponse(conditions_complete=pb.ConditionsComplete(
+                epoch=slot.epoch, condition_rows=len(slot.token_ids)))
             steps = p.num_inference_steps
             marks = {round(steps * (k + 1) / (p.partial_images + 1)) for k in range(p.partial_images)}
             partial_index = 0
@@ -142,7 +146,10 @@ class FakeDiT(pb_grpc.DiTServicer):
             if slot is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown reservation")
             epoch = chunk.header.epoch
-            if epoch < slot.epoch or slot.complete.is_set():
+            if slot.complete.is_set():
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "conditions already complete",
+                                    trailing_metadata=refusal_trailers(pb.CONDITIONS_COMPLETE))
+            if epoch < slot.epoch:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
             if epoch > slot.epoch:  # a new epoch starts fresh
                 slot.epoch, slot.token_ids = epoch, []
@@ -170,7 +177,8 @@ class FakeAR(pb_grpc.ARServicer):
                        dit=request.dit_address)
         outcome = "cancelled"
         try:
-            gw, gh = request.width // 16, request.height // 16
+            gw, gh = ((request.grid_width, request.grid_height) if request.grid_width
+                      else (request.width // 16, request.height // 16))
             prompt_ids = [b for b in request.prompt.encode()][:64]
             total = gh * (gw + 1)
             rng = np.random.default_rng(request.seed)
@@ -212,7 +220,11 @@ class FakeAR(pb_grpc.ARServicer):
                 try:
                     await push
                 except grpc.aio.AioRpcError as exc:
-                    await context.abort(exc.code(), f"pushing to the DiT failed: {exc.details()}")
+                    await context.abort(exc.code(), f"pushing to the DiT failed: {exc.details()}",
+                                        trailing_metadata=refusal_trailers(refusal_of(exc)))
+                if self.args.fail_after_push:  # an AR that dies after the DiT acknowledged
+                    self.log.write("failing_after_push", request_id=request.request_id)
+                    await context.abort(grpc.StatusCode.ABORTED, "failed after the push")
             yield pb.ARGenerateResponse(done=pb.ARDone(prompt_tokens=len(prompt_ids),
                                                        generated_tokens=total, rows_sent=len(rows)))
             outcome = "done"
@@ -235,6 +247,8 @@ async def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row-delay", type=float, default=0.0)
     parser.add_argument("--max-running", type=int, default=8)
     parser.add_argument("--die-at-row", type=int)
+    parser.add_argument("--fail-after-push", action="store_true")
+    parser.add_argument("--complete-event-delay", type=float, default=0.0)
     args = parser.parse_args(argv)
     log = EventLog(args.events)
     server = grpc.aio.server()

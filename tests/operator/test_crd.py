@@ -89,6 +89,7 @@ def _crd_default(schema: dict[str, Any], dotted: str) -> Any:
     ("requestDefaults.minPixels", "requestDefaults.minPixels"),
     ("requestDefaults.maxPromptChars", "requestDefaults.maxPromptChars"),
     ("requestDefaults.requestTimeoutSeconds", "requestDefaults.requestTimeoutSeconds"),
+    ("requestDefaults.arGrid", "requestDefaults.arGrid"),
     ("runtime.device", "runtime.device"), ("runtime.dtype", "runtime.dtype"),
     ("logging.format", "logging.format"), ("logging.level", "logging.level"),
     ("networkPolicy.enabled", "networkPolicy.enabled"),
