@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
+from mammoth_core.limits import resolve_grid
 from stage_ar.generation import T2ISequence
 from stage_ar.loader import ARBundle, load_ar
 from stage_dit.conditions import compute_answer_start_index
 from stage_dit.images import encode_image
 from stage_dit.loader import load_pipeline
 from stage_dit.pipeline import MammothDiTPipeline
-
-GRID_PIXELS = 16  # MODEL.md: ar_width = width // 16
 
 
 @dataclasses.dataclass
@@ -29,10 +28,12 @@ class InProcessResult:
 
     Attributes:
         image: encoded image bytes.
-        hidden: CONDITION rows ``(len(prompt) + h*(w+1), hidden)`` in the AR dtype.
+        hidden: CONDITION rows ``(len(prompt) + h*(w+1), hidden)`` in the AR dtype (``w x h``: the
+            AR grid).
         token_ids: their token ids (prompt, then the grid; no look-ahead).
         prompt_len: ``len(prompt_ids)``.
         negative_rows: NEGATIVE rows or None.
+        grid: the AR grid ``(w, h)`` in cells.
     """
 
     image: bytes
@@ -40,6 +41,7 @@ class InProcessResult:
     token_ids: list[int]
     prompt_len: int
     negative_rows: torch.Tensor | None
+    grid: tuple[int, int] = (0, 0)
 
 
 class InProcessModel:
@@ -86,10 +88,16 @@ class InProcessModel:
         top_k: int = 0,
         top_p: float = 0.0,
         ar_guidance_scale: float = 0.0,
+        ar_grid: str = "auto",
     ) -> InProcessResult:
-        """Generate one image; parameters mean what the gateway's request fields mean."""
+        """Generate one image; parameters mean what the gateway's request fields mean (``ar_grid``:
+        ``"auto"`` or ``"WxH"``, resolved by `mammoth_core.limits.resolve_grid` as the gateway does).
+
+        Raises:
+            mammoth_core.limits.LimitError: ``ar_grid`` is malformed.
+        """
         tok = self.ar.tokenizer
-        w, h = width // GRID_PIXELS, height // GRID_PIXELS
+        w, h = resolve_grid(width, height, ar_grid)
         prompt_ids = tok.encode_t2i_prompt(prompt, w, h)
         negative_ids = tok.encode_negative_prompt(negative_prompt) if negative_prompt else None
         sampler = self.ar.make_sampler(w, h, seed, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -108,7 +116,7 @@ class InProcessModel:
             text_guidance_scale=text_guidance_scale, cfg_range=cfg_range, seed=seed,
         )
         data = encode_image(image, output_format, output_compression)
-        return InProcessResult(data, hidden, ids, len(prompt_ids), negative)
+        return InProcessResult(data, hidden, ids, len(prompt_ids), negative, (w, h))
 
 
 def describe(result: InProcessResult) -> dict[str, Any]:
