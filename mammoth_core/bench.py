@@ -1,7 +1,8 @@
 """``mammoth bench``: a serving benchmark against any gateway URL.
 
-For each image size, step count and concurrency level (comma lists): ``--warmup`` requests (not counted), then ``--requests`` requests kept
-``concurrency`` in flight, each a non-streaming ``POST /v1/images/generations`` with the given size
+For each image size, step count, AR grid (``--ar-grid auto,32x32``: a sweep of the ``ar_grid``
+extension) and concurrency level (comma lists): ``--warmup`` requests (not counted), then
+``--requests`` requests kept ``concurrency`` in flight, each a non-streaming ``POST /v1/images/generations`` with the given size
 and steps and a distinct seed. Reports mean/p50/p95 latency (seconds), images per minute, errors,
 and the stage breakdown per request — mean/p50/p95 seconds of each stage in
 `gateway.serving.STAGES` (queue, AR prefill and decode, transfer tail, DiT denoise, VAE, encode) —
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -68,15 +70,22 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 async def run_level(
     url: str, concurrency: int, requests: int, warmup: int, size: str, steps: int, api_key: str | None,
-    seed_base: int = 1000,
+    seed_base: int = 1000, ar_grid: str | None = None,
 ) -> dict[str, Any]:
-    """Run one concurrency level; returns its result dict (latencies in seconds)."""
+    """Run one concurrency level; returns its result dict (latencies in seconds).
+
+    ``ar_grid`` (``"auto"``, ``"WxH"``) is sent as the request's ``ar_grid``; None sends none (the
+    gateway's ``default_ar_grid``).
+    """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=10), limits=limits) as client:
         def body(i: int) -> dict[str, Any]:
-            return {"prompt": f"benchmark image {i}", "size": size, "num_inference_steps": steps,
-                    "seed": seed_base + i, "response_format": "b64_json"}
+            b = {"prompt": f"benchmark image {i}", "size": size, "num_inference_steps": steps,
+                 "seed": seed_base + i, "response_format": "b64_json"}
+            if ar_grid:
+                b["ar_grid"] = ar_grid
+            return b
 
         await asyncio.gather(*(_one(client, url, body(-1 - i), headers) for i in range(warmup)))
         queue: asyncio.Queue[int] = asyncio.Queue()
@@ -154,7 +163,8 @@ def gateway_unreachable(url: str) -> str | None:
 def run_bench(args: argparse.Namespace) -> int:
     """Implementation of ``mammoth bench``; exit code 1 when any request failed.
 
-    Levels: every combination of ``--size`` x ``--steps`` x ``--concurrency`` (comma lists).
+    Levels: every combination of ``--size`` x ``--steps`` x ``--ar-grid`` x ``--concurrency``
+    (comma lists; no ``--ar-grid``: the gateway's default grid).
     Exit code 2 for unusable arguments (no level run).
     """
     try:
@@ -171,24 +181,23 @@ def run_bench(args: argparse.Namespace) -> int:
     if unreachable:
         print(f"mammoth bench: {unreachable}", file=sys.stderr)
         return 1
+    grids = _csv(getattr(args, "ar_grid", "") or "") or [None]
     results = []
-    for size in _csv(args.size):
-        for steps in (int(s) for s in _csv(args.steps)):
-            for c in (int(c) for c in _csv(args.concurrency)):
-                r = asyncio.run(run_level(args.url.rstrip("/"), c, args.requests, args.warmup, size, steps,
-                                          getattr(args, "api_key", None)))
-                r.update(size=size, steps=steps)
-                results.append(r)
-                print(f"{size} {steps} steps, concurrency {c}: {r['ok']}/{r['requests']} ok, "
-                      f"p50 {r['p50_s']:.3f} s", file=sys.stderr)
-                if r["errors"]:
-                    print(f"  errors: {r['errors']}", file=sys.stderr)
-    for size in _csv(args.size):
-        for steps in (int(s) for s in _csv(args.steps)):
-            print(f"\n== {size}, {steps} steps ==")
-            print(render_table([r for r in results if r["size"] == size and r["steps"] == steps]))
+    for size, steps, grid, c in itertools.product(_csv(args.size), step_list, grids, levels):
+        r = asyncio.run(run_level(args.url.rstrip("/"), c, args.requests, args.warmup, size, steps,
+                                  getattr(args, "api_key", None), ar_grid=grid))
+        r.update(size=size, steps=steps, ar_grid=grid or "default")
+        results.append(r)
+        print(f"{size} {steps} steps, ar_grid {grid or 'default'}, concurrency {c}: "
+              f"{r['ok']}/{r['requests']} ok, p50 {r['p50_s']:.3f} s", file=sys.stderr)
+        if r["errors"]:
+            print(f"  errors: {r['errors']}", file=sys.stderr)
+    for size, steps, grid in itertools.product(_csv(args.size), step_list, grids):
+        print(f"\n== {size}, {steps} steps, ar_grid {grid or 'default'} ==")
+        print(render_table([r for r in results if (r["size"], r["steps"], r["ar_grid"])
+                            == (size, steps, grid or "default")]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": args.url, "sizes": _csv(args.size), "steps": [int(s) for s in _csv(args.steps)],
-                       "levels": results}, f, indent=2)
+            json.dump({"url": args.url, "sizes": _csv(args.size), "steps": step_list,
+                       "ar_grids": [g or "default" for g in grids], "levels": results}, f, indent=2)
     return 0 if all(r["ok"] == r["requests"] for r in results) else 1

@@ -273,6 +273,8 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--requests", type=int, default=8, help="timed requests per level")
     bench.add_argument("--warmup", type=int, default=1, help="untimed requests before each level")
     bench.add_argument("--size", default="256x256", help="WIDTHxHEIGHT (comma list)")
+    bench.add_argument("--ar-grid", default="", help="ar_grid per level, e.g. auto,32x32 (comma list; "
+                       "default: none sent, the gateway's default_ar_grid)")
     bench.add_argument("--steps", default="20", help="num_inference_steps (comma list)")
     bench.add_argument("--json", default=None, help="write results as JSON to this file")
     bench.add_argument("--api-key", default=None, help="gateway API key (default: $OPENAI_API_KEY)")

@@ -107,3 +107,19 @@ def test_grid_the_ar_cannot_hold_is_refused_before_stage_work(pipeline):
         "prompt": PROMPT, "size": "256x256", "ar_grid": "8 by 8"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ar_grid"
     assert stage_calls() == before
+
+
+def test_bench_sweeps_ar_grids(pipeline, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mammoth_core.cli", "bench", "--url", pipeline.url, "--concurrency", "1",
+         "--requests", "1", "--warmup", "0", "--size", "64x64", "--steps", "1", "--ar-grid", "auto,2x2",
+         "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["ar_grids"] == ["auto", "2x2"]
+    assert [(lv["ar_grid"], lv["ok"]) for lv in result["levels"]] == [("auto", 1), ("2x2", 1)]
+    assert "ar_grid 2x2" in proc.stdout
