@@ -13,6 +13,7 @@ Run on the GPU machine from the source tree (two GPUs: the AR on the first, the 
 2. The DiT (``CUDA_VISIBLE_DEVICES=--dit-gpu``), the AR (``=--ar-gpu``) and the gateway (no GPU) are
    started as separate processes from the source tree (``python -m mammoth_core.cli ...``).
 3. Phase ``streamed`` (the AR's default ``chunk_rows``): per SIZE:STEPS, one warm-up request, then per
+   AR grid (``--ar-grids auto,32x32``: the ``ar_grid`` request extension, issue 23) and
    concurrency level ``max(c, --min-requests)`` requests kept ``c`` in flight through
    ``POST /v1/images/generations``; latency per request and its ``Server-Timing`` breakdown
    (``ar_prefill``, ``ar_decode``, ``transfer`` = last chunk sent by the AR -> conditions resident on
@@ -205,8 +206,10 @@ async def _stage_sums(client, url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in acc.items()}
 
 
-async def run_level(url: str, size: int, steps: int, concurrency: int, requests: int, seed: int) -> dict[str, Any]:
-    """``requests`` requests, ``concurrency`` in flight; per-request latency and Server-Timing."""
+async def run_level(url: str, size: int, steps: int, concurrency: int, requests: int, seed: int,
+                    ar_grid: str | None = None) -> dict[str, Any]:
+    """``requests`` requests, ``concurrency`` in flight; per-request latency and Server-Timing.
+    ``ar_grid`` is sent as the request's ``ar_grid`` extension (None: the gateway's default)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(1200, connect=10),
@@ -225,6 +228,8 @@ async def run_level(url: str, size: int, steps: int, concurrency: int, requests:
                     return
                 body = {"prompt": f"benchmark image {seed + i}", "size": f"{size}x{size}",
                         "num_inference_steps": steps, "seed": seed + i, "response_format": "b64_json"}
+                if ar_grid:
+                    body["ar_grid"] = ar_grid
                 t0 = time.perf_counter()
                 try:
                     r = await client.post(f"{url}/v1/images/generations", json=body)
@@ -252,7 +257,8 @@ async def run_level(url: str, size: int, steps: int, concurrency: int, requests:
 
     transfer_ms = [1e3 * p["timing_s"]["transfer"] for p in good if "transfer" in p["timing_s"]]
     return {
-        "size": size, "steps": steps, "concurrency": concurrency, "requests": requests, "ok": len(good),
+        "size": size, "steps": steps, "ar_grid": ar_grid or "default", "concurrency": concurrency,
+        "requests": requests, "ok": len(good),
         "errors": [p["error"] for p in per if not p["ok"]][:3], "wall_s": wall,
         "latency_mean_s": statistics.fmean(lat) if lat else float("nan"),
         "latency_p50_s": percentile(lat, 0.5), "latency_max_s": max(lat, default=float("nan")),
@@ -266,13 +272,13 @@ async def run_level(url: str, size: int, steps: int, concurrency: int, requests:
 
 
 def row(r: dict[str, Any]) -> str:
-    return (f"{r['size']:>5} {r['steps']:>3} {r['concurrency']:>3} {r['ok']:>2}/{r['requests']:<2} "
+    return (f"{r['size']:>5} {r['steps']:>3} {r['ar_grid']:>7} {r['concurrency']:>3} {r['ok']:>2}/{r['requests']:<2} "
             f"{r['latency_p50_s']:>8.2f} {r['latency_max_s']:>8.2f} {r['images_per_min']:>7.2f} "
             f"{r['ar_s_p50']:>7.2f} {r['transfer_ms_p50']:>8.2f} {r['dit_denoise_s_p50']:>7.2f} "
             f"{r['dit_vae_s_p50']:>6.3f} {r['dit_encode_s_p50']:>6.3f} {r['queue_s_p50']:>6.2f}")
 
 
-HEADER = ("size stp  c  ok     p50 s    max s img/min    AR s  xfer ms   DiT s  vae s  enc s queue")
+HEADER = ("size stp ar_grid  c  ok     p50 s    max s img/min    AR s  xfer ms   DiT s  vae s  enc s queue")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,6 +292,8 @@ def main() -> int:
     p.add_argument("--checkpoint", default="/tmp/mammoth-preview-e2e", help="folder (built if absent) or builtin://tiny")
     p.add_argument("--sizes", default="512:20,1024:50", help="SIZE:STEPS list (streamed phase)")
     p.add_argument("--concurrency", default="1,2,4")
+    p.add_argument("--ar-grids", default="", help="ar_grid per streamed level, e.g. auto,32x32 (comma list; "
+                   "'' = none sent, the gateway's default_ar_grid); every size x grid x concurrency runs")
     p.add_argument("--min-requests", type=int, default=1, help="requests per level at least (else = concurrency)")
     p.add_argument("--baseline-sizes", default="512:20,1024:50", help="SIZE:STEPS[:REQUESTS] for the request-end phase ('' = skip)")
     p.add_argument("--ar-gpu", default="0")
@@ -341,16 +349,16 @@ def main() -> int:
         print(HEADER, flush=True)
         try:
             warmed: set[int] = set()
-            for size, steps, c, *count in plan:
+            for size, steps, c, grid, *count in plan:
                 if time.perf_counter() - started > args.budget_s:
-                    res.setdefault("skipped", []).append([key, size, steps, c])
+                    res.setdefault("skipped", []).append([key, size, steps, c, grid])
                     continue
                 if not warmed and key == "streamed":  # one warm-up request per phase start (first size)
                     asyncio.run(run_level(url, size, steps, 1, 1, seed=99))
                     warmed.add(size)
                 n = count[0] if count else max(c, args.min_requests)
                 _, seen = tail_phases(trace_dir, set())
-                r = asyncio.run(run_level(url, size, steps, c, n, seed=1000 * c + size))
+                r = asyncio.run(run_level(url, size, steps, c, n, seed=1000 * c + size, ar_grid=grid))
                 r["tail_phases_ms_p50"], _ = tail_phases(trace_dir, seen)
                 res[key if key == "request_end" else "levels"].append(r)
                 print(row(r), flush=True)
@@ -362,10 +370,11 @@ def main() -> int:
         finally:
             stop_pipeline(comps)
 
-    phase(None, [(s, st, c) for s, st in sizes for c in levels], "streamed")
+    grids = [g for g in args.ar_grids.split(",") if g] or [None]
+    phase(None, [(s, st, c, g) for s, st in sizes for g in grids for c in levels], "streamed")
     base = [[int(x) for x in s.split(":")] for s in args.baseline_sizes.split(",") if s]
     if base:
-        phase(1_000_000, [(b[0], b[1], 1, b[2] if len(b) > 2 else 1) for b in base], "request_end")
+        phase(1_000_000, [(b[0], b[1], 1, None, b[2] if len(b) > 2 else 1) for b in base], "request_end")
 
     # Summary against the targets
     dit_alone = {}
@@ -376,10 +385,11 @@ def main() -> int:
     for r in res["levels"]:
         if r["concurrency"] != 1:
             continue
-        base_r = next((b for b in res["request_end"] if b["size"] == r["size"] and b["steps"] == r["steps"]), None)
+        base_r = next((b for b in res["request_end"] if b["size"] == r["size"] and b["steps"] == r["steps"]
+                       and r["ar_grid"] == "default"), None)
         alone = r["ar_s_p50"] + dit_alone.get(r["size"], float("nan"))
         summary.append({
-            "size": r["size"], "steps": r["steps"], "e2e_p50_s": r["latency_p50_s"],
+            "size": r["size"], "steps": r["steps"], "ar_grid": r["ar_grid"], "e2e_p50_s": r["latency_p50_s"],
             "ar_alone_s": r["ar_s_p50"], "dit_alone_s": dit_alone.get(r["size"]),
             "e2e_over_alone": r["latency_p50_s"] / alone if alone == alone else None,
             "transfer_tail_ms_p50_streamed": r["transfer_ms_p50"],
