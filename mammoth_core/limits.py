@@ -83,7 +83,7 @@ class RequestLimits:
     default_ar_grid: str = _limit(
         "auto", "AR grid used when a request gives no ar_grid: 'auto' (width/16 x height/16) or "
         "'WxH' (W*H cells in the image's aspect ratio, e.g. the model card's 32x32)", crd="arGrid")
-    min_pixels: int = _limit(64 * 64, "smallest width*height accepted (gateway and DiT)",
+    min_pixels: int = _limit(16 * 16, "smallest width*height accepted (gateway and DiT)",
                              crd="minPixels", minimum=256, maximum=16777216)
     max_pixels: int = _limit(1536 * 1536, "largest width*height accepted (gateway and DiT)",
                              crd="maxPixels", minimum=256, maximum=16777216)
