@@ -15,8 +15,8 @@ Failure rules: an AR failure before the DiT said ``ConditionsComplete`` (its exp
 condition row is resident) is retried on another AR with the same request id and ``epoch + 1`` (the
 slot survives); after that event no AR retry starts, and an AR failure is harmless. A push the DiT
 refused because the conditions are already complete (refusal reason CONDITIONS_COMPLETE, relayed by
-the AR in its trailers) is not an AR failure: it is neither retried nor counted. A DiT failure drops the slot and starts over
-(new slot, new AR run) while the deadline allows. Every RPC carries ``timeout = deadline - now``.
+the AR in its trailers) is not an AR failure: it is neither retried nor counted. A DiT failure
+drops the slot and starts over (new slot, new AR run) while the deadline allows. Every RPC carries ``timeout = deadline - now``.
 Cancelling the pipeline task (client disconnect) cancels both calls; the DiT frees the slot when its
 ``Generate`` stream closes.
 """

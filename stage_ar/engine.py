@@ -72,7 +72,9 @@ class DecodeJob:
         on_progress: called from the engine thread with (image tokens decoded, image tokens in all):
             rows emitted after the prompt, of ``h * (w + 1)``, the count ``usage`` reports (the
             look-ahead sample, never fed, is not counted).
-        on_done: called from the engine thread once, with None on success or the exception.
+        on_done: called from the engine thread once, with None on success or the exception; on
+            success before ``sink.finish()``, so "decoding done" is known before the push can be
+            acknowledged.
     """
 
     request_id: str
