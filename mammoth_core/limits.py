@@ -267,21 +267,28 @@ def from_settings(settings: Any) -> RequestLimits:
     return RequestLimits(**values)
 
 
-def validate(table: RequestLimits) -> None:
+def validate(table: RequestLimits, present: set[str] | None = None) -> None:
     """Check every value against its range and the cross-field rules.
+
+    Args:
+        present: the fields a component actually configures (None: all); a cross-field rule is
+            checked only when both of its fields are present (the DiT has no ``max_sequence_length``).
 
     Raises:
         ValueError: naming the field (settings name) and the rule.
     """
+    def both(a: str, b: str) -> bool:
+        return present is None or (a in present and b in present)
+
     for f in limit_fields():
         value, lo, hi = getattr(table, f.name), f.metadata["minimum"], f.metadata["maximum"]
         if lo is not None and not lo <= value <= hi:
             raise ValueError(f"{f.name} must be in [{lo}, {hi}], got {value}")
     if table.min_pixels > table.max_pixels:
         raise ValueError("min_pixels must not exceed max_pixels")
-    if table.default_steps > table.max_steps:
+    if both("default_steps", "max_steps") and table.default_steps > table.max_steps:
         raise ValueError("default_steps must not exceed max_steps")
-    if table.max_rows_per_slot < table.max_sequence_length:
+    if both("max_rows_per_slot", "max_sequence_length") and table.max_rows_per_slot < table.max_sequence_length:
         raise ValueError("max_rows_per_slot must be >= max_sequence_length (a DiT slot holds the "
                          "AR's longest sequence)")
     cfg = table.default_cfg_range

@@ -343,7 +343,8 @@ class GatewaySettings(BaseSettings):
 def _validate_limits(settings: BaseSettings) -> None:
     """`mammoth_core.limits.validate` over the request limits ``settings`` carries."""
     try:
-        limits.validate(limits.from_settings(settings))
+        present = {f.name for f in dataclasses.fields(settings)}
+        limits.validate(limits.from_settings(settings), present)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
 

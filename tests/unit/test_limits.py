@@ -124,3 +124,13 @@ def test_check_positions_names_the_field():
     with pytest.raises(limits.LimitError) as err:
         limits.check_positions("x", "🦊" * 4000, 1024, 1024, (64, 64), "size", table)
     assert err.value.param == "negative_prompt"
+
+
+def test_settings_validation_applies_the_table_rules():
+    from mammoth_core.settings import SettingsError
+
+    DiTSettings(max_rows_per_slot=8192).validate()  # the DiT has no max_sequence_length to compare
+    for bad in ({"max_rows_per_slot": 8192}, {"min_pixels": 4096, "max_pixels": 1024},
+                {"default_ar_grid": "32 x 32"}, {"max_steps": 1001}, {"default_steps": 60, "max_steps": 50}):
+        with pytest.raises(SettingsError):
+            GatewaySettings(**bad).validate()
