@@ -206,7 +206,7 @@ def check_image(width: int, height: int, steps: int, limits: RequestLimits, para
     """
     size = f"{width}x{height}"
     if width <= 0 or height <= 0 or width % GRID_PIXELS or height % GRID_PIXELS:
-        raise LimitError(f"invalid size {size!r}: width and height must be positive multiples of "
+        raise LimitError(f"invalid size {size!r}: width and height must each be a positive multiple of "
                          f"{GRID_PIXELS}", param, "invalid_size")
     pixels = width * height
     if not limits.min_pixels <= pixels <= limits.max_pixels:

@@ -45,9 +45,9 @@ def _params(width: int, height: int, steps: int) -> pb.DiTGenerateRequest:
 
 
 @pytest.mark.parametrize("width,height,steps,why", [
-    (1600, 1600, 1, "pixels"), (1536, 1552, 1, "pixels"), (0, 64, 1, "multiples of 16"),
+    (1600, 1600, 1, "pixels"), (1536, 1552, 1, "pixels"), (0, 64, 1, "multiple of 16"),
     (64, 64, 1000, "num_inference_steps"),
-    (64, 64, limits.DEFAULTS.max_steps + 1, "num_inference_steps"), (72, 64, 1, "multiples of 16"),
+    (64, 64, limits.DEFAULTS.max_steps + 1, "num_inference_steps"), (72, 64, 1, "multiple of 16"),
 ])
 async def test_direct_call_outside_the_limits_is_refused(dit, width, height, steps, why):
     stub, pool = dit
