@@ -1,0 +1,78 @@
+"""FP8 (E4M3) weights with one float32 scale per output channel, converted at load time.
+
+Layout: a linear layer's ``weight (N, K)`` becomes ``w_fp8 (N, K)`` in ``torch.float8_e4m3fn`` and
+``scale (N,)`` in float32 with ``weight[n, k] ≈ w_fp8[n, k] * scale[n]``. ``scale[n]`` maps row ``n``'s
+largest magnitude onto E4M3's largest finite value, 448, so each row uses the whole range.
+`stage_ar.gemv` consumes this layout (W8A16: weights widened in registers, the scale applied once
+per output in the epilogue).
+
+Error of one weight (round to nearest even in E4M3's 3 mantissa bits): at most 2^-4 of its
+magnitude in the normal range, at most ``2^-10 * scale[n]`` below it (subnormals, values under
+``2^-6 * scale[n]``); zero rows get scale 1 and stay exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: E4M3 ("fn": finite, no infinities) largest finite magnitude.
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+FP8_DTYPE = torch.float8_e4m3fn
+#: Rows converted per step: bounds the float32 temporary at load time (a 37888 x 3584 weight
+#: would need 543 MB at once).
+_CHUNK_ROWS = 4096
+
+
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert a ``(N, K)`` weight to E4M3 codes with one float32 scale per output row.
+
+    Args:
+        weight: ``(N, K)`` floating-point weight (bfloat16, float16 or float32), any device.
+
+    Returns:
+        ``(w_fp8, scale)``: ``w_fp8 (N, K)`` ``torch.float8_e4m3fn`` (contiguous), ``scale (N,)`` float32,
+        both on ``weight``'s device.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or holds a non-finite value.
+        TypeError: ``weight`` is not floating point, or is already FP8.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"quantize_fp8_per_channel takes a 2-D (N, K) weight, got shape {tuple(weight.shape)}")
+    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"weight is already {weight.dtype}")
+    if not weight.is_floating_point():
+        raise TypeError(f"quantize_fp8_per_channel takes a floating-point weight, got {weight.dtype}")
+    w_fp8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for lo in range(0, weight.shape[0], _CHUNK_ROWS):
+        rows = weight[lo : lo + _CHUNK_ROWS].float()
+        if not torch.isfinite(rows).all():
+            raise ValueError(f"weight rows {lo}..{lo + rows.shape[0] - 1} hold a non-finite value")
+        amax = rows.abs().amax(dim=1)
+        row_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        w_fp8[lo : lo + rows.shape[0]] = (rows / row_scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[lo : lo + rows.shape[0]] = row_scale
+    return w_fp8, scale
+
+
+def dequantize_fp8_per_channel(w_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_fp8_per_channel`: ``(w_fp8.float() * scale[:, None]).to(dtype)``.
+
+    Args:
+        w_fp8: ``(N, K)`` ``torch.float8_e4m3fn`` codes.
+        scale: ``(N,)`` float32 per-row scales.
+        dtype: dtype of the result.
+
+    Returns:
+        ``(N, K)`` weight in ``dtype`` (the product is formed in float32, then rounded once).
+
+    Raises:
+        ValueError: ``scale`` does not have one entry per row of ``w_fp8``.
+        TypeError: ``w_fp8`` is not E4M3.
+    """
+    if w_fp8.dtype != FP8_DTYPE:
+        raise TypeError(f"w_fp8 must be {FP8_DTYPE}, got {w_fp8.dtype}")
+    if w_fp8.ndim != 2 or scale.shape != (w_fp8.shape[0],):
+        raise ValueError(f"scale {tuple(scale.shape)} must be (N,) for w_fp8 {tuple(w_fp8.shape)}")
+    return (w_fp8.float() * scale.float()[:, None]).to(dtype)

@@ -1,0 +1,348 @@
+"""Weight-streaming GEMV-class kernels for AR decode: ``out = epilogue(prologue(x) @ weight.T)`` for
+at most 16 activation rows (CUDA, Triton; Triton's interpreter on CPU tensors).
+
+At decode, a projection reads its whole weight for a handful of rows: it is a weight stream, and its
+time is bytes / bandwidth. Each program owns `BLOCK_N` output columns and walks all of K in tiles
+of `BLOCK_K` (no split-K, so no partial sums in memory and no reduce pass); one ``tl.dot`` per tile
+with the weight tile as the left operand (``(BLOCK_N, BLOCK_K)`` straight from the row-major
+``nn.Linear`` layout) and the activations, padded to 16 rows, as the right one, accumulated in
+float32. Variants are compile-time flags, so each layer's projection is one launch:
+
+- RMSNorm prologue (``norm_weight``): Qwen2 numerics as `stage_ar.modeling_mammoth_ar`'s RMSNorm,
+  ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` with the statistics in float32 and
+  ``round`` the cast to the activation dtype. Each program first reads its rows once to form the
+  inverse RMS (the activations are a few KB, served from L2), then applies it to every tile.
+- epilogues: FP8 scale (``weight_scale``), ``bias``, then either ``swiglu`` (the weight is
+  ``(2 * N, K)``, gate rows then up rows, as vLLM's merged gate/up; ``out = silu(gate) * up``) and/or
+  a ``residual`` add. Each step rounds to the activation dtype where the eager module chain does
+  (linear output, SiLU, product, sum), so the fused kernel differs from eager only by the dot's
+  summation order (`stage_ar.gemv_reference` is that chain).
+- W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
+  codes widened to the activation dtype in registers (exact), scale applied once per output.
+
+Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
+zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
+taken in K-tile order with a `BLOCK_K` fixed per weight dtype (`block_k_for`), and its inverse RMS
+summed elementwise per tile and then by a fixed pairwise tree (never a layout-dependent
+``tl.sum``). Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the
+dtypes) chooses only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's
+sums (`benchmarks/gemv.py` checks every candidate bit for bit on the GPU; the test
+``test_tuned_parameters_do_not_change_bits`` does on a GPU). So a row gives the same bits alone,
+inside any batch of up to 16 and in every process, whatever autotuning chose.
+
+Autotuning launches and synchronises on the first call of each key: call every shape, variant and
+M bucket once before capturing CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+#: Largest M (activation rows) one launch takes: the kernels pad to one 16-row tile.
+MAX_ROWS = 16
+#: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FP8_DTYPE = torch.float8_e4m3fn
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available(device: torch.device) -> bool:
+    """True when the kernels can run on ``device``: CUDA with triton, or any device under the interpreter."""
+    return triton is not None and (device.type == "cuda" or INTERPRETED)
+
+
+def block_k_for(weight_dtype: torch.dtype) -> int:
+    """The K tile for weights of ``weight_dtype``: 256 columns for every dtype (512 bytes of each
+    16-bit weight row per tile, 256 of FP8). Fixed, because it sets a row's reduction order (the
+    inverse RMS tree; the dot's K order is the same for any tile width)."""
+    del weight_dtype  # one width for all today; the argument keeps the choice in one place
+    return 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of one kernel: output columns per program, warps, software-pipeline depth.
+
+    ``block_k`` ``None`` means `block_k_for` the weight dtype; another value changes a row's
+    reduction order (its bits), so it is for exploration (`benchmarks/gemv.py`), never for serving.
+    """
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 4
+    block_k: int | None = None
+
+
+#: Candidates autotuning times on the GPU (pruned where the pipeline would not fit shared memory).
+TUNED_CONFIGS = (
+    GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(32, 4, 4), GemvConfig(32, 4, 6),
+    GemvConfig(32, 8, 4), GemvConfig(64, 4, 3), GemvConfig(64, 8, 4),
+)
+#: The interpreter's fixed launch (it has no timing to tune on).
+INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
+_SMEM_BUDGET = 200 * 1024
+
+
+if triton is not None:
+
+    @triton.jit
+    def _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps,
+                 BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """``rsqrt(mean(x²) + eps)`` of each of the 16 rows, float32, in a layout-independent order."""
+        sq = tl.zeros((16, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            if EVEN_K:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                            mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+            x = x.to(tl.float32)
+            sq += x * x
+        for _ in tl.static_range(LOG2_BLOCK_K):  # fold halves: pairs are fixed, so the bits are too
+            sq = tl.sum(tl.reshape(sq, (16, 2, sq.shape[1] // 2)), axis=1)
+        return tl.rsqrt(tl.reshape(sq, (16,)) / K + eps)
+
+    @triton.jit
+    def _x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms,
+                NORM: tl.constexpr, EVEN_K: tl.constexpr):
+        """The ``(16, BLOCK_K)`` activation tile at columns ``k``, RMS-normalised if ``NORM``."""
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                        mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        if NORM:
+            if EVEN_K:
+                nw = tl.load(norm_ptr + k)
+            else:
+                nw = tl.load(norm_ptr + k, mask=k < K, other=0.0)
+            xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+            x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _w_dot(w_ptr, rows, n_mask, k, K, x_t, acc, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               IEEE: tl.constexpr):
+        """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype."""
+        ptrs = w_ptr + rows[:, None] * K + k[None, :]
+        if EVEN_K and EVEN_N:
+            w = tl.load(ptrs)
+        elif EVEN_K:
+            w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        w = w.to(x_t.dtype)
+        if IEEE:
+            acc = tl.dot(w, x_t, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x_t, acc)
+        return acc
+
+    @triton.jit
+    def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, dtype: tl.constexpr,
+                FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The linear output rounded to ``dtype``: ``acc * scale + bias`` in float32 first."""
+        if FP8:
+            acc = acc * tl.load(scale_ptr + rows, mask=n_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        return acc.to(dtype)
+
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
+    def _gemv_kernel(
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr,
+        M, M_BUCKET, N, K, stride_xm, stride_rm, stride_om, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
+        (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed.
+        ``M_BUCKET`` (M rounded up to a power of two) is read only by autotuning's key."""
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        inv_rms = tl.zeros((16,), tl.float32)
+        if NORM:
+            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K, EVEN_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, 16), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
+            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE)
+            if SWIGLU:
+                acc_up = _w_dot(w_ptr, offs_n + N, n_mask, k, K, x_t, acc_up, EVEN_K, EVEN_N, IEEE)
+        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS)
+        if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
+            up = _scaled(acc_up, offs_n + N, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS).to(tl.float32)
+            gate = y.to(tl.float32)
+            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+        out_mask = n_mask[:, None] & m_mask[None, :]
+        if RESIDUAL:
+            res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
+
+    _kernel = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_gemv_kernel)
+
+    def _prune(configs, named_args, **meta):
+        """Drop candidates whose pipelined tiles would overflow shared memory (or are wider than N)."""
+        w_bytes = named_args["w_ptr"].element_size() * (2 if meta["SWIGLU"] else 1)
+        x_bytes = named_args["x_ptr"].element_size()
+        n_cap = max(16, triton.next_power_of_2(named_args["N"]))
+        kept = [c for c in configs
+                if c.kwargs["BLOCK_N"] <= n_cap
+                and c.num_stages * meta["BLOCK_K"] * (c.kwargs["BLOCK_N"] * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET]
+        return kept or configs[:1]
+
+    _tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+                 for c in TUNED_CONFIGS],
+        key=["M_BUCKET", "N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL"],
+        prune_configs_by={"early_config_prune": _prune},
+        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+    )(_kernel)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``out = epilogue(linear(prologue(x)))`` in one launch, for decode-sized batches.
+
+    Steps, each optional: ``h = RMSNorm(x)`` (``norm_weight``), ``y = h @ (weight * weight_scale).T +
+    bias`` (float32 accumulation, rounded to ``x.dtype``), ``y = silu(y[:, :N]) * y[:, N:]``
+    (``swiglu``), ``y = y + residual``. Numerics: `stage_ar.gemv_reference.gemv_reference`.
+
+    Args:
+        x: ``(M, K)`` activations, ``1 <= M <= 16``, bfloat16/float16/float32, rows contiguous.
+        weight: ``(R, K)`` contiguous, ``x.dtype`` or ``torch.float8_e4m3fn``; ``R = N``, or ``2 * N``
+            (gate rows then up rows) with ``swiglu``.
+        weight_scale: ``(R,)`` float32 per-row scales; required with and only with FP8 weights.
+        bias: ``(R,)`` in ``x.dtype``.
+        norm_weight: ``(K,)`` in ``x.dtype``: apply Qwen2 RMSNorm (``norm_eps``) to ``x`` first.
+        residual: ``(M, N)`` in ``x.dtype``, rows contiguous, added last.
+        swiglu: the fused gate/up epilogue.
+        config: launch parameters; ``None`` autotunes on CUDA (`TUNED_CONFIGS`) and takes
+            `INTERPRETER_CONFIG` under the interpreter.
+
+    Returns:
+        ``(M, N)`` in ``x.dtype``, a new tensor.
+
+    Raises:
+        ValueError: shapes, strides, devices or flags that do not fit the above.
+        TypeError: dtypes that do not fit the above.
+        RuntimeError: triton cannot run on ``x``'s device (check `available`).
+    """
+    n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    if not available(x.device):
+        raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
+    if block_k & (block_k - 1) or block_k < 16:
+        raise ValueError(f"block_k {block_k} must be a power of two >= 16")
+    args = (
+        x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), out,
+        m, triton.next_power_of_2(m), n, k, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(norm_eps),
+    )
+    meta = dict(
+        BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
+        NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
+        SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+    )
+    if config is None and not INTERPRETED:
+        _tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
+    else:
+        c = config or INTERPRETER_CONFIG
+        grid = (triton.cdiv(n, c.block_n),)
+        _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+    return out
+
+
+def last_tuned_config() -> GemvConfig | None:
+    """The config autotuning used for the latest autotuned `gemv` call (``None`` before any, or
+    under the interpreter)."""
+    best = getattr(_tuned, "best_config", None) if triton is not None and not INTERPRETED else None
+    if best is None:
+        return None
+    return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+
+
+def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel will not read when its flag is off."""
+    return dummy if tensor is None else tensor
+
+
+def _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu) -> int:
+    """Validate `gemv`'s arguments; returns N, the output width."""
+    if x.ndim != 2 or weight.ndim != 2:
+        raise ValueError(f"gemv takes 2-D x (M, K) and weight (R, K), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to at most {MAX_ROWS} rows, got M = {m} (use torch.nn.functional.linear)")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not one of {ACTIVATION_DTYPES}")
+    if weight.dtype not in (x.dtype, FP8_DTYPE):
+        raise TypeError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or {FP8_DTYPE}")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} columns, x has K = {k}")
+    if not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError("gemv needs a contiguous weight and x rows contiguous (x.stride(1) == 1)")
+    rows = weight.shape[0]
+    if weight.numel() >= 2**31:
+        raise ValueError(f"weight {tuple(weight.shape)} has 2^31 elements or more (32-bit offsets)")
+    if swiglu and rows % 2:
+        raise ValueError(f"swiglu needs gate and up rows stacked, (2 * N, K); got {rows} rows")
+    n = rows // 2 if swiglu else rows
+    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
+        raise ValueError("weight_scale is required with float8_e4m3fn weights and only with them")
+    if weight_scale is not None:
+        if weight_scale.dtype != torch.float32:
+            raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
+        _expect("weight_scale", weight_scale, (rows,), torch.float32, x.device)
+    if bias is not None:
+        _expect("bias", bias, (rows,), x.dtype, x.device)
+    if norm_weight is not None:
+        _expect("norm_weight", norm_weight, (k,), x.dtype, x.device)
+    if residual is not None:
+        _expect("residual", residual, (m, n), x.dtype, x.device)
+        if residual.stride(1) != 1:
+            raise ValueError("residual rows must be contiguous (residual.stride(1) == 1)")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    return n
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} dtype must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, x on {device}")
+    if t.ndim == 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")

@@ -1,0 +1,55 @@
+"""Pure-torch reference of `stage_ar.gemv`: the eager module chain whose numerics the kernels match.
+
+``RMSNorm`` (the model's own class, `stage_ar.modeling_mammoth_ar.MammothRMSNorm`) → linear in
+float32 (``x.float() @ w.float().T``; FP8 codes times their row scale, then the bias) rounded to the
+activation dtype → ``F.silu(gate) * up`` in that dtype → ``+ residual`` in that dtype. The kernels
+compute the same steps with the same roundings; they differ only in the order of the dot's float32
+sums (and, with the norm, in the order of the sum of squares), i.e. by float32 rounding before the
+final cast. Runs on any device; used by the tests and by `benchmarks/gemv.py` as ground truth.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stage_ar.gemv import FP8_DTYPE, _check
+from stage_ar.modeling_mammoth_ar import MammothRMSNorm
+
+
+def rms_norm_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's Qwen2 RMSNorm of ``x (M, K)`` with ``norm_weight (K,)``, in ``x.dtype``."""
+    norm = MammothRMSNorm(norm_weight.shape[0], eps).to(device=norm_weight.device, dtype=norm_weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(norm_weight)
+        return norm(x)
+
+
+@torch.no_grad()
+def gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+) -> torch.Tensor:
+    """What `stage_ar.gemv.gemv` computes, step by step in torch (same arguments, same checks)."""
+    _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, norm_eps)
+    w = weight.float()
+    acc = h.float() @ w.T
+    if weight.dtype == FP8_DTYPE:
+        acc = acc * weight_scale
+    if bias is not None:
+        acc = acc + bias.float()
+    y = acc.to(x.dtype)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = y + residual
+    return y

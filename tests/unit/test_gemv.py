@@ -1,0 +1,199 @@
+"""`stage_ar.gemv` (weight-streaming GEMV kernels for M <= 16, Triton) against `stage_ar.gemv_reference`,
+and `stage_ar.fp8` (per-output-channel E4M3 weights).
+
+Without a GPU the kernels run in Triton's CPU interpreter (`tests/conftest.py` turns it on); on a
+GPU machine the same tests run compiled and add bfloat16 (`benchmarks/gemv.py` checks the Preview
+shapes there). The interpreter computes ``tl.dot`` with numpy, which has no bfloat16, so the CPU
+cases are float32 and float16 activations (FP8 weights included: they are widened in registers).
+
+Shapes are small on purpose (the interpreter is slow) but cross every boundary the kernel has: K
+spans several K tiles and ends in a partial one, N ends in a partial column block.
+
+Tolerances (output vs the reference, which accumulates in float32 in another order): float32
+``2e-5`` abs+rel; float16 ``3e-3`` (two float16 ulps near 1: the dot's rounding, then one more in
+the SiLU/residual epilogue); bfloat16 ``2e-2`` (two bfloat16 ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+N, K = 40, 600  # K: two full tiles of 256 and a partial one (fp8: 512 + partial); N: 16 + 16 + 8
+
+#: name -> which optional inputs the variant uses (how the AR uses them: qkv, o/down, gate_up, ...)
+VARIANTS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "norm_bias": {"norm": True, "bias": True},
+    "residual": {"residual": True},
+    "norm_swiglu": {"norm": True, "swiglu": True},
+    "norm": {"norm": True},
+}
+
+
+@pytest.fixture
+def gemv():
+    import stage_ar.gemv as module
+
+    if not module.available(torch.device(DEVICE)):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    return module
+
+
+def make_inputs(variant, dtype, fp8=False, m=16, n=N, k=K, seed=0):
+    """Activations ``(m, k)`` and the keyword arguments of `gemv` for ``variant``."""
+    from stage_ar.fp8 import quantize_fp8_per_channel
+
+    use = VARIANTS[variant]
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * n if use.get("swiglu") else n
+    x = torch.randn(m, k, generator=g).to(dtype)
+    weight = (torch.randn(rows, k, generator=g) / k**0.5).to(dtype)
+    kwargs = {}
+    if fp8:
+        weight, kwargs["weight_scale"] = quantize_fp8_per_channel(weight)
+    if use.get("bias"):
+        kwargs["bias"] = torch.randn(rows, generator=g).to(dtype)
+    if use.get("norm"):
+        x = x * 3.0  # the norm must really rescale
+        kwargs["norm_weight"] = (1.0 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+        kwargs["norm_eps"] = 1e-6
+    if use.get("residual"):
+        kwargs["residual"] = torch.randn(m, n, generator=g).to(dtype)
+    if use.get("swiglu"):
+        kwargs["swiglu"] = True
+    to_device = {key: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
+    return x.to(DEVICE), weight.to(DEVICE), to_device
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["w16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_reference(gemv, variant, dtype, fp8):
+    from stage_ar.gemv_reference import gemv_reference
+
+    if dtype == torch.bfloat16 and gemv.INTERPRETED:
+        pytest.skip("numpy (the interpreter) has no bfloat16")
+    x, weight, kwargs = make_inputs(variant, dtype, fp8)
+    got = gemv.gemv(x, weight, **kwargs)
+    want = gemv_reference(x, weight, **kwargs)
+    assert got.dtype == dtype and got.shape == want.shape == (16, N)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["w16", "fp8"])
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "residual", "norm_swiglu"])
+def test_row_bits_do_not_depend_on_the_other_rows(gemv, variant, fp8):
+    """Row i alone (M = 1), inside M = 5 and inside M = 16 gives the same bits."""
+    x, weight, kwargs = make_inputs(variant, torch.float16, fp8, seed=1)
+    full = gemv.gemv(x, weight, **kwargs)
+
+    def rows(lo, hi):
+        sub = dict(kwargs)
+        if "residual" in sub:
+            sub["residual"] = sub["residual"][lo:hi]
+        return gemv.gemv(x[lo:hi], weight, **sub)
+
+    for i in (0, 7, 15):
+        assert torch.equal(rows(i, i + 1)[0], full[i]), f"row {i} alone"
+    assert torch.equal(rows(3, 8), full[3:8]), "rows 3..7 as M = 5"
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_swiglu"])
+def test_tuned_parameters_do_not_change_bits(gemv, variant):
+    """The column block width (what autotuning picks, with warps and stages) leaves every output bit
+    as it is: the reduction order of a row is fixed by the K tile alone. GPU only: the interpreter's
+    numpy matmul orders its sums by the matrix shapes, the GPU's MMA instructions do not."""
+    if gemv.INTERPRETED:
+        pytest.skip("numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
+    x, weight, kwargs = make_inputs(variant, torch.float16, seed=2)
+    a = gemv.gemv(x, weight, config=gemv.GemvConfig(block_n=16, num_warps=4, num_stages=3), **kwargs)
+    b = gemv.gemv(x, weight, config=gemv.GemvConfig(block_n=32, num_warps=8, num_stages=4), **kwargs)
+    assert torch.equal(a, b)
+
+
+def test_bad_inputs_are_refused_with_clear_errors(gemv):
+    x, weight, _ = make_inputs("plain", torch.float16)
+    w8, scale = _fp8(weight)
+    cases = [
+        (ValueError, "at most 16 rows", dict(x=torch.zeros(17, K, dtype=x.dtype, device=DEVICE))),
+        (ValueError, "2-D", dict(x=x[0])),
+        (ValueError, "columns", dict(weight=weight[:, :-1].contiguous())),
+        (TypeError, "dtype", dict(weight=weight.float())),
+        (TypeError, "dtype", dict(x=x.to(torch.int32))),
+        (ValueError, "contiguous", dict(weight=weight.t().contiguous().t())),
+        (ValueError, "weight_scale", dict(weight=w8)),
+        (ValueError, "weight_scale", dict(weight_scale=scale)),
+        (ValueError, "weight_scale", dict(weight=w8, weight_scale=scale[:-1])),
+        (TypeError, "weight_scale", dict(weight=w8, weight_scale=scale.double())),
+        (ValueError, "bias", dict(bias=torch.zeros(N + 1, dtype=x.dtype, device=DEVICE))),
+        (ValueError, "residual", dict(residual=torch.zeros(16, N + 1, dtype=x.dtype, device=DEVICE))),
+        (ValueError, "norm_weight", dict(norm_weight=torch.ones(K - 1, dtype=x.dtype, device=DEVICE))),
+        (ValueError, "swiglu", dict(weight=weight[:-1].contiguous(), swiglu=True)),
+    ]
+    for error, match, change in cases:
+        args = {"x": x, "weight": weight} | change
+        with pytest.raises(error, match=match):
+            gemv.gemv(args.pop("x"), args.pop("weight"), **args)
+
+
+def _fp8(weight):
+    from stage_ar.fp8 import quantize_fp8_per_channel
+
+    return quantize_fp8_per_channel(weight)
+
+
+def test_fp8_round_trip_error_is_within_e4m3_rounding():
+    """Every weight comes back within half an E4M3 step: 2^-4 relative (3 mantissa bits) in the
+    normal range, 2^-10 of the row scale among subnormals; each row's largest magnitude maps to 448."""
+    from stage_ar.fp8 import FP8_MAX, dequantize_fp8_per_channel, quantize_fp8_per_channel
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 300, generator=g) * torch.logspace(-4, 2, 24).unsqueeze(1)  # rows of very different size
+    w[5] = 0.0  # an all-zero row gets a finite scale and comes back as zeros
+    w[6, ::7] = 1e-9 * w[6, ::7]  # tiny entries beside large ones (subnormal range)
+    for dtype in (torch.float32, torch.bfloat16):
+        wd = w.to(dtype)
+        w8, scale = quantize_fp8_per_channel(wd)
+        assert w8.dtype == torch.float8_e4m3fn and w8.shape == wd.shape
+        assert scale.dtype == torch.float32 and scale.shape == (24,) and torch.isfinite(scale).all()
+        back = dequantize_fp8_per_channel(w8, scale, torch.float32)
+        ref = wd.float()
+        bound = 2.0**-4 * ref.abs() + 2.0**-10 * scale[:, None] + 1e-6 * ref.abs()
+        assert ((back - ref).abs() <= bound).all()
+        nonzero = ref.abs().amax(1) > 0
+        assert torch.equal(w8.float().abs().amax(1)[nonzero], torch.full((23,), FP8_MAX))
+        assert torch.equal(back[5], torch.zeros(300))
+
+
+def test_fp8_values_on_the_grid_round_trip_exactly():
+    from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
+
+    g = torch.Generator().manual_seed(4)
+    codes = (torch.randn(8, 64, generator=g) * 50).clamp(-440, 440).to(torch.float8_e4m3fn)
+    codes[:, 0] = 448.0
+    row_scale = 2.0 ** torch.arange(-6, 2, dtype=torch.float32)
+    w = codes.float() * row_scale[:, None]
+    w8, scale = quantize_fp8_per_channel(w)
+    assert torch.equal(scale, row_scale)
+    assert torch.equal(w8.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(dequantize_fp8_per_channel(w8, scale, torch.float32), w)
+
+
+def test_fp8_converter_refuses_bad_inputs():
+    from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
+
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_per_channel(torch.ones(4))
+    with pytest.raises(TypeError, match="floating"):
+        quantize_fp8_per_channel(torch.ones(4, 4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="already"):
+        quantize_fp8_per_channel(torch.ones(4, 4).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="finite"):
+        quantize_fp8_per_channel(torch.tensor([[1.0, float("inf")]]))
+    with pytest.raises(ValueError, match="scale"):
+        dequantize_fp8_per_channel(torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(3), torch.float32)
