@@ -93,6 +93,15 @@ INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
 _SMEM_BUDGET = 200 * 1024
 
 
+def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, swiglu: bool) -> bool:
+    """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile(s) + 16-row activation
+    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block)."""
+    block_k = config.block_k or block_k_for(weight_dtype)
+    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if swiglu else 1)
+    x_bytes = torch.empty((), dtype=x_dtype).element_size()
+    return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET
+
+
 if triton is not None:
 
     @triton.jit
@@ -201,13 +210,11 @@ if triton is not None:
     _kernel = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_gemv_kernel)
 
     def _prune(configs, named_args, **meta):
-        """Drop candidates whose pipelined tiles would overflow shared memory (or are wider than N)."""
-        w_bytes = named_args["w_ptr"].element_size() * (2 if meta["SWIGLU"] else 1)
-        x_bytes = named_args["x_ptr"].element_size()
+        """Drop candidates that would not fit shared memory (or are wider than N)."""
         n_cap = max(16, triton.next_power_of_2(named_args["N"]))
-        kept = [c for c in configs
-                if c.kwargs["BLOCK_N"] <= n_cap
-                and c.num_stages * meta["BLOCK_K"] * (c.kwargs["BLOCK_N"] * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET]
+        kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and fits_shared_memory(
+            GemvConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, meta["BLOCK_K"]),
+            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype, meta["SWIGLU"])]
         return kept or configs[:1]
 
     _tuned = triton.autotune(
@@ -267,7 +274,8 @@ def gemv(
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     args = (
         x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), out,
-        m, triton.next_power_of_2(m), n, k, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(norm_eps),
+        m, triton.next_power_of_2(m), n, k,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(norm_eps),
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,

@@ -1,0 +1,354 @@
+"""Weight-streaming GEMV kernels (`stage_ar.gemv`) on a GPU at the MammothModa2-Preview AR shapes.
+
+Run on the GPU machine from the source tree (torch + triton only, random weights, about 3 minutes
+with autotuning):
+
+    PYTHONPATH=. python3 benchmarks/gemv.py --out "$OUT"
+
+Sections (each printed as it finishes; ``gemv.json`` in --out is rewritten after every one, so a
+crash or the time budget keeps what finished; a failing variant records its error and the rest go on):
+1. ceiling: device-to-device copy bandwidth of a 2 GiB buffer (bytes read + written);
+2. correctness at every shape in its fused form (the way a decoder layer uses it) and plain, bf16
+   and FP8 weights: vs `stage_ar.gemv_reference` at M = 1 and 16 (max abs error, and how many
+   outputs differ by more than one bf16 ulp); batch invariance (rows alone, as M = 5 and inside
+   M = 16, bit for bit); every autotuning candidate bit for bit equal to the tuned one;
+3. timings, M in {1, 2, 4, 8, 16}: cuBLAS bf16 (``F.linear``), ours plain bf16, ours fused bf16,
+   ours fused FP8: each call on its own copy of the weights (copies > 4 x L2, so nothing is served
+   from cache, as in a real forward), all copies' calls in one CUDA graph, replayed; ms per call and
+   TB/s of weight bytes (FP8: its own bytes);
+4. per visual token: 28 layers x (qkv + o + gate_up + down) + gen_head for each path, against the
+   HBM floor (the bf16 / FP8 weight bytes at the measured copy bandwidth);
+5. exploration (if time is left): another K tile width for two shapes, its speed and whether its
+   bits differ (they may: the K tile is fixed in serving for that reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from stage_ar import gemv as G  # noqa: E402
+from stage_ar.configuration_mammoth_ar import MammothARConfig  # noqa: E402
+from stage_ar.fp8 import quantize_fp8_per_channel  # noqa: E402
+from stage_ar.gemv_reference import gemv_reference  # noqa: E402
+
+MS = (1, 2, 4, 8, 16)
+BF16_ULP = 2.0**-7  # relative spacing of bf16 at 1 (8 significant bits)
+#: "cuda", or "cpu" for ``--smoke`` (tiny shapes under TRITON_INTERPRET=1: checks this script's logic)
+DEVICE = "cuda"
+
+
+def shapes(cfg: MammothARConfig) -> dict[str, dict]:
+    """name -> K, weight rows, the fused form's flags, calls per visual token."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    layers = cfg.num_hidden_layers
+    return {
+        "qkv": dict(K=h, rows=qkv, fused=dict(norm=True, bias=True), per_token=layers),
+        "o": dict(K=h, rows=h, fused=dict(residual=True), per_token=layers),
+        "gate_up": dict(K=h, rows=2 * i, fused=dict(norm=True, swiglu=True), per_token=layers),
+        "down": dict(K=i, rows=h, fused=dict(residual=True), per_token=layers),
+        "gen_head": dict(K=h, rows=cfg.gen_vocab_size, fused=dict(norm=True), per_token=1),
+    }
+
+
+def smoke_shapes() -> dict[str, dict]:
+    """The same table at toy sizes (partial K tiles, partial column blocks) for ``--smoke``."""
+    return {
+        "qkv": dict(K=272, rows=80, fused=dict(norm=True, bias=True), per_token=2),
+        "o": dict(K=272, rows=272, fused=dict(residual=True), per_token=2),
+        "gate_up": dict(K=272, rows=400, fused=dict(norm=True, swiglu=True), per_token=2),
+        "down": dict(K=200, rows=272, fused=dict(residual=True), per_token=2),
+        "gen_head": dict(K=272, rows=40, fused=dict(norm=True), per_token=1),
+    }
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 10)."""
+    size = 2 * 1024**3 if DEVICE == "cuda" else 64 * 1024**2
+    a = torch.empty(size, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    ms = sorted(_event_ms(lambda: b.copy_(a)) for _ in range(10))[5]
+    del a, b
+    return 2 * size / (ms / 1e3)
+
+
+def _event_ms(fn) -> float:
+    """Milliseconds of ``fn()`` (CUDA events; wall clock on the CPU)."""
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_weights(shape: dict, copies: int, seed: int) -> list[dict]:
+    """``copies`` independent weight sets (bf16 weight, its FP8 form, bias, norm weight)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    sets = []
+    for _ in range(copies):
+        w = torch.randn(shape["rows"], shape["K"], device=DEVICE, generator=g) / shape["K"] ** 0.5
+        w = w.to(torch.bfloat16 if DEVICE == "cuda" else torch.float16)
+        w8, scale = quantize_fp8_per_channel(w)
+        sets.append(dict(
+            w=w, w8=w8, scale=scale,
+            bias=(0.1 * torch.randn(shape["rows"], device=DEVICE, generator=g)).to(w.dtype),
+            norm=(1.0 + 0.1 * torch.randn(shape["K"], device=DEVICE, generator=g)).to(w.dtype),
+        ))
+    return sets
+
+
+def call_kwargs(shape: dict, ws: dict, m: int, form: str, residual: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(weight, gemv keyword arguments) of one form: ``plain``, ``fused`` (bf16) or ``fp8`` (fused)."""
+    if form == "plain":
+        return ws["w"], {}
+    flags = shape["fused"]
+    kw = {}
+    if flags.get("norm"):
+        kw["norm_weight"] = ws["norm"]
+    if flags.get("bias"):
+        kw["bias"] = ws["bias"]
+    if flags.get("residual"):
+        kw["residual"] = residual[:m]
+    if flags.get("swiglu"):
+        kw["swiglu"] = True
+    if form == "fp8":
+        return ws["w8"], kw | {"weight_scale": ws["scale"]}
+    return ws["w"], kw
+
+
+def out_width(shape: dict) -> int:
+    return shape["rows"] // 2 if shape["fused"].get("swiglu") else shape["rows"]
+
+
+def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, residual: torch.Tensor) -> dict:
+    """Accuracy vs the reference, batch invariance, and every candidate config's bits, for one form."""
+    rec = {}
+    for m in (1, 16):
+        w, kw = call_kwargs(shape, ws, m, form, residual)
+        got = G.gemv(x[:m], w, **kw).float()
+        want = gemv_reference(x[:m], w, **kw).float()
+        diff = (got - want).abs()
+        rec[f"M{m}"] = dict(
+            max_abs_err=float(diff.max()), max_abs_ref=float(want.abs().max()),
+            over_1ulp=int((diff > BF16_ULP * want.abs().clamp_min(2.0**-20)).sum()), outputs=diff.numel(),
+            close=bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2)),
+        )
+    w, kw = call_kwargs(shape, ws, 16, form, residual)
+    full = G.gemv(x, w, **kw)
+    rec["tuned_M16"] = str(G.last_tuned_config())
+    alone = all(torch.equal(G.gemv(x[i : i + 1], w, **_rows(kw, i, i + 1))[0], full[i]) for i in (0, 5, 15))
+    five = torch.equal(G.gemv(x[3:8], w, **_rows(kw, 3, 8)), full[3:8])
+    rec["batch_invariant"] = bool(alone and five)
+    per_config = {}
+    for c in G.TUNED_CONFIGS:
+        if not G.fits_shared_memory(c, x.dtype, w.dtype, bool(kw.get("swiglu"))):
+            continue  # autotuning prunes it too
+        try:
+            per_config[str(c)] = bool(torch.equal(G.gemv(x, w, config=c, **kw), full))
+        except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is recorded
+            per_config[str(c)] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+    rec["configs_bit_identical"] = per_config
+    rec["all_configs_bit_identical"] = all(v is True for v in per_config.values())
+    print(f"check {name:9s} {form:6s}", json.dumps(rec["M16"]), "invariant", rec["batch_invariant"],
+          "configs equal", rec["all_configs_bit_identical"], flush=True)
+    return rec
+
+
+def _rows(kw: dict, lo: int, hi: int) -> dict:
+    return kw | ({"residual": kw["residual"][lo:hi]} if "residual" in kw else {})
+
+
+def graph_ms_per_call(calls: list, replays: int = 20) -> tuple[float, str]:
+    """Mean ms per call of ``calls`` captured into one CUDA graph (eager launches if capture fails)."""
+    for fn in calls:  # warm-up outside capture: autotuning, compilation
+        fn()
+    _sync()
+    if DEVICE != "cuda":
+        return _event_ms(lambda: [fn() for fn in calls]) / len(calls), "eager"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = sorted(_event_ms(lambda: [graph.replay() for _ in range(replays)]) for _ in range(3))[1]
+        return ms / replays / len(calls), "cuda_graph"
+    except Exception:  # noqa: BLE001 - capture is not essential to the number
+        ms = sorted(_event_ms(lambda: [fn() for _ in range(replays) for fn in calls]) for _ in range(3))[1]
+        return ms / replays / len(calls), "eager"
+
+
+def time_shape(name: str, shape: dict, sets: list[dict], res: dict, deadline: float) -> dict:
+    """Timings of every path at every M for one shape."""
+    k, rows, n = shape["K"], shape["rows"], out_width(shape)
+    dtype = sets[0]["w"].dtype
+    x = torch.randn(16, k, device=DEVICE).to(dtype)
+    residual = torch.randn(16, n, device=DEVICE).to(dtype)
+    out = {}
+    for m in MS:
+        row = {}
+        paths = {
+            "cublas_bf16": lambda ws: (lambda: F.linear(x[:m], ws["w"])),
+            "ours_bf16": _ours(shape, m, "plain", x, residual),
+            "ours_fused_bf16": _ours(shape, m, "fused", x, residual),
+            "ours_fused_fp8": _ours(shape, m, "fp8", x, residual),
+        }
+        for path, make in paths.items():
+            if time.time() > deadline:
+                row[path] = "skipped: time budget"
+                continue
+            try:
+                ms, how = graph_ms_per_call([make(ws) for ws in sets])
+                weight_bytes = rows * k * (1 if path.endswith("fp8") else 2)
+                row[path] = dict(ms=ms, TBps=weight_bytes / (ms / 1e3) / 1e12, timing=how)
+            except Exception as exc:  # noqa: BLE001 - one failing path must not end the run
+                row[path] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc()
+        out[f"M{m}"] = row
+        print(f"time  {name:9s} M={m:2d}", "  ".join(
+            f"{p}={v['ms'] * 1e3:7.1f}us/{v['TBps']:.2f}TB/s" if isinstance(v, dict) else f"{p}={v}"
+            for p, v in row.items()), flush=True)
+    return out
+
+
+def _ours(shape: dict, m: int, form: str, x: torch.Tensor, residual: torch.Tensor):
+    def make(ws):
+        w, kw = call_kwargs(shape, ws, m, form, residual)
+        return lambda: G.gemv(x[:m], w, **kw)
+    return make
+
+
+def per_token(timings: dict, table: dict, bandwidth: float) -> dict:
+    """Sum over one visual token's calls, per path and M, with the HBM floors."""
+    bytes16 = sum(s["rows"] * s["K"] * 2 * s["per_token"] for s in table.values())
+    out = {"floor_bf16_ms": bytes16 / bandwidth * 1e3, "floor_fp8_ms": bytes16 / 2 / bandwidth * 1e3,
+           "weight_GB_bf16": bytes16 / 1e9}
+    for m in MS:
+        sums = {}
+        for path in ("cublas_bf16", "ours_bf16", "ours_fused_bf16", "ours_fused_fp8"):
+            try:
+                sums[path] = sum(timings[n][f"M{m}"][path]["ms"] * s["per_token"] for n, s in table.items())
+            except (KeyError, TypeError):
+                sums[path] = None
+        out[f"M{m}"] = sums
+    return out
+
+
+def explore_block_k(table: dict, sets: dict, deadline: float) -> dict:
+    """Other K tile widths with the tuned launch otherwise: speed and whether the bits change."""
+    out = {}
+    for name in ("o", "gate_up"):
+        shape, ws = table[name], sets[name]
+        x = torch.randn(16, shape["K"], device=DEVICE).to(ws[0]["w"].dtype)
+        for m in (1, 16):
+            base = G.gemv(x[:m], ws[0]["w"])
+            tuned = G.last_tuned_config()
+            for block_k in (128, 512):
+                if time.time() > deadline or tuned is None:
+                    continue
+                c = G.GemvConfig(tuned.block_n, tuned.num_warps, tuned.num_stages, block_k)
+                key = f"{name}_M{m}_BK{block_k}"
+                try:
+                    same = torch.equal(G.gemv(x[:m], ws[0]["w"], config=c), base)
+                    ms, _ = graph_ms_per_call([lambda w=w_["w"]: G.gemv(x[:m], w, config=c) for w_ in ws])
+                    out[key] = dict(config=str(c), ms=ms, TBps=shape["rows"] * shape["K"] * 2 / ms / 1e9,
+                                    bits_equal_to_BK256=same)
+                except Exception as exc:  # noqa: BLE001
+                    out[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+                print("explore", key, out[key], flush=True)
+    return out
+
+
+def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget-s", type=float, default=225.0, help="start no new timing after this")
+    parser.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (TRITON_INTERPRET=1)")
+    args = parser.parse_args()
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's float32 matmul stays float32
+    if args.smoke:
+        DEVICE, table = "cpu", smoke_shapes()
+    else:
+        table = shapes(MammothARConfig.from_dict(preview_config()[0]["llm_config"]))
+    res = {"command": "PYTHONPATH=. python3 benchmarks/gemv.py --out $OUT", "device": DEVICE,
+           "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None, "torch": torch.__version__,
+           "triton": triton.__version__, "shapes": table, "tuned_configs": [str(c) for c in G.TUNED_CONFIGS],
+           "block_k": G.block_k_for(torch.bfloat16)}
+
+    def save(section: str) -> None:
+        res["elapsed_s"] = time.time() - t0
+        (out / "gemv.json").write_text(json.dumps(res, indent=2, default=str))
+        print(f"-- {section} done at {res['elapsed_s']:.0f}s", flush=True)
+
+    res["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    save("ceiling")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 2**16
+    sets = {}
+    for i, (name, shape) in enumerate(table.items()):
+        copies = max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * 2)))
+        sets[name] = make_weights(shape, copies, seed=i)
+    res["weight_copies"] = {name: len(s) for name, s in sets.items()}
+    res["checks"] = run_checks(table, sets, save)
+    res["timings"] = timings = {}
+    for name, shape in table.items():
+        timings[name] = time_shape(name, shape, sets[name], res, deadline)
+        save(f"timings {name}")
+    res["per_token"] = per_token(timings, table, bandwidth)
+    print("per visual token (ms):", json.dumps(res["per_token"], indent=1), flush=True)
+    save("per token")
+    res["explore_block_k"] = explore_block_k(table, sets, deadline)
+    save("exploration")
+
+
+def run_checks(table: dict, sets: dict, save) -> dict:
+    """`check_form` for every shape and form; a failure is recorded and the rest go on."""
+    checks = {}
+    for name, shape in table.items():
+        dtype = sets[name][0]["w"].dtype
+        x = torch.randn(16, shape["K"], device=DEVICE).to(dtype)
+        residual = torch.randn(16, out_width(shape), device=DEVICE).to(dtype)
+        for form in ("fused", "fp8", "plain"):
+            try:
+                checks[f"{name}/{form}"] = check_form(name, shape, sets[name][0], form, x, residual)
+            except Exception as exc:  # noqa: BLE001 - record and go on with the other variants
+                checks[f"{name}/{form}"] = f"error: {type(exc).__name__}: {str(exc)[:400]}"
+                traceback.print_exc()
+        save(f"checks {name}")
+    return checks
+
+
+if __name__ == "__main__":
+    main()
