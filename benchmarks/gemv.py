@@ -149,7 +149,9 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
     rec = {}
     for m in (1, 16):
         w, kw = call_kwargs(shape, ws, m, form, residual)
+        t = time.time()
         got = G.gemv(x[:m], w, **kw).float()
+        rec[f"first_call_M{m}_s"] = time.time() - t  # autotuning (and compiling, unless precompiled)
         want = gemv_reference(x[:m], w, **kw).float()
         diff = (got - want).abs()
         rec[f"M{m}"] = dict(
@@ -284,12 +286,54 @@ def explore_block_k(table: dict, sets: dict, deadline: float) -> dict:
     return out
 
 
+def precompile_jobs(table: dict) -> list[tuple]:
+    """Every (shape, form, candidate config) autotuning will compile, as `stage_ar.gemv.compile_ahead` arguments."""
+    jobs = []
+    for name, shape in table.items():
+        for form in ("plain", "fused", "fp8"):
+            flags = {} if form == "plain" else dict(shape["fused"])
+            w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16
+            for c in G.TUNED_CONFIGS:
+                if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
+                    jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
+    return jobs
+
+
+def _compile_job(job: tuple) -> tuple[str, float, str | None]:
+    key, x_dtype, w_dtype, rows, k, config, flags = job
+    t = time.time()
+    try:
+        G.compile_ahead(x_dtype, w_dtype, rows, k, config, **flags)
+        return key, time.time() - t, None
+    except Exception as exc:  # noqa: BLE001 - autotuning will compile (or fail) it again in-process
+        return key, time.time() - t, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def precompile(table: dict, workers: int) -> dict:
+    """Compile every candidate in a pool of processes (Triton compiles serially within one)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = precompile_jobs(table)
+    t = time.time()
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_compile_job, jobs))
+    except Exception as exc:  # noqa: BLE001 - only a speed-up
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "s": time.time() - t}
+    errors = {key: err for key, _, err in done if err}
+    return {"jobs": len(jobs), "workers": workers, "s": time.time() - t,
+            "max_compile_s": max((sec for _, sec, _ in done), default=0.0), "errors": errors}
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget-s", type=float, default=225.0, help="start no new timing after this")
     parser.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                        help="processes compiling the candidates ahead of autotuning (0: none)")
     args = parser.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -312,6 +356,10 @@ def main() -> None:
         (out / "gemv.json").write_text(json.dumps(res, indent=2, default=str))
         print(f"-- {section} done at {res['elapsed_s']:.0f}s", flush=True)
 
+    if DEVICE == "cuda" and args.compile_workers:
+        res["precompile"] = precompile(table, args.compile_workers)
+        print("precompile", json.dumps(res["precompile"])[:600], flush=True)
+        save("precompile")
     res["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     save("ceiling")

@@ -291,6 +291,33 @@ def gemv(
     return out
 
 
+def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
+                  bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False) -> None:
+    """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
+
+    Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
+    (compilation is serial inside one process); the process that then calls `gemv` loads the
+    binaries. Matches calls whose activations, residual and output rows are contiguous (strides
+    ``K`` and ``N``) and whose pointers are 16-byte aligned, as `gemv`'s outputs and row slices of
+    such tensors are. Arguments as `gemv`'s (``rows`` = weight rows).
+
+    Raises:
+        RuntimeError: triton cannot compile for a CUDA device here.
+    """
+    if triton is None or INTERPRETED or not torch.cuda.is_available():
+        raise RuntimeError("compile_ahead needs triton and a CUDA device")
+    n = rows // 2 if swiglu else rows
+    block_k = config.block_k or block_k_for(weight_dtype)
+    fp8 = weight_dtype == FP8_DTYPE
+    _kernel.warmup(
+        x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
+        MAX_ROWS, MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,
+        grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
+        HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,
+    )
+
+
 def last_tuned_config() -> GemvConfig | None:
     """The config autotuning used for the latest autotuned `gemv` call (``None`` before any, or
     under the interpreter)."""
