@@ -16,10 +16,11 @@ crash or the time budget keeps what finished; a failing variant records its erro
    ours fused FP8: each call on its own copy of the weights (copies > 4 x L2, so nothing is served
    from cache, as in a real forward), all copies' calls in one CUDA graph, replayed; ms per call and
    TB/s of weight bytes (FP8: its own bytes);
-4. per visual token: 28 layers x (qkv + o + gate_up + down) + gen_head for each path, against the
+4. per visual token: 28 layers x (qkv + o + gate_up + down) + the head rows a grid step samples for each path, against the
    HBM floor (the bf16 / FP8 weight bytes at the measured copy bandwidth);
-5. exploration (if time is left): another K tile width for two shapes, its speed and whether its
-   bits differ (they may: the K tile is fixed in serving for that reason).
+5. exploration (if time is left), two shapes: other K tile widths (their bits may differ: the K
+   tile is fixed in serving for that reason) and wider column blocks (Triton's wgmma path), each
+   one's speed and whether its bits equal the tuned launch's.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ MS = (1, 2, 4, 8, 16)
 BF16_ULP = 2.0**-7  # relative spacing of bf16 at 1 (8 significant bits)
 #: "cuda", or "cpu" for ``--smoke`` (tiny shapes under TRITON_INTERPRET=1: checks this script's logic)
 DEVICE = "cuda"
+#: Rows of ``gen_head`` from EOL (152064, row 0) to the last visual code (152072 + 16383): MODEL.md
+VISUAL_HEAD_ROWS = 8 + 16384
 
 
 def shapes(cfg: MammothARConfig) -> dict[str, dict]:
-    """name -> K, weight rows, the fused form's flags, calls per visual token."""
+    """name -> K, weight rows, the fused form's flags, calls per visual token (from the config;
+    the generation experts of layers 14..27 have the base projections' shapes)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     layers = cfg.num_hidden_layers
@@ -61,7 +65,8 @@ def shapes(cfg: MammothARConfig) -> dict[str, dict]:
         "o": dict(K=h, rows=h, fused=dict(residual=True), per_token=layers),
         "gate_up": dict(K=h, rows=2 * i, fused=dict(norm=True, swiglu=True), per_token=layers),
         "down": dict(K=i, rows=h, fused=dict(residual=True), per_token=layers),
-        "gen_head": dict(K=h, rows=cfg.gen_vocab_size, fused=dict(norm=True), per_token=1),
+        # the gen head's rows a grid step can sample: EOL (row 0) through the last visual code
+        "head": dict(K=h, rows=VISUAL_HEAD_ROWS, fused=dict(norm=True), per_token=1),
     }
 
 
@@ -72,7 +77,7 @@ def smoke_shapes() -> dict[str, dict]:
         "o": dict(K=272, rows=272, fused=dict(residual=True), per_token=2),
         "gate_up": dict(K=272, rows=400, fused=dict(norm=True, swiglu=True), per_token=2),
         "down": dict(K=200, rows=272, fused=dict(residual=True), per_token=2),
-        "gen_head": dict(K=272, rows=40, fused=dict(norm=True), per_token=1),
+        "head": dict(K=272, rows=40, fused=dict(norm=True), per_token=1),
     }
 
 
@@ -261,8 +266,14 @@ def per_token(timings: dict, table: dict, bandwidth: float) -> dict:
     return out
 
 
-def explore_block_k(table: dict, sets: dict, deadline: float) -> dict:
-    """Other K tile widths with the tuned launch otherwise: speed and whether the bits change."""
+#: Launches outside the tuned set: other K tiles (change a row's bits by design) and wider column
+#: blocks (Triton's wgmma path: do they keep the bits of the tuned mma.sync path?).
+EXPLORE = (G.GemvConfig(0, 0, 0, 128), G.GemvConfig(0, 0, 0, 512),
+           G.GemvConfig(64, 4, 3), G.GemvConfig(64, 8, 4), G.GemvConfig(128, 8, 3))
+
+
+def explore(table: dict, sets: dict, deadline: float) -> dict:
+    """Speed of `EXPLORE`'s launches on two shapes (plain bf16) and whether their bits equal the tuned one's."""
     out = {}
     for name in ("o", "gate_up"):
         shape, ws = table[name], sets[name]
@@ -270,16 +281,17 @@ def explore_block_k(table: dict, sets: dict, deadline: float) -> dict:
         for m in (1, 16):
             base = G.gemv(x[:m], ws[0]["w"])
             tuned = G.last_tuned_config()
-            for block_k in (128, 512):
+            for e in EXPLORE:
                 if time.time() > deadline or tuned is None:
                     continue
-                c = G.GemvConfig(tuned.block_n, tuned.num_warps, tuned.num_stages, block_k)
-                key = f"{name}_M{m}_BK{block_k}"
+                c = G.GemvConfig(e.block_n or tuned.block_n, e.num_warps or tuned.num_warps,
+                                 e.num_stages or tuned.num_stages, e.block_k)
+                key = f"{name}_M{m}_{c}"
                 try:
                     same = torch.equal(G.gemv(x[:m], ws[0]["w"], config=c), base)
                     ms, _ = graph_ms_per_call([lambda w=w_["w"]: G.gemv(x[:m], w, config=c) for w_ in ws])
-                    out[key] = dict(config=str(c), ms=ms, TBps=shape["rows"] * shape["K"] * 2 / ms / 1e9,
-                                    bits_equal_to_BK256=same)
+                    out[key] = dict(ms=ms, TBps=shape["rows"] * shape["K"] * 2 / ms / 1e9,
+                                    bits_equal_to_tuned=same, tuned=str(tuned))
                 except Exception as exc:  # noqa: BLE001
                     out[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 print("explore", key, out[key], flush=True)
@@ -296,6 +308,9 @@ def precompile_jobs(table: dict) -> list[tuple]:
             for c in G.TUNED_CONFIGS:
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
+        if name in ("o", "gate_up"):
+            jobs += [(f"{name}/explore/{c}", torch.bfloat16, torch.bfloat16, shape["rows"], shape["K"], c, {})
+                     for c in EXPLORE if c.block_n]
     return jobs
 
 
@@ -377,7 +392,7 @@ def main() -> None:
     res["per_token"] = per_token(timings, table, bandwidth)
     print("per visual token (ms):", json.dumps(res["per_token"], indent=1), flush=True)
     save("per token")
-    res["explore_block_k"] = explore_block_k(table, sets, deadline)
+    res["explore"] = explore(table, sets, deadline)
     save("exploration")
 
 
