@@ -164,6 +164,10 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
             over_1ulp=int((diff > BF16_ULP * want.abs().clamp_min(2.0**-20)).sum()), outputs=diff.numel(),
             close=bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2)),
         )
+        if form == "fp8":  # what quantising the weights costs: vs the same call with the bf16 weights
+            w16, kw16 = call_kwargs(shape, ws, m, "fused", residual)
+            bf16 = gemv_reference(x[:m], w16, **kw16).float()
+            rec[f"M{m}"]["rel_err_vs_bf16_weights"] = float((got - bf16).norm() / bf16.norm())
     w, kw = call_kwargs(shape, ws, 16, form, residual)
     full = G.gemv(x, w, **kw)
     rec["tuned_M16"] = str(G.last_tuned_config())

@@ -88,8 +88,8 @@ class GemvConfig:
 #: ``block_n`` 64 Triton emits Hopper's ``wgmma`` instead, whose bits against ``mma.sync`` are not yet
 #: checked (`benchmarks/gemv.py` explores it), so it is not a candidate.
 TUNED_CONFIGS = (
-    GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(16, 8, 4),
-    GemvConfig(32, 4, 4), GemvConfig(32, 4, 6), GemvConfig(32, 8, 4),
+    GemvConfig(16, 4, 3), GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(16, 8, 4),
+    GemvConfig(32, 4, 3), GemvConfig(32, 4, 4), GemvConfig(32, 4, 6), GemvConfig(32, 8, 4),
 )
 #: The interpreter's fixed launch (it has no timing to tune on).
 INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
