@@ -108,20 +108,26 @@ def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: t
 if triton is not None:
 
     @triton.jit
+    def _squares(x_ptr, stride_xm, offs_m, m_mask, k, K):
+        """``x²`` of the ``(16, BLOCK_K)`` activation tile at columns ``k`` (zeros past M and K), float32."""
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        return x * x
+
+    @triton.jit
     def _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps,
-                 BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """``rsqrt(mean(x²) + eps)`` of each of the 16 rows, float32, in a layout-independent order."""
+                 BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr):
+        """``rsqrt(mean(x²) + eps)`` of each of the 16 rows, float32, in a layout-independent order:
+        column ``j`` of the accumulator sums tiles 0, 1, 2, ... in turn, then a fixed pairwise tree
+        folds the columns. Four tiles per iteration keep four loads in flight (same order)."""
         sq = tl.zeros((16, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            if EVEN_K:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                            mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            x = x.to(tl.float32)
-            sq += x * x
-        for _ in tl.static_range(LOG2_BLOCK_K):  # fold halves: pairs are fixed, so the bits are too
+        for k0 in range(0, K, 4 * BLOCK_K):
+            s0 = _squares(x_ptr, stride_xm, offs_m, m_mask, k0 + offs_k, K)
+            s1 = _squares(x_ptr, stride_xm, offs_m, m_mask, k0 + BLOCK_K + offs_k, K)
+            s2 = _squares(x_ptr, stride_xm, offs_m, m_mask, k0 + 2 * BLOCK_K + offs_k, K)
+            s3 = _squares(x_ptr, stride_xm, offs_m, m_mask, k0 + 3 * BLOCK_K + offs_k, K)
+            sq = (((sq + s0) + s1) + s2) + s3
+        for _ in tl.static_range(LOG2_BLOCK_K):  # fold halves: the pairs are fixed, so are the bits
             sq = tl.sum(tl.reshape(sq, (16, 2, sq.shape[1] // 2)), axis=1)
         return tl.rsqrt(tl.reshape(sq, (16,)) / K + eps)
 
@@ -190,7 +196,7 @@ if triton is not None:
         n_mask = offs_n < N
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
-            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K, EVEN_K)
+            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
         acc_up = tl.zeros((BLOCK_N, 16), tl.float32)
         for k0 in range(0, K, BLOCK_K):
