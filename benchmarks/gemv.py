@@ -16,11 +16,11 @@ crash or the time budget keeps what finished; a failing variant records its erro
    ours fused FP8: each call on its own copy of the weights (copies > 4 x L2, so nothing is served
    from cache, as in a real forward), all copies' calls in one CUDA graph, replayed; ms per call and
    TB/s of weight bytes (FP8: its own bytes);
-4. per visual token: 28 layers x (qkv + o + gate_up + down) + the head rows a grid step samples for each path, against the
-   HBM floor (the bf16 / FP8 weight bytes at the measured copy bandwidth);
-5. exploration (if time is left), two shapes: other K tile widths (their bits may differ: the K
-   tile is fixed in serving for that reason) and wider column blocks (Triton's wgmma path), each
-   one's speed and whether its bits equal the tuned launch's.
+4. per visual token: 28 layers x (qkv + o + gate_up + down) + the head rows a grid step samples,
+   for each path, against the HBM floor (the bf16 / FP8 weight bytes at the measured copy bandwidth);
+5. exploration (if time is left), o and gate_up, bf16 and FP8: other K tile widths (bf16 only;
+   their bits may differ: the K tile is fixed in serving for that reason) and wider column blocks
+   (Triton's wgmma path), each one's speed and whether its bits equal the tuned launch's.
 """
 
 from __future__ import annotations
@@ -276,30 +276,41 @@ EXPLORE = (G.GemvConfig(0, 0, 0, 128), G.GemvConfig(0, 0, 0, 512),
            G.GemvConfig(64, 4, 3), G.GemvConfig(64, 8, 4), G.GemvConfig(128, 8, 3))
 
 
+EXPLORE_FORMS = (("o", "plain"), ("gate_up", "plain"), ("o", "fp8"), ("gate_up", "fp8"))
+
+
 def explore(table: dict, sets: dict, deadline: float) -> dict:
-    """Speed of `EXPLORE`'s launches on two shapes (plain bf16) and whether their bits equal the tuned one's."""
+    """Speed of `EXPLORE`'s launches (K tiles: plain forms only) and whether their bits equal the tuned one's."""
     out = {}
-    for name in ("o", "gate_up"):
+    for name, form in EXPLORE_FORMS:
         shape, ws = table[name], sets[name]
         x = torch.randn(16, shape["K"], device=DEVICE).to(ws[0]["w"].dtype)
+        residual = torch.randn(16, out_width(shape), device=DEVICE).to(x.dtype)
+        weight_bytes = shape["rows"] * shape["K"] * (1 if form == "fp8" else 2)
         for m in (1, 16):
-            base = G.gemv(x[:m], ws[0]["w"])
-            tuned = G.last_tuned_config()
+            w0, kw0 = call_kwargs(shape, ws[0], m, form, residual)
+            base = G.gemv(x[:m], w0, **kw0)
+            tuned = G.last_tuned_config() or (G.INTERPRETER_CONFIG if DEVICE != "cuda" else None)
             for e in EXPLORE:
-                if time.time() > deadline or tuned is None:
+                if time.time() > deadline or tuned is None or (e.block_k and form != "plain"):
                     continue
                 c = G.GemvConfig(e.block_n or tuned.block_n, e.num_warps or tuned.num_warps,
                                  e.num_stages or tuned.num_stages, e.block_k)
-                key = f"{name}_M{m}_{c}"
+                key = f"{name}/{form}/M{m}/{c}"
                 try:
-                    same = torch.equal(G.gemv(x[:m], ws[0]["w"], config=c), base)
-                    ms, _ = graph_ms_per_call([lambda w=w_["w"]: G.gemv(x[:m], w, config=c) for w_ in ws])
-                    out[key] = dict(ms=ms, TBps=shape["rows"] * shape["K"] * 2 / ms / 1e9,
-                                    bits_equal_to_tuned=same, tuned=str(tuned))
+                    same = torch.equal(G.gemv(x[:m], w0, config=c, **kw0), base)
+                    calls = [_explore_call(shape, w_, m, form, residual, x, c) for w_ in ws]
+                    ms, _ = graph_ms_per_call(calls)
+                    out[key] = dict(ms=ms, TBps=weight_bytes / ms / 1e9, bits_equal_to_tuned=same, tuned=str(tuned))
                 except Exception as exc:  # noqa: BLE001
                     out[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 print("explore", key, out[key], flush=True)
     return out
+
+
+def _explore_call(shape: dict, ws: dict, m: int, form: str, residual: torch.Tensor, x: torch.Tensor, c):
+    w, kw = call_kwargs(shape, ws, m, form, residual)
+    return lambda: G.gemv(x[:m], w, config=c, **kw)
 
 
 def precompile_jobs(table: dict) -> list[tuple]:
@@ -312,9 +323,12 @@ def precompile_jobs(table: dict) -> list[tuple]:
             for c in G.TUNED_CONFIGS:
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
-        if name in ("o", "gate_up"):
-            jobs += [(f"{name}/explore/{c}", torch.bfloat16, torch.bfloat16, shape["rows"], shape["K"], c, {})
-                     for c in EXPLORE if c.block_n]
+        for ename, form in EXPLORE_FORMS:
+            if ename == name:
+                flags = {} if form == "plain" else dict(shape["fused"])
+                w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16
+                jobs += [(f"{name}/explore/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags)
+                         for c in EXPLORE if c.block_n]
     return jobs
 
 
