@@ -1,6 +1,6 @@
 """Pure-torch reference of `stage_ar.gemv`: the eager module chain whose numerics the kernels match.
 
-``RMSNorm`` (the model's own class, `stage_ar.modeling_mammoth_ar.MammothRMSNorm`) → linear in
+``RMSNorm`` (the model's own Qwen2 numerics, not a copy of them) → linear in
 float32 (``x.float() @ w.float().T``; FP8 codes times their row scale, then the bias) rounded to the
 activation dtype → ``F.silu(gate) * up`` in that dtype → ``+ residual`` in that dtype. The kernels
 compute the same steps with the same roundings; they differ only in the order of the dot's float32
@@ -14,15 +14,22 @@ import torch
 import torch.nn.functional as F
 
 from stage_ar.gemv import FP8_DTYPE, _check
-from stage_ar.modeling_mammoth_ar import MammothRMSNorm
+
+try:  # the repository's one Qwen2 RMSNorm once the AR engine rebuild (issue 16) has landed
+    from mammoth_core.norms import rms_norm as _rms_norm
+except ImportError:  # until then: the model's own module
+    from stage_ar.modeling_mammoth_ar import MammothRMSNorm
+
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = MammothRMSNorm(weight.shape[0], eps).to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+            return norm(x)
 
 
 def rms_norm_reference(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's Qwen2 RMSNorm of ``x (M, K)`` with ``norm_weight (K,)``, in ``x.dtype``."""
-    norm = MammothRMSNorm(norm_weight.shape[0], eps).to(device=norm_weight.device, dtype=norm_weight.dtype)
-    with torch.no_grad():
-        norm.weight.copy_(norm_weight)
-        return norm(x)
+    return _rms_norm(x, norm_weight, eps)
 
 
 @torch.no_grad()
