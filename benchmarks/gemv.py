@@ -6,7 +6,8 @@ with autotuning):
     PYTHONPATH=. python3 benchmarks/gemv.py --out "$OUT"
 
 Sections (each printed as it finishes; ``gemv.json`` in --out is rewritten after every one, so a
-crash or the time budget keeps what finished; a failing variant records its error and the rest go on):
+crash or the time budget keeps what finished; a failing variant records its error and the rest go on;
+run order: precompile, 1, timings at M = 1 and 16, 2, the other timings, 4, 5):
 1. ceiling: device-to-device copy bandwidth of a 2 GiB buffer (bytes read + written);
 2. correctness at every shape in its fused form (the way a decoder layer uses it) and plain, bf16
    and FP8 weights: vs `stage_ar.gemv_reference` at M = 1 and 16 (max abs error, and how many
@@ -214,14 +215,14 @@ def graph_ms_per_call(calls: list, replays: int = 20) -> tuple[float, str]:
         return ms / replays / len(calls), "eager"
 
 
-def time_shape(name: str, shape: dict, sets: list[dict], res: dict, deadline: float) -> dict:
-    """Timings of every path at every M for one shape."""
+def time_shape(name: str, shape: dict, sets: list[dict], ms_list: tuple, deadline: float) -> dict:
+    """Timings of every path at each M of ``ms_list`` for one shape."""
     k, rows, n = shape["K"], shape["rows"], out_width(shape)
     dtype = sets[0]["w"].dtype
     x = torch.randn(16, k, device=DEVICE).to(dtype)
     residual = torch.randn(16, n, device=DEVICE).to(dtype)
     out = {}
-    for m in MS:
+    for m in ms_list:
         row = {}
         paths = {
             "cublas_bf16": lambda ws: (lambda: F.linear(x[:m], ws["w"])),
@@ -402,11 +403,14 @@ def main() -> None:
         copies = max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * 2)))
         sets[name] = make_weights(shape, copies, seed=i)
     res["weight_copies"] = {name: len(s) for name, s in sets.items()}
-    res["checks"] = run_checks(table, sets, save)
-    res["timings"] = timings = {}
-    for name, shape in table.items():
-        timings[name] = time_shape(name, shape, sets[name], res, deadline)
-        save(f"timings {name}")
+    res["timings"] = timings = {name: {} for name in table}
+    for ms_list in ((1, 16), None, (2, 4, 8)):  # the ends first, then the checks, then the middle
+        if ms_list is None:
+            res["checks"] = run_checks(table, sets, save)
+            continue
+        for name, shape in table.items():
+            timings[name] |= time_shape(name, shape, sets[name], ms_list, deadline)
+            save(f"timings {name} M {ms_list}")
     res["per_token"] = per_token(timings, table, bandwidth)
     print("per visual token (ms):", json.dumps(res["per_token"], indent=1), flush=True)
     save("per token")
