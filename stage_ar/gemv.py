@@ -8,7 +8,7 @@ with the weight tile as the left operand (``(BLOCK_N, BLOCK_K)`` straight from t
 ``nn.Linear`` layout) and the activations, padded to 16 rows, as the right one, accumulated in
 float32. Variants are compile-time flags, so each layer's projection is one launch:
 
-- RMSNorm prologue (``norm_weight``): Qwen2 numerics as `stage_ar.modeling_mammoth_ar`'s RMSNorm,
+- RMSNorm prologue (``norm_weight``): the model's Qwen2 RMSNorm numerics,
   ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` with the statistics in float32 and
   ``round`` the cast to the activation dtype. Each program first reads its rows once to form the
   inverse RMS (the activations are a few KB, served from L2), then applies it to every tile.
@@ -22,13 +22,14 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
 
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
-taken in K-tile order with a `BLOCK_K` fixed per weight dtype (`block_k_for`), and its inverse RMS
+taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`), and its inverse RMS
 summed elementwise per tile and then by a fixed pairwise tree (never a layout-dependent
 ``tl.sum``). Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the
 dtypes) chooses only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's
-sums (`benchmarks/gemv.py` checks every candidate bit for bit on the GPU; the test
-``test_tuned_parameters_do_not_change_bits`` does on a GPU). So a row gives the same bits alone,
-inside any batch of up to 16 and in every process, whatever autotuning chose.
+sums: every candidate lowers to the same ``mma.sync`` sequence per output (checked bit for bit on
+the GPU by `benchmarks/gemv.py` and ``test_tuned_parameters_do_not_change_bits``; the interpreter
+cannot show it). So a row gives the same bits alone, inside any batch of up to 16 and in every
+process, whatever autotuning chose.
 
 Autotuning launches and synchronises on the first call of each key: call every shape, variant and
 M bucket once before capturing CUDA graphs.
