@@ -8,10 +8,13 @@ with the weight tile as the left operand (``(BLOCK_N, BLOCK_K)`` straight from t
 ``nn.Linear`` layout) and the activations, padded to 16 rows, as the right one, accumulated in
 float32. Variants are compile-time flags, so each layer's projection is one launch:
 
-- RMSNorm prologue (``norm_weight``): the model's Qwen2 RMSNorm numerics,
+- RMSNorm (``norm_weight``): the model's Qwen2 RMSNorm numerics,
   ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` with the statistics in float32 and
-  ``round`` the cast to the activation dtype. Each program first reads its rows once to form the
-  inverse RMS (the activations are a few KB, served from L2), then applies it to every tile.
+  ``round`` the cast to the activation dtype. By default `rms_norm_rows` (one small program per
+  row, a second launch) writes the normalised rows first; ``norm_in_prologue`` instead has every
+  GEMV program normalise every activation tile itself after a first pass for the inverse RMS. On
+  the H200 (2026-12-01, `benchmarks/gemv.py`) that redundant work cost more than the launch it
+  saves (gate_up 81 us vs 65 us without the norm), hence the default.
 - epilogues: FP8 scale (``weight_scale``), ``bias``, then either ``swiglu`` (the weight is
   ``(2 * N, K)``, gate rows then up rows, as vLLM's merged gate/up; ``out = silu(gate) * up``) and/or
   a ``residual`` add. Each step rounds to the activation dtype where the eager module chain does
@@ -23,9 +26,9 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
 taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`), and its inverse RMS
-summed elementwise per tile and then by a fixed pairwise tree (never a layout-dependent
-``tl.sum``). Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the
-dtypes) chooses only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's
+summed elementwise per chunk and then by a fixed pairwise tree (never a layout-dependent
+``tl.sum``), in a program of its own row (`rms_norm_rows`) or of every GEMV program alike.
+Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the dtypes) chooses only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's
 sums: every candidate lowers to the same ``mma.sync`` sequence per output (checked bit for bit on
 the GPU by `benchmarks/gemv.py` and ``test_tuned_parameters_do_not_change_bits``; the interpreter
 cannot show it). So a row gives the same bits alone, inside any batch of up to 16 and in every
@@ -217,6 +220,37 @@ if triton is not None:
             y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
 
+    @triton.jit
+    def _norm_tile(x_ptr, w_ptr, out_ptr, k, K, inv):
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        xn = (x.to(tl.float32) * inv).to(x.dtype)
+        nw = tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(out_ptr + k, (xn.to(tl.float32) * nw).to(x.dtype), mask=k < K)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps,
+                         BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+        """One row per program: the inverse RMS (column ``j`` sums chunks 0, 1, ... in turn, then a
+        fixed pairwise tree), then ``round(w * round(x * inv))``. Four chunks per iteration in flight."""
+        x_ptr += tl.program_id(0) * stride_xm
+        out_ptr += tl.program_id(0) * stride_om
+        offs = tl.arange(0, BLOCK)
+        sq = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, 4 * BLOCK):
+            x0 = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k0 + BLOCK + offs, mask=k0 + BLOCK + offs < K, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + k0 + 2 * BLOCK + offs, mask=k0 + 2 * BLOCK + offs < K, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptr + k0 + 3 * BLOCK + offs, mask=k0 + 3 * BLOCK + offs < K, other=0.0).to(tl.float32)
+            sq = (((sq + x0 * x0) + x1 * x1) + x2 * x2) + x3 * x3
+        for _ in tl.static_range(LOG2_BLOCK):
+            sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
+        inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        for k0 in range(0, K, 4 * BLOCK):
+            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + offs, K, inv)
+            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + BLOCK + offs, K, inv)
+            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 2 * BLOCK + offs, K, inv)
+            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 3 * BLOCK + offs, K, inv)
+
     _kernel = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_gemv_kernel)
 
     def _prune(configs, named_args, **meta):
@@ -247,8 +281,9 @@ def gemv(
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
     config: GemvConfig | None = None,
+    norm_in_prologue: bool = False,
 ) -> torch.Tensor:
-    """``out = epilogue(linear(prologue(x)))`` in one launch, for decode-sized batches.
+    """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
     Steps, each optional: ``h = RMSNorm(x)`` (``norm_weight``), ``y = h @ (weight * weight_scale).T +
     bias`` (float32 accumulation, rounded to ``x.dtype``), ``y = silu(y[:, :N]) * y[:, N:]``
@@ -265,6 +300,9 @@ def gemv(
         swiglu: the fused gate/up epilogue.
         config: launch parameters; ``None`` autotunes on CUDA (`TUNED_CONFIGS`) and takes
             `INTERPRETER_CONFIG` under the interpreter.
+        norm_in_prologue: apply the norm inside the GEMV (every program normalises every tile:
+            measured slower on the H200, 2026-12-01: +4 us qkv, +17 us gate_up) instead of
+            `rms_norm_rows` first (the default). Same numerics, other summation order.
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -277,6 +315,8 @@ def gemv(
     n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
+    if norm_weight is not None and not norm_in_prologue:
+        x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
@@ -301,8 +341,38 @@ def gemv(
     return out
 
 
+#: Columns per chunk of `rms_norm_rows` (fixed: it sets the sum-of-squares order).
+NORM_BLOCK = 1024
+
+
+def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2 RMSNorm of each row, one Triton program per row (so a row's bits never depend on M).
+
+    Args:
+        x: ``(M, K)`` activations (bfloat16/float16/float32), rows contiguous.
+        norm_weight: ``(K,)`` in ``x.dtype``.
+        eps: added to the mean square.
+
+    Returns:
+        ``(M, K)`` ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` in ``x.dtype``, contiguous.
+
+    Raises:
+        ValueError / TypeError: shapes or dtypes that do not fit; RuntimeError: triton cannot run here.
+    """
+    if x.ndim != 2 or x.stride(1) != 1:
+        raise ValueError(f"rms_norm_rows takes a 2-D x with contiguous rows, got {tuple(x.shape)}")
+    _expect("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
+    if not available(x.device):
+        raise RuntimeError(f"rms_norm_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(x.shape[0],)](x, norm_weight, out, x.shape[1], x.stride(0), out.stride(0), float(eps),
+                                    BLOCK=NORM_BLOCK, LOG2_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=4)
+    return out
+
+
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
-                  bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False) -> None:
+                  bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
+                  norm_in_prologue: bool = False) -> None:
     """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
 
     Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
@@ -319,6 +389,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     n = rows // 2 if swiglu else rows
     block_k = config.block_k or block_k_for(weight_dtype)
     fp8 = weight_dtype == FP8_DTYPE
+    norm = norm and norm_in_prologue  # else `rms_norm_rows` runs first and the GEMV has no norm
     _kernel.warmup(
         x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
         MAX_ROWS, MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,

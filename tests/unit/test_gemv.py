@@ -105,6 +105,31 @@ def test_row_bits_do_not_depend_on_the_other_rows(gemv, variant, fp8):
     assert torch.equal(rows(3, 8), full[3:8]), "rows 3..7 as M = 5"
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["w16", "fp8"])
+@pytest.mark.parametrize("variant", ["norm_bias", "norm_swiglu"])
+def test_norm_in_the_prologue_matches_and_is_batch_invariant(gemv, variant, fp8):
+    """The alternative launch (every program normalises its tiles) keeps the numerics and the bits per row."""
+    from stage_ar.gemv_reference import gemv_reference
+
+    x, weight, kwargs = make_inputs(variant, torch.float16, fp8, seed=5)
+    full = gemv.gemv(x, weight, norm_in_prologue=True, **kwargs)
+    tol = TOL[torch.float16]
+    torch.testing.assert_close(full.float(), gemv_reference(x, weight, **kwargs).float(), atol=tol, rtol=tol)
+    assert torch.equal(gemv.gemv(x[4:5], weight, norm_in_prologue=True, **kwargs)[0], full[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rms_norm_rows_matches_the_model_norm(gemv, dtype):
+    from stage_ar.gemv_reference import rms_norm_reference
+
+    g = torch.Generator().manual_seed(6)
+    x = (3 * torch.randn(5, 2500, generator=g)).to(dtype).to(DEVICE)  # 2500: a partial 4 x 1024 chunk group
+    w = (1 + 0.1 * torch.randn(2500, generator=g)).to(dtype).to(DEVICE)
+    got = gemv.rms_norm_rows(x, w, 1e-6)
+    torch.testing.assert_close(got.float(), rms_norm_reference(x, w, 1e-6).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(gemv.rms_norm_rows(x[2:3], w, 1e-6)[0], got[2])
+
+
 @pytest.mark.parametrize("variant", ["plain", "norm_swiglu"])
 def test_tuned_parameters_do_not_change_bits(gemv, variant):
     """The column block width (what autotuning picks, with warps and stages) leaves every output bit
