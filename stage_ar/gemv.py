@@ -28,8 +28,8 @@ zeros), so M picks no kernel, config or code path; a row's arithmetic is its own
 taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`), and its inverse RMS
 summed elementwise per chunk and then by a fixed pairwise tree (never a layout-dependent
 ``tl.sum``), in a program of its own row (`rms_norm_rows`) or of every GEMV program alike.
-Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the dtypes) chooses only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's
-sums: every candidate lowers to the same ``mma.sync`` sequence per output (checked bit for bit on
+Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the dtypes) chooses
+only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's sums: every candidate lowers to the same ``mma.sync`` sequence per output (checked bit for bit on
 the GPU by `benchmarks/gemv.py` and ``test_tuned_parameters_do_not_change_bits``; the interpreter
 cannot show it). So a row gives the same bits alone, inside any batch of up to 16 and in every
 process, whatever autotuning chose.
