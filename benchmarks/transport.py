@@ -105,7 +105,7 @@ async def _receiver(ready_file: str) -> None:
     info = {}
     servers = []
     for _, hidden in PAYLOADS:
-        server = grpc_common.create_server(LIMIT, None)
+        server = grpc_common.create_server(LIMIT, None, insecure=True)  # loopback benchmark
         pool = SlotPool(2, 8192, hidden, torch.bfloat16, "cpu")
         add_dit_servicer(DiTServicer(_BlankImageModel(), pool), server)
         # Bare gRPC ceiling: the same server options, raw bytes in, nothing done with them.

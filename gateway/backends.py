@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -31,50 +30,9 @@ import grpc
 
 from gateway.health import SERVING, HealthMonitor
 from gateway.metrics import GatewayMetrics
+from mammoth_core.addresses import Target, format_address, resolve  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Target:
-    """One configured target: a static address or a DNS name to resolve."""
-
-    host: str
-    port: int
-    dns: bool
-
-    @classmethod
-    def parse(cls, text: str) -> "Target":
-        """Parse ``host:port``, ``[v6]:port`` or ``dns:///name:port``.
-
-        Raises:
-            ValueError: the text has no valid port.
-        """
-        raw = text.strip()
-        dns = False
-        if raw.startswith("dns:"):
-            dns = True
-            rest = raw[len("dns:"):]
-            if rest.startswith("//"):
-                rest = rest[2:]
-                rest = rest.split("/", 1)[1] if "/" in rest else rest
-            raw = rest
-        if raw.startswith("["):
-            host, _, port = raw[1:].partition("]:")
-        else:
-            host, _, port = raw.rpartition(":")
-        if not host or not port.isdigit() or not (0 < int(port) < 65536):
-            raise ValueError(f"backend target {text!r}: expected host:port or dns:///name:port")
-        return cls(host=host, port=int(port), dns=dns)
-
-    @property
-    def address(self) -> str:
-        return format_address(self.host, self.port)
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port`` with IPv6 hosts bracketed."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(eq=False)
@@ -172,21 +130,10 @@ class BackendPool:
             await asyncio.sleep(self.refresh_seconds)
             await self._refresh_dns()
 
-    async def _resolve(self, target: Target) -> set[str] | None:
-        if not target.dns:
-            return {target.address}
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            logger.warning("%s: cannot resolve %s: %s", self.stage, target.host, exc)
-            return None
-        return {format_address(info[4][0], target.port) for info in infos}
-
     async def _refresh_dns(self, initial: bool = False) -> None:
         wanted: set[str] = set()
         for target in self.targets:
-            addresses = await self._resolve(target)
+            addresses = await resolve(target)
             if addresses is None:  # resolution failed: keep what we have for this target
                 wanted |= {a for a in self.backends if target.dns}
             else:

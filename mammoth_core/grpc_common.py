@@ -9,6 +9,9 @@
   per-role tokens (``gateway_token_file``, ``ar_token_file``) each token names its caller's role and
   `METHOD_ROLES` says which role may call which RPC (PERMISSION_DENIED otherwise): a NetworkPolicy
   cannot tell RPCs apart, the token can. The shared ``auth_token_file`` token grants every role.
+  Secure by default: a stage with no token configured refuses every stage RPC (UNAUTHENTICATED,
+  the message says what to configure) unless it was started with ``insecure_no_auth``.
+- `StageAuth`: the same decision for non-gRPC admin endpoints (the DiT's ``/debug/profile``).
 - `auth_metadata`: the matching client metadata.
 - `server_credentials` / `channel_credentials`: optional TLS (``tls_cert_file``, ``tls_key_file``,
   ``tls_ca_file``; with a CA the server also requires client certificates).
@@ -37,13 +40,22 @@ AUTH_HEADER = "authorization"
 ROLE_GATEWAY = "gateway"
 ROLE_AR = "ar"
 ROLE_ANY = "*"
+#: The DiT profiler's admin endpoint (HTTP, on the metrics port), authorised like an RPC.
+PROFILE_METHOD = "/debug/profile"
 #: Which caller role may call which RPC (full method name). Health is open; a method missing here
 #: is refused to every per-role token (only the shared token may call it).
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "/mammoth.v1.DiT/Generate": frozenset({ROLE_GATEWAY}),
     "/mammoth.v1.DiT/PushConditions": frozenset({ROLE_AR}),
     "/mammoth.v1.AR/Generate": frozenset({ROLE_GATEWAY}),
+    PROFILE_METHOD: frozenset({ROLE_GATEWAY}),
 }
+#: Why an unconfigured stage refuses its RPCs (secure by default).
+NO_TOKEN_CONFIGURED = (
+    "this stage has no stage token configured and refuses unauthenticated calls: set "
+    "gateway_token_file and ar_token_file (or auth_token_file), or start it with "
+    "--insecure-no-auth true (development only)"
+)
 
 # Keepalive (milliseconds). Clients ping an idle connection every 30 s and give up after 10 s
 # without an answer; servers accept pings every 10 s or slower (so the client never trips
@@ -142,19 +154,19 @@ def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, detail
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Require ``authorization: Bearer <token>`` on every RPC except the health service.
+class StageAuth:
+    """Who may call what on a stage: the token check shared by gRPC and the admin HTTP endpoint.
 
     Args:
         token: the shared stage token (grants every role); None or empty: no shared token.
         role_tokens: per-role tokens, role name (`ROLE_GATEWAY`, `ROLE_AR`) -> token; the role a
             presented token belongs to must be listed for the method in ``method_roles``.
         method_roles: full method name (``/mammoth.v1.DiT/Generate``) -> roles allowed to call it.
+        insecure: with no token configured, let every call through (``insecure_no_auth``);
+            without it an unconfigured stage refuses every call (`NO_TOKEN_CONFIGURED`).
 
-    With neither a shared nor a per-role token the interceptor lets everything through (local
-    mode). A missing or unknown token aborts the call with UNAUTHENTICATED; a known token of a role
-    the method does not allow aborts it with PERMISSION_DENIED. Tokens are compared in constant
-    time, and every configured token is compared (the time does not tell which role matched).
+    Tokens are compared in constant time, and every configured token is compared (the time does
+    not tell which role matched).
     """
 
     def __init__(
@@ -163,6 +175,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         *,
         role_tokens: Mapping[str, str | None] | None = None,
         method_roles: Mapping[str, frozenset[str]] = METHOD_ROLES,
+        insecure: bool = False,
     ):
         self._tokens: list[tuple[bytes, str]] = []
         for role, value in (role_tokens or {}).items():
@@ -171,11 +184,17 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if token:
             self._tokens.append((token.encode(), ROLE_ANY))
         self._method_roles = dict(method_roles)
+        self.insecure = bool(insecure)
 
     @property
     def enabled(self) -> bool:
-        """Whether any token is configured (otherwise every call passes)."""
+        """Whether any token is configured."""
         return bool(self._tokens)
+
+    @property
+    def open(self) -> bool:
+        """Whether every call passes (no token configured and ``insecure``)."""
+        return not self._tokens and self.insecure
 
     def role_of(self, presented: str | None) -> str | None:
         """The role of ``presented`` (`ROLE_ANY` for the shared token), or None when unknown."""
@@ -188,25 +207,60 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
                 role = name
         return role
 
+    def check(self, method: str, presented: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when a caller presenting ``presented`` may call ``method``, else the refusal:
+        UNAUTHENTICATED (no or unknown token, or no token configured at all) or PERMISSION_DENIED
+        (a known token of a role ``method`` does not allow)."""
+        if self.open:
+            return None
+        if not self._tokens:
+            return grpc.StatusCode.UNAUTHENTICATED, NO_TOKEN_CONFIGURED
+        role = self.role_of(presented)
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or invalid stage token"
+        if role == ROLE_ANY or role in self._method_roles.get(method, frozenset()):
+            return None
+        return grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not call {method}"
+
+    def check_header(self, method: str, authorization: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """`check` for an HTTP ``Authorization`` header value (``Bearer <token>``)."""
+        return self.check(method, _bearer(((AUTH_HEADER, authorization),) if authorization else ()))
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` on every RPC except the health service.
+
+    Takes the arguments of `StageAuth` (or a ready ``auth=``). A refused call aborts with the
+    status `StageAuth.check` gives: UNAUTHENTICATED or PERMISSION_DENIED.
+    """
+
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        role_tokens: Mapping[str, str | None] | None = None,
+        method_roles: Mapping[str, frozenset[str]] = METHOD_ROLES,
+        insecure: bool = False,
+        auth: StageAuth | None = None,
+    ):
+        self.auth = auth or StageAuth(token, role_tokens=role_tokens, method_roles=method_roles,
+                                      insecure=insecure)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if not self._tokens or handler is None:
+        if self.auth.open or handler is None:
             return handler
         method = handler_call_details.method or ""
         if method.startswith(f"/{HEALTH_SERVICE}/"):
             return handler
-        role = self.role_of(_bearer(handler_call_details.invocation_metadata))
-        if role is None:
-            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid stage token")
-        if role == ROLE_ANY or role in self._method_roles.get(method, frozenset()):
+        refusal = self.auth.check(method, _bearer(handler_call_details.invocation_metadata))
+        if refusal is None:
             return handler
-        return _abort_handler(
-            handler, grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not call {method}"
-        )
+        return _abort_handler(handler, *refusal)
 
 
 def create_server(
@@ -215,19 +269,26 @@ def create_server(
     *,
     interceptors: Sequence[Any] = (),
     role_tokens: Mapping[str, str | None] | None = None,
+    insecure: bool = False,
 ) -> grpc.aio.Server:
-    """A `grpc.aio.server` with the shared options and the token interceptor (when any token is set).
+    """A `grpc.aio.server` with the shared options and the token interceptor.
 
     Args:
         max_message_bytes: send and receive limit of every message (bytes).
         auth_token: the shared stage token (every role), or None.
         interceptors: further server interceptors, run after the token check.
-        role_tokens: per-role tokens (see `TokenAuthInterceptor`).
+        role_tokens: per-role tokens (see `StageAuth`).
+        insecure: with no token at all, serve every RPC unauthenticated (``insecure_no_auth``);
+            otherwise a server without tokens refuses every RPC but health (UNAUTHENTICATED).
     """
     chain = list(interceptors)
-    auth = TokenAuthInterceptor(auth_token, role_tokens=role_tokens)
-    if auth.enabled:
-        chain.insert(0, auth)
+    auth = StageAuth(auth_token, role_tokens=role_tokens, insecure=insecure)
+    if auth.open:
+        logger.warning("insecure_no_auth: stage RPCs are served WITHOUT authentication")
+    else:
+        if not auth.enabled:
+            logger.error("%s", NO_TOKEN_CONFIGURED)
+        chain.insert(0, TokenAuthInterceptor(auth=auth))
     return grpc.aio.server(interceptors=chain, options=server_options(max_message_bytes))
 
 

@@ -1,9 +1,12 @@
 """Profiling on demand: a PyTorch profiler trace of a stage's model work for the next N requests.
 
-Arm it at start-up (setting ``profile_requests``) or at run time on the stage's metrics port::
+Arm it at start-up (setting ``profile_requests``) or at run time on the stage's metrics port, with
+the gateway's (or the shared) stage token -- the endpoint is behind the same auth as the stage's RPCs
+(`guarded`; 401 without a token, 403 with the AR's)::
 
-    curl -X POST 'http://<stage>:9092/debug/profile?requests=3'   # arm for the next 3 requests
-    curl 'http://<stage>:9092/debug/profile'                      # state: armed, written traces
+    curl -X POST -H "Authorization: Bearer $(cat gateway.token)" \
+        'http://<stage>:9092/debug/profile?requests=3'                # arm for the next 3 requests
+    curl -H "Authorization: Bearer $(cat gateway.token)" 'http://<stage>:9092/debug/profile'  # state
 
 Each profiled request writes one Chrome trace (open in ``chrome://tracing`` or Perfetto) named
 ``<profile_dir>/<stage>-<request_id>-<unix ms>.pt.trace.json``. One request is profiled at a time
@@ -119,3 +122,25 @@ class StageProfiler:
         data = json.dumps(body).encode()
         start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
         return [data]
+
+
+def guarded(app: Any, auth: Any) -> Any:
+    """``app`` (WSGI) behind ``auth`` (`mammoth_core.grpc_common.StageAuth`) for the method
+    `grpc_common.PROFILE_METHOD`: the request's ``Authorization: Bearer <token>`` must be allowed,
+    else 401 (no, unknown or unconfigured token) or 403 (a token of another role), JSON body."""
+    import grpc
+
+    from mammoth_core.grpc_common import PROFILE_METHOD
+
+    def checked(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        refusal = auth.check_header(PROFILE_METHOD, environ.get("HTTP_AUTHORIZATION"))
+        if refusal is None:
+            return app(environ, start_response)
+        code, message = refusal
+        status = "403 Forbidden" if code == grpc.StatusCode.PERMISSION_DENIED else "401 Unauthorized"
+        data = json.dumps({"error": message}).encode()
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                                ("WWW-Authenticate", "Bearer")])
+        return [data]
+
+    return checked

@@ -85,6 +85,13 @@ class BaseSettings:
             "DiT.PushConditions only"
         ),
     )
+    insecure_no_auth: bool = field(
+        default=False,
+        metadata=_doc(
+            "development only: a stage with no token file serves its RPCs (and the DiT profiler) "
+            "unauthenticated; without it such a stage refuses them with UNAUTHENTICATED"
+        ),
+    )
     tls_cert_file: str | None = field(
         default=None, metadata=_doc("PEM certificate chain: stages serve gRPC over TLS with it")
     )
@@ -237,12 +244,25 @@ class ARSettings(StageSettings):
         default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)")
     )
     max_sequence_length: int = _limit("max_sequence_length")
+    dit_allow_list: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "DiT addresses this AR may push to: host:port,... or dns:///name:port (every address the "
+            "name resolves to, e.g. the DiT headless Service); any other dit_address is refused with "
+            "PERMISSION_DENIED before any work. Empty: every address is refused; '*': any (insecure)"
+        ),
+    )
+    max_dit_channels: int = field(
+        default=64, metadata=_doc("open channels to DiT pods kept, at most (least recently used closed)")
+    )
     section: typing.ClassVar[str] = "ar"
 
     def validate(self) -> None:
         super().validate()
         if self.max_running_sequences < 1:
             raise SettingsError("max_running_sequences must be >= 1")
+        if self.max_dit_channels < 1:
+            raise SettingsError("max_dit_channels must be >= 1")
 
 
 @dataclass
@@ -260,7 +280,8 @@ class DiTSettings(StageSettings):
         default=None,
         metadata=_doc(
             "folder for PyTorch profiler traces (default: <cache_dir>/profiles); "
-            "POST /debug/profile?requests=N on the metrics port arms the profiler"
+            "POST /debug/profile?requests=N on the metrics port arms the profiler (with the "
+            "gateway's or the shared stage token as Authorization: Bearer)"
         ),
     )
     profile_requests: int = field(
@@ -331,12 +352,31 @@ class GatewaySettings(BaseSettings):
         metadata=_doc("deadline of one backend health probe: a stage that does not answer within it "
                       "is marked down; twice in a row, hung (its requests are retried elsewhere)"),
     )
+    header_timeout_seconds: float = field(
+        default=10.0,
+        metadata=_doc("a connection must deliver each request's complete head (request line and "
+                      "headers) within this many seconds, else it is closed"),
+    )
+    body_timeout_seconds: float = field(
+        default=30.0,
+        metadata=_doc("a request body must arrive completely within this many seconds after its "
+                      "head, else the connection is closed"),
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=_doc("open HTTP connections, at most (also kept below the open-file limit); a "
+                      "connection over it gets 503 and is closed before anything is read"),
+    )
     section: typing.ClassVar[str] = "gateway"
 
     def validate(self) -> None:
         super().validate()
         if self.health_interval_seconds <= 0 or self.health_timeout_seconds <= 0:
             raise SettingsError("health_interval_seconds and health_timeout_seconds must be > 0")
+        if self.header_timeout_seconds <= 0 or self.body_timeout_seconds <= 0:
+            raise SettingsError("header_timeout_seconds and body_timeout_seconds must be > 0")
+        if self.max_connections < 1:
+            raise SettingsError("max_connections must be >= 1")
         _validate_limits(self)
 
 

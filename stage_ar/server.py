@@ -384,7 +384,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     rpcs = drain.InFlightRpcs()
     server = grpc_common.create_server(
         settings.max_message_bytes, settings.read_auth_token(), interceptors=[rpcs],
-        role_tokens=settings.read_role_tokens(),
+        role_tokens=settings.read_role_tokens(), insecure=settings.insecure_no_auth,
     )
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
     servicer = ARServicer(None, None, settings, settings.client_token(grpc_common.ROLE_AR))

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Histogram
 from mammoth_core import drain, grpc_common, limits, tracing, wire
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
-from mammoth_core.profiling import PROFILE_PATH, StageProfiler
+from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
 from mammoth_core.refusals import refusal_trailers
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
@@ -482,14 +482,16 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     requests get ``drain_grace_seconds``, then the function returns.
     """
     tracing.setup("dit", settings.trace_export, settings.trace_sample_ratio)
-    token = settings.read_auth_token()
+    token, role_tokens = settings.read_auth_token(), settings.read_role_tokens()
     profiler = StageProfiler(settings.profile_dir or str(pathlib.Path(settings.cache_dir) / "profiles"),
                              "dit", settings.profile_requests)
+    admin_auth = grpc_common.StageAuth(token, role_tokens=role_tokens, insecure=settings.insecure_no_auth)
     metrics_port = start_metrics_server(settings.metrics_port, settings.host,
-                                        routes={PROFILE_PATH: profiler.wsgi})
+                                        routes={PROFILE_PATH: guarded(profiler.wsgi, admin_auth)})
     rpcs = drain.InFlightRpcs()
     server = grpc_common.create_server(
-        settings.max_message_bytes, token, interceptors=[rpcs], role_tokens=settings.read_role_tokens()
+        settings.max_message_bytes, token, interceptors=[rpcs], role_tokens=role_tokens,
+        insecure=settings.insecure_no_auth,
     )
     servicer = DiTServicer(trace_dir=settings.trace_dir, answer_boundary=settings.answer_boundary,
                            profiler=profiler, producer_grace_s=settings.producer_grace_seconds,
