@@ -87,6 +87,52 @@ def cache_dir(env: dict[str, str]) -> str:
     return env.get("MAMMOTH_CACHE_DIR") or default_cache_dir()
 
 
+#: Settings that configure stage authentication (any of them: `start_pipeline` generates no tokens).
+AUTH_SETTINGS = ("auth_token_file", "gateway_token_file", "ar_token_file", "insecure_no_auth")
+
+
+def generate_role_tokens(workdir: pathlib.Path) -> dict[str, str]:
+    """Fresh per-role stage tokens for one run (secure by default).
+
+    Writes ``<workdir>/tokens/gateway.token`` and ``ar.token`` (256 random bits each, URL-safe
+    base64, mode 0600 in a 0700 folder) and returns the environment that points every component at
+    them (``MAMMOTH_GATEWAY_TOKEN_FILE``, ``MAMMOTH_AR_TOKEN_FILE``).
+    """
+    import secrets
+
+    folder = pathlib.Path(workdir) / "tokens"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = {}
+    for role in ("gateway", "ar"):
+        path = folder / f"{role}.token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        env[f"MAMMOTH_{role.upper()}_TOKEN_FILE"] = str(path)
+    return env
+
+
+def _auth_configured(env: dict[str, str], config: str | None) -> bool:
+    """Whether the caller configured stage auth itself (environment or settings file)."""
+    if any(env.get("MAMMOTH_" + name.upper()) for name in AUTH_SETTINGS):
+        return True
+    config = config or env.get("MAMMOTH_CONFIG")
+    if not config:
+        return False
+    from mammoth_core.settings import read_config_file
+
+    return any(read_config_file(config, section).get(name) is not None
+               for section in ("ar", "dit", "gateway") for name in AUTH_SETTINGS)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:
     """Start one component in its own session; it dies with this process (`supervise.die_with_parent`)."""
     ready = workdir / f"{name}.ready.json"
@@ -124,15 +170,21 @@ def start_pipeline(
         _check_port_free(host, gateway_port)  # fail before the stages spend time loading
     ckpt_path = resolve_checkpoint(checkpoint, cache_dir(env))  # create the built-in one once, up front
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))
+    if not _auth_configured(env, config):
+        env.update(generate_role_tokens(workdir))
+    # The DiT's port is chosen up front: the AR dials only the DiT it was told about.
+    dit_address = f"{host}:{_free_port(host)}"
     common = ["--host", host, "--log-level", log_level]
     if config:
         common += ["--config", config]
     stage = [*common, "--checkpoint", str(ckpt_path), "--port", "0", "--torch-threads", str(torch_threads)]
     components: list[Component] = []
     try:
-        dit = _spawn("dit", ["dit", *stage, "--slots", str(slots), "--metrics-port", "0", *dit_args], workdir, env)
+        dit = _spawn("dit", ["dit", *stage, "--port", dit_address.rsplit(":", 1)[1], "--slots", str(slots),
+                             "--metrics-port", "0", *dit_args], workdir, env)
         components.append(dit)
-        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0", *ar_args], workdir, env)
+        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0", "--dit-allow-list", dit_address, *ar_args],
+                    workdir, env)
         components.append(ar)
         dit_addr = dit.wait_ready(ready_timeout)
         ar_addr = ar.wait_ready(ready_timeout)

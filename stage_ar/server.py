@@ -31,6 +31,7 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
+from stage_ar.dit_targets import DiTAllowList, DiTChannels
 from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
 from stage_ar.generation import T2ISequence
 from stage_ar.loader import ARBundle, load_ar
@@ -76,25 +77,32 @@ class ARServicer(pb_grpc.ARServicer):
         self.engine = engine
         self.settings = settings
         self._metadata = grpc_common.auth_metadata(auth_token)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.allowed_dits = DiTAllowList(settings.dit_allow_list)
+        # The sender's fast path writes pre-framed messages on the channel itself, so it is given
+        # the channel rather than a stub.
+        self._channels = DiTChannels(self._open_channel, settings.max_dit_channels)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        """The cached channel to the DiT at ``address`` (the sender's fast path writes pre-framed
-        messages on the channel itself, so it is given the channel rather than a stub)."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc_common.create_channel(
-                address, self.settings.max_message_bytes, self.settings.grpc_channel_credentials(),
-                self.settings.tls_server_name,
-            )
-            self._channels[address] = channel
-        return channel
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        return grpc_common.create_channel(
+            address, self.settings.max_message_bytes, self.settings.grpc_channel_credentials(),
+            self.settings.tls_server_name,
+        )
 
     async def close(self) -> None:
         """Close the cached channels to DiTs."""
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()
+
+    async def _check_dit_address(self, address: str, context: grpc.aio.ServicerContext) -> None:
+        """Abort unless ``address`` is a DiT this AR may dial (`DiTAllowList`), before any work."""
+        try:
+            why = await self.allowed_dits.check(address)
+        except ValueError as exc:
+            AR_REQUESTS.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if why is not None:
+            AR_REQUESTS.labels("refused_dit").inc()
+            logger.warning("refused dit_address %r: %s", address, why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def _write_trace(self, request: pb.ARGenerateRequest, job: DecodeJob, stats: JobStats) -> None:
         """``<trace_dir>/<request_id>.e<epoch>.ar.json``: when each row left the decode loop."""
@@ -151,6 +159,7 @@ class ARServicer(pb_grpc.ARServicer):
         if problem:
             AR_REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self._check_dit_address(request.dit_address, context)
         tok = self.bundle.tokenizer
         ar_w, ar_h = _grid(request)
         prompt_ids = tok.encode_t2i_prompt(request.prompt, ar_w, ar_h)
@@ -172,7 +181,7 @@ class ARServicer(pb_grpc.ARServicer):
         push_span = tracing.start_span("mammoth.v1.DiT/PushConditions", tracing.context_of(server_span),
                                        kind="CLIENT", attributes={"server.address": request.dit_address})
         sender = HiddenStateSender(
-            self._channel(request.dit_address),
+            self._channels.acquire(request.dit_address),
             request_id=request.request_id,
             epoch=request.epoch,
             reservation_token=request.reservation_token,
@@ -220,10 +229,12 @@ class ARServicer(pb_grpc.ARServicer):
             self.engine.submit(job)
         except EngineFull as exc:
             AR_REQUESTS.labels("rejected_full").inc()
+            self._channels.release(request.dit_address)
             _end_spans((push_span, server_span), "rejected_full")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineStopped as exc:
             AR_REQUESTS.labels("rejected_draining").inc()
+            self._channels.release(request.dit_address)
             _end_spans((push_span, server_span), "rejected_draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         AR_RUNNING.set(self.engine.running)
@@ -302,6 +313,7 @@ class ARServicer(pb_grpc.ARServicer):
             # The push's own error (if any) was reported above or is moot now: retrieve it so
             # asyncio does not log "Task exception was never retrieved".
             send_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._channels.release(request.dit_address)
             AR_REQUESTS.labels(outcome).inc()
             AR_RUNNING.set(self.engine.running)
             if server_span is not None:

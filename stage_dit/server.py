@@ -97,7 +97,8 @@ class DiTServicer(pb_grpc.DiTServicer):
             ``prepare_conditions``/``generate`` methods and a ``dtype``); None until loaded
             (then `set_model`), during which Generate answers UNAVAILABLE.
         pool: the `SlotPool` (its ``hidden_size`` must equal the pipeline's AR hidden size).
-        condition_timeout_s: longest wait for the conditions when the RPC has no deadline.
+        condition_timeout_s: longest wait for the conditions, even within a longer deadline (a call
+            without a deadline is refused with INVALID_ARGUMENT).
         progress_interval_s: at most one RECEIVING progress message per interval.
         producer_grace_s: a slot whose producer's push stream broke (without its `StreamEnd`) is
             retired this many seconds later (Generate ends with ABORTED) unless a newer epoch, an
@@ -157,6 +158,11 @@ class DiTServicer(pb_grpc.DiTServicer):
         why = validate_params(request.params, self.request_limits)
         if why:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if context.time_remaining() is None:
+            # A slot lives as long as this stream: without the caller's deadline, two bare calls
+            # could hold the whole pool until condition_timeout_s.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "DiT.Generate needs a deadline (the caller's request budget)")
         try:
             slot = await self.pool.reserve(request.request_id, request.params, timeout=0)
         except WireError as err:
@@ -172,9 +178,8 @@ class DiTServicer(pb_grpc.DiTServicer):
             yield pb.DiTGenerateResponse(
                 reserved=pb.Reserved(reservation_token=slot.token, slot_id=slot.slot_id)
             )
-            # 1. Conditions arrive (RECEIVING progress), within the RPC deadline.
-            remaining = context.time_remaining()
-            budget = self.condition_timeout_s if remaining is None else min(remaining, self.condition_timeout_s)
+            # 1. Conditions arrive (RECEIVING progress), within the caller's deadline.
+            budget = min(context.time_remaining() or 0.0, self.condition_timeout_s)
             wait_until = time.monotonic() + budget
             last_rows, last_sent = -1, 0.0
             while not slot.complete:
