@@ -137,21 +137,27 @@ def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None,
     common = ["--host", "127.0.0.1", "--log-level", "warning"]
     stage = [*common, "--checkpoint", args.checkpoint, "--port", "0", "--metrics-port", "0"]
     comps: list[Component] = []
+    from mammoth_core.local import free_port, generate_role_tokens
+
+    tokens = generate_role_tokens(workdir)  # stages refuse unauthenticated calls
+    dit_port = free_port()  # the AR dials only the DiT it is told about
     try:
-        dit_env = component_env(args.dit_gpu)
+        dit_env = {**component_env(args.dit_gpu), **tokens}
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             dit_env["MAMMOTH_TRACE_DIR"] = str(trace_dir)
-        dit = spawn("dit", ["dit", *stage, "--slots", str(args.dit_slots)], workdir, dit_env)
+        dit = spawn("dit", ["dit", *stage, "--port", str(dit_port), "--slots", str(args.dit_slots)], workdir,
+                    dit_env)
         comps.append(dit)
         ar_extra = ["--chunk-rows", str(chunk_rows)] if chunk_rows else []
+        ar_extra += ["--dit-allow-list", f"127.0.0.1:{dit_port}"]
         ar = spawn("ar", ["ar", *stage, "--max-running-sequences", str(args.ar_slots), *ar_extra], workdir,
-                   component_env(args.ar_gpu))
+                   {**component_env(args.ar_gpu), **tokens})
         comps.append(ar)
         dit_addr = dit.wait_ready(args.ready_timeout)
         ar_addr = ar.wait_ready(args.ready_timeout)
         gw = spawn("gateway", ["gateway", *common, "--port", "0", "--ar", ar_addr, "--dit", dit_addr], workdir,
-                   component_env(""))
+                   {**component_env(""), **tokens})
         comps.append(gw)
         gw.wait_ready(args.ready_timeout)
     except BaseException:

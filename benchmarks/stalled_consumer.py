@@ -74,11 +74,12 @@ class RequestResult:
 
 async def _one(
     ar: pb_grpc.ARStub, dit: pb_grpc.DiTStub, dit_address: str, index: int, size: int, steps: int,
-    deadline_s: float, start: asyncio.Event,
+    deadline_s: float, start: asyncio.Event, metadata: tuple = (),
 ) -> RequestResult:
     params = pb.ImageParams(width=size, height=size, num_inference_steps=steps, text_guidance_scale=1.0,
                             cfg_range_end=1.0, seed=100 + index, output_format="png")
-    gen = dit.Generate(pb.DiTGenerateRequest(request_id=f"stall-bench-{index}", params=params), timeout=deadline_s + 60)
+    gen = dit.Generate(pb.DiTGenerateRequest(request_id=f"stall-bench-{index}", params=params), timeout=deadline_s + 60,
+                       metadata=metadata)
     try:
         first = await gen.read()
         token = first.reserved.reservation_token
@@ -87,7 +88,7 @@ async def _one(
             pb.ARGenerateRequest(request_id=f"stall-bench-{index}", prompt=f"benchmark prompt {index}",
                                  width=size, height=size, seed=100 + index, dit_address=dit_address,
                                  reservation_token=token),
-            timeout=deadline_s,
+            timeout=deadline_s, metadata=metadata,
         )
         done = None
         try:
@@ -106,13 +107,15 @@ async def _one(
 
 
 async def run_scenario(ar_address: str, dit_address: str, *, n: int, size: int, stalled: bool,
-                       steps: int = 1, deadline_s: float = 60.0, stalled_deadline_s: float | None = None
-                       ) -> list[RequestResult]:
-    """Run ``n`` concurrent AR requests; with ``stalled``, request 0 pushes to a stalled DiT."""
+                       steps: int = 1, deadline_s: float = 60.0, stalled_deadline_s: float | None = None,
+                       metadata: tuple = (), stalled_port: int = 0) -> list[RequestResult]:
+    """Run ``n`` concurrent AR requests; with ``stalled``, request 0 pushes to a stalled DiT on
+    ``stalled_port`` (one the AR's ``dit_allow_list`` allows). ``metadata``: the gateway role's
+    stage token (`mammoth_core.grpc_common.auth_metadata`)."""
     server = grpc.aio.server()
     servicer = StalledDiT()
     pb_grpc.add_DiTServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{stalled_port}")
     await server.start()
     stalled_address = f"127.0.0.1:{port}"
     limit = 64 * 1024 * 1024
@@ -124,9 +127,9 @@ async def run_scenario(ar_address: str, dit_address: str, *, n: int, size: int, 
         for i in range(n):
             if stalled and i == 0:
                 tasks.append(_one(ar, stall, stalled_address, i, size, steps,
-                                  stalled_deadline_s or deadline_s, start))
+                                  stalled_deadline_s or deadline_s, start, metadata))
             else:
-                tasks.append(_one(ar, dit, dit_address, i, size, steps, deadline_s, start))
+                tasks.append(_one(ar, dit, dit_address, i, size, steps, deadline_s, start, metadata))
         runner = asyncio.gather(*tasks)
         await asyncio.sleep(0.5)  # every slot reserved before the AR calls start together
         start.set()
@@ -137,13 +140,14 @@ async def run_scenario(ar_address: str, dit_address: str, *, n: int, size: int, 
         await server.stop(0)
 
 
-def measure(ar_address: str, dit_address: str, *, n: int, size: int, repeat: int) -> dict:
-    """Alternate baseline and stalled scenarios ``repeat`` times; returns per-run and median ratios."""
+def measure(ar_address: str, dit_address: str, *, n: int, size: int, repeat: int, **kw) -> dict:
+    """Alternate baseline and stalled scenarios ``repeat`` times; returns per-run and median ratios
+    (``kw``: ``metadata`` and ``stalled_port`` of `run_scenario`)."""
     runs = []
     for _ in range(repeat):
-        base = asyncio.run(run_scenario(ar_address, dit_address, n=n, size=size, stalled=False))
+        base = asyncio.run(run_scenario(ar_address, dit_address, n=n, size=size, stalled=False, **kw))
         stall = asyncio.run(run_scenario(ar_address, dit_address, n=n, size=size, stalled=True,
-                                         stalled_deadline_s=30.0))
+                                         stalled_deadline_s=30.0, **kw))
         others_base = [r.tokens_per_s for r in base if r.index != 0 and r.ok]
         others_stall = [r.tokens_per_s for r in stall if r.index != 0 and r.ok]
         runs.append({
@@ -163,15 +167,20 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from mammoth_core.local import start_pipeline, stop_pipeline
+    from mammoth_core.grpc_common import auth_metadata
+    from mammoth_core.local import free_port, start_pipeline, stop_pipeline
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="stall-bench-"))
+    stalled_port = free_port()  # the stalled DiT's: the AR is allowed to push there
     comps = start_pipeline(checkpoint="builtin://tiny", gateway_port=0, slots=args.n + 1, workdir=tmp,
-                           log_level="error", extra_env={"MAMMOTH_CACHE_DIR": str(tmp / "cache")})
+                           log_level="error", extra_env={"MAMMOTH_CACHE_DIR": str(tmp / "cache"),
+                                                         "MAMMOTH_DIT_ALLOW_LIST": f"127.0.0.1:{stalled_port}"})
     try:
         by = {c.name: c for c in comps}
         t0 = time.time()
-        result = measure(by["ar"].address, by["dit"].address, n=args.n, size=args.size, repeat=args.repeat)
+        metadata = auth_metadata((tmp / "tokens" / "gateway.token").read_text().strip())
+        result = measure(by["ar"].address, by["dit"].address, n=args.n, size=args.size, repeat=args.repeat,
+                         metadata=metadata, stalled_port=stalled_port)
         result.update({"n": args.n, "size": args.size, "seconds": time.time() - t0,
                        "date": time.strftime("%Y-%m-%d", time.gmtime())})
     finally:

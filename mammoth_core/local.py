@@ -125,7 +125,8 @@ def _auth_configured(env: dict[str, str], config: str | None) -> bool:
                for section in ("ar", "dit", "gateway") for name in AUTH_SETTINGS)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (bound and released: another process could take it)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -173,7 +174,7 @@ def start_pipeline(
     if not _auth_configured(env, config):
         env.update(generate_role_tokens(workdir))
     # The DiT's port is chosen up front: the AR dials only the DiT it was told about.
-    dit_address = f"{host}:{_free_port(host)}"
+    dit_address = f"{host}:{free_port(host)}"
     common = ["--host", host, "--log-level", log_level]
     if config:
         common += ["--config", config]
@@ -183,7 +184,9 @@ def start_pipeline(
         dit = _spawn("dit", ["dit", *stage, "--port", dit_address.rsplit(":", 1)[1], "--slots", str(slots),
                              "--metrics-port", "0", *dit_args], workdir, env)
         components.append(dit)
-        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0", "--dit-allow-list", dit_address, *ar_args],
+        # The AR may push to its own DiT and to whatever MAMMOTH_DIT_ALLOW_LIST adds.
+        allowed = ",".join(filter(None, [dit_address, env.get("MAMMOTH_DIT_ALLOW_LIST")]))
+        ar = _spawn("ar", ["ar", *stage, "--metrics-port", "0", "--dit-allow-list", allowed, *ar_args],
                     workdir, env)
         components.append(ar)
         dit_addr = dit.wait_ready(ready_timeout)

@@ -26,11 +26,24 @@ def metric_samples(url: str, name: str, labels: dict[str, str] | None = None) ->
 
 
 class RunningPipeline:
-    """Handles on a started local pipeline: component processes, addresses, metrics URLs."""
+    """Handles on a started local pipeline: component processes, addresses, metrics URLs, the stage
+    tokens ``mammoth up`` generated (``tokens["gateway"|"ar"]``, empty when the caller configured
+    auth) and ``spare_dit_port``: a port the AR may also push to (for tests that play a DiT)."""
 
-    def __init__(self, components, trace_dir: pathlib.Path):
+    def __init__(self, components, trace_dir: pathlib.Path, workdir: pathlib.Path | None = None,
+                 spare_dit_port: int = 0):
         self.components = {c.name: c for c in components}
         self.trace_dir = trace_dir
+        self.spare_dit_port = spare_dit_port
+        folder = (workdir or trace_dir.parent) / "tokens"
+        self.tokens = {role: (folder / f"{role}.token").read_text().strip()
+                       for role in ("gateway", "ar") if (folder / f"{role}.token").is_file()}
+
+    def auth(self, role: str = "gateway") -> tuple[tuple[str, str], ...]:
+        """gRPC call metadata carrying the ``role`` token (empty without generated tokens)."""
+        from mammoth_core.grpc_common import auth_metadata
+
+        return auth_metadata(self.tokens.get(role))
 
     @property
     def url(self) -> str:
@@ -57,14 +70,16 @@ class RunningPipeline:
 
 def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:
     """Start AR, DiT and gateway processes on loopback with request traces written to ``tmp``."""
-    from mammoth_core.local import start_pipeline
+    from mammoth_core.local import free_port, start_pipeline
 
     trace_dir = tmp / "traces"
     trace_dir.mkdir(parents=True, exist_ok=True)
-    env = {"MAMMOTH_TRACE_DIR": str(trace_dir), "MAMMOTH_CACHE_DIR": str(tmp / "cache")}
+    spare = free_port()
+    env = {"MAMMOTH_TRACE_DIR": str(trace_dir), "MAMMOTH_CACHE_DIR": str(tmp / "cache"),
+           "MAMMOTH_DIT_ALLOW_LIST": f"127.0.0.1:{spare}"}
     env.update(kwargs.pop("extra_env", {}))
     components = start_pipeline(
         checkpoint=str(checkpoint), gateway_port=0, slots=kwargs.pop("slots", 2), extra_env=env,
         workdir=tmp, log_level=kwargs.pop("log_level", "warning"), ready_timeout=120, **kwargs,
     )
-    return RunningPipeline(components, trace_dir)
+    return RunningPipeline(components, trace_dir, tmp, spare)

@@ -98,10 +98,13 @@ class Cluster:
     """Start, stop and inspect component processes; everything is killed at teardown."""
 
     def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path, env: dict[str, str] | None = None):
+        from mammoth_core.local import generate_role_tokens
+
         self.checkpoint = checkpoint
         self.tmp = tmp
+        # Per-role stage tokens, as `mammoth up` and the operator give every component.
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"),
-                    **(env or {})}
+                    **generate_role_tokens(tmp), **(env or {})}
         self.procs: list[Proc] = []
         self._n = 0
 
@@ -131,9 +134,13 @@ class Cluster:
         return p
 
     def stage(self, role: str, *extra: str, port: int = 0) -> Proc:
-        """Start ``mammoth ar|dit`` (tiny checkpoint, one torch thread) and wait until SERVING."""
+        """Start ``mammoth ar|dit`` (tiny checkpoint, one torch thread) and wait until SERVING.
+        An AR may push to the DiTs started before it (``--dit-allow-list``)."""
         argv = ["--host", "127.0.0.1", "--checkpoint", str(self.checkpoint), "--port", str(port),
                 "--metrics-port", "0", "--torch-threads", "1", "--log-level", "warning", *extra]
+        dits = [p.address for p in self.procs if p.role == "dit"]
+        if role == "ar" and dits and "--dit-allow-list" not in extra:
+            argv += ["--dit-allow-list", ",".join(dits)]
         return self._spawn(role, argv)
 
     def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str,

@@ -172,14 +172,15 @@ class RealStage:
         return metric_value(self.metrics_url.rsplit("/metrics", 1)[0], name, **labels)
 
 
-def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str) -> RealStage:
+def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
+                env: dict[str, str] | None = None) -> RealStage:
     """Start ``python -m mammoth_core.cli ROLE`` on a free port; wait for its ready file."""
     n = len(list(tmp.glob(f"real-{role}-*.ready")))
     ready = tmp / f"real-{role}-{n}.ready"
     cmd = [sys.executable, "-m", "mammoth_core.cli", role, "--host", "127.0.0.1", "--checkpoint",
            str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
            "--log-level", "warning", "--ready-file", str(ready), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"), **(env or {})}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 180
     while not (ready.exists() and ready.stat().st_size):
@@ -194,14 +195,22 @@ def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: s
 
 @pytest.fixture
 def real_stages(tiny_checkpoint, tmp_path):
-    """Factory of real stage processes, killed at teardown."""
+    """Factory of real stage processes, killed at teardown. They hold per-role stage tokens (the
+    gateway presents ``make.gateway_token_file``); an AR may push to the DiTs started before it."""
+    from mammoth_core.local import generate_role_tokens
+
     started: list[RealStage] = []
+    tokens = generate_role_tokens(tmp_path)
 
     def make(role: str, *args: str) -> RealStage:
-        stage = spawn_stage(role, tiny_checkpoint, tmp_path, *args)
+        dits = [s.address for s in started if s.role == "dit"]
+        if role == "ar" and dits:
+            args = (*args, "--dit-allow-list", ",".join(dits))
+        stage = spawn_stage(role, tiny_checkpoint, tmp_path, *args, env=tokens)
         started.append(stage)
         return stage
 
+    make.gateway_token_file = tokens["MAMMOTH_GATEWAY_TOKEN_FILE"]
     yield make
     for stage in started:
         if stage.proc.poll() is None:

@@ -21,7 +21,8 @@ STEPS = 2
 def real(real_stages, gateway_factory):
     dit = real_stages("dit", "--slots", "2")
     ar = real_stages("ar")
-    gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120)
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120,
+                         gateway_token_file=real_stages.gateway_token_file)
     gw.wait_ready(60)
     return gw, ar, dit
 
@@ -149,7 +150,7 @@ def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gat
     ar1 = real_stages("ar")
     ar2 = real_stages("ar")
     gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address],
-                         request_timeout_seconds=120)
+                         request_timeout_seconds=120, gateway_token_file=real_stages.gateway_token_file)
     gw.wait_ready(60)
     body = {"prompt": "a lighthouse", "size": "512x512", "seed": 8, "num_inference_steps": 1}
     reference = httpx.post(gw.url + GEN, json=body, timeout=120).json()["data"][0]["b64_json"]

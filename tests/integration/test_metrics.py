@@ -181,20 +181,21 @@ def test_metric_names_carry_their_units(metered):
 
 def test_profiling_on_demand_writes_a_trace_and_leaves_outputs_identical(metered, client):
     admin = metered.metrics_url("dit").replace("/metrics", "/debug/profile")
-    assert httpx.get(admin, timeout=10).json()["armed"] == 0
+    token = {"authorization": f"Bearer {metered.tokens['gateway']}"}  # behind the stage tokens
+    assert httpx.get(admin, timeout=10, headers=token).json()["armed"] == 0
     never, _ = generate(client, metered.url, seed=5)
     assert not list(metered.profile_dir.glob("*.json"))
 
-    bad = httpx.post(admin, params={"requests": "many"}, timeout=10)
+    bad = httpx.post(admin, params={"requests": "many"}, timeout=10, headers=token)
     assert bad.status_code == 400 and "requests" in bad.json()["error"]
-    armed = httpx.post(admin, params={"requests": 1}, timeout=10)
+    armed = httpx.post(admin, params={"requests": 1}, timeout=10, headers=token)
     assert armed.status_code == 200 and armed.json()["armed"] == 1
     profiled, _ = generate(client, metered.url, seed=5)
     traces = list(metered.profile_dir.glob("dit-*.pt.trace.json"))
     assert len(traces) == 1, traces
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events), "no torch ops in the trace"
-    state = httpx.get(admin, timeout=10).json()
+    state = httpx.get(admin, timeout=10, headers=token).json()
     assert state["armed"] == 0 and state["traces"] == [str(traces[0])]
 
     after, _ = generate(client, metered.url, seed=5)

@@ -17,7 +17,8 @@ def test_stalled_consumer_does_not_block_the_batch(pipeline):
     ar = pipeline.components["ar"].address
     dit = pipeline.components["dit"].address
     results = asyncio.run(
-        run_scenario(ar, dit, n=3, size=256, stalled=True, deadline_s=60.0, stalled_deadline_s=5.0)
+        run_scenario(ar, dit, n=3, size=256, stalled=True, deadline_s=60.0, stalled_deadline_s=5.0,
+                     metadata=pipeline.auth(), stalled_port=pipeline.spare_dit_port)
     )
     stalled, others = results[0], results[1:]
     assert all(r.ok and r.tokens == 16 * 17 for r in others), others
