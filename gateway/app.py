@@ -28,6 +28,7 @@ from gateway.errors import GatewayError, PayloadTooLargeError, create_error_resp
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
 from gateway.serving import GatewayState, OpenAIServingImages, Orchestrator, new_request_id
+from gateway.slow_clients import guarded_protocol, quiet_logs
 from mammoth_core import grpc_common, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
@@ -278,9 +279,12 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
     """
     tracing.setup("gateway", settings.trace_export, settings.trace_sample_ratio)
     app = build_app(settings)
+    quiet_logs()
+    protocol = guarded_protocol(settings.header_timeout_seconds, settings.body_timeout_seconds,
+                                settings.max_connections, app.state.metrics.registry)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=protocol)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None

@@ -108,14 +108,14 @@ class Cluster:
         self.procs: list[Proc] = []
         self._n = 0
 
-    def _spawn(self, role: str, argv: list[str], timeout: float = 120.0) -> Proc:
+    def _spawn(self, role: str, argv: list[str], timeout: float = 120.0, nofile: int | None = None) -> Proc:
         self._n += 1
         ready = self.tmp / f"{role}-{self._n}.ready.json"
         log = self.tmp / f"{role}-{self._n}.log"
         cmd = [sys.executable, "-m", "mammoth_core.cli", role, *argv, "--ready-file", str(ready)]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_open_files_limit(nofile))
         deadline = time.monotonic() + timeout
         while not (ready.exists() and ready.stat().st_size):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -144,11 +144,12 @@ class Cluster:
         return self._spawn(role, argv)
 
     def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str,
-                health_interval: float | None = 0.2) -> Proc:
+                health_interval: float | None = 0.2, nofile: int | None = None) -> Proc:
         """Start ``mammoth gateway`` on a free port; ready once >= 1 AR and >= 1 DiT are SERVING.
 
         ``health_interval`` (seconds) is the gateway's health poll period; None keeps the default
-        setting (the fault-timing tests measure at default settings).
+        setting (the fault-timing tests measure at default settings). ``nofile``: the process's
+        open-file limit (``RLIMIT_NOFILE``), default inherited.
         """
         argv = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                 "--ar", ",".join(p.address for p in ars), "--dit", ",".join(p.address for p in dits),
@@ -156,7 +157,7 @@ class Cluster:
                 "--request-timeout-seconds", str(REQUEST_TIMEOUT), *extra]
         if health_interval is not None:
             argv += ["--health-interval-seconds", str(health_interval)]
-        return self._spawn("gateway", argv)
+        return self._spawn("gateway", argv, nofile=nofile)
 
     def fake_stage(self, role: str, *extra: str) -> Proc:
         """Start a fake stage (tests/gateway/fake_stages.py: real gRPC, no model) and wait for it."""
@@ -189,6 +190,19 @@ class Cluster:
             if p.alive():
                 p.proc.send_signal(signal.SIGKILL)  # also ends a SIGSTOPped process
                 p.proc.wait()
+
+
+def _open_files_limit(nofile: int | None):
+    """A ``preexec_fn`` setting ``RLIMIT_NOFILE`` to ``nofile`` (None: no change)."""
+    if nofile is None:
+        return None
+
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    return apply
 
 
 def image_request(url: str, *, stream: bool = False, seed: int = 1, timeout: float = 90.0,

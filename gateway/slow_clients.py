@@ -1,0 +1,178 @@
+"""Bounds on what a slow or abusive HTTP client can hold: read deadlines, a connection cap, quiet logs.
+
+uvicorn (0.54, h11) times out only idle kept-alive connections (``timeout_keep_alive``); a client that
+sends its request head or body a byte at a time holds its connection forever, and
+``limit_concurrency`` counts those connections too (normal requests get 503). `guarded_protocol`
+returns uvicorn's h11 protocol with, per connection:
+
+- a **header deadline**: the request head (request line and headers) must be complete within
+  ``header_timeout`` seconds of the connection opening or of the previous response ending;
+  otherwise the gateway answers ``408`` and closes the connection;
+- a **body deadline**: the body must be complete within ``body_timeout`` seconds of its head;
+  otherwise the connection is closed (the request handler sees a disconnect and cancels its work);
+- a **connection cap**: at most ``max_connections`` open connections, and never more than the
+  process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs); a connection over the cap is
+  answered ``503`` (OpenAI envelope, ``code: too_many_connections``, ``Retry-After``) and closed
+  before anything is read, so the listening socket never runs out of file descriptors.
+
+While a handler runs (the response phase) no deadline applies: image generation has its own
+request budget. `quiet_logs` rate-limits the log records a flood can repeat (asyncio's
+``socket.accept() out of system resource``, uvicorn's ``Invalid HTTP request received``, the
+closes above): each distinct message at most once per `LOG_INTERVAL_SECONDS`, with a count of the
+suppressed ones. ``mammoth_gateway_connections_closed_total{reason}`` counts every close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from typing import Any
+
+import h11
+from prometheus_client import Counter, CollectorRegistry
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.errors import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+FD_HEADROOM = 128
+LOG_INTERVAL_SECONDS = 10.0
+CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity")
+_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+
+
+def _over_capacity_response() -> bytes:
+    body = ErrorResponse(error=ErrorInfo(
+        message="the gateway has too many open connections; retry shortly",
+        type="service_unavailable", code="too_many_connections")).model_dump_json().encode()
+    head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    return head + body
+
+
+def connection_cap(max_connections: int) -> int:
+    """``max_connections``, lowered to the open-file limit minus `FD_HEADROOM` (at least 1)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(1, min(max_connections, soft - FD_HEADROOM))
+
+
+def guarded_protocol(header_timeout: float, body_timeout: float, max_connections: int,
+                     registry: CollectorRegistry | None = None) -> type[H11Protocol]:
+    """A uvicorn ``http`` protocol class enforcing the module's bounds.
+
+    Args:
+        header_timeout: seconds for a request head (see the module docstring).
+        body_timeout: seconds for a request body after its head.
+        max_connections: open connections, at most (lowered by `connection_cap`).
+        registry: where ``mammoth_gateway_connections_closed_total`` is registered.
+    """
+    closed = Counter("mammoth_gateway_connections_closed_total",
+                     "HTTP connections the gateway closed to bound slow clients, by reason",
+                     ["reason"], registry=registry)
+    for reason in CLOSE_REASONS:
+        closed.labels(reason)
+    cap = connection_cap(max_connections)
+    refusal = _over_capacity_response()
+
+    class GuardedH11Protocol(H11Protocol):
+        """uvicorn's h11 protocol with header/body deadlines and a connection cap."""
+
+        _phase: str | None = None
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                closed.labels("over_capacity").inc()
+                logger.warning("refused a connection: %d open (the cap is %d)", len(self.connections), cap)
+                transport.write(refusal)
+                transport.close()
+                return
+            self._track()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._track()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._track()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._set_phase(None)
+            super().connection_lost(exc)
+
+        def _track(self) -> None:
+            """Arm the deadline of the phase the client is in (h11's view of its side)."""
+            if self.transport is None or self.transport.is_closing():
+                return self._set_phase(None)
+            state = self.conn.their_state
+            if state is h11.IDLE:
+                self._set_phase("header")
+            elif state is h11.SEND_BODY:
+                self._set_phase("body")
+            else:
+                self._set_phase(None)
+
+        def _set_phase(self, phase: str | None) -> None:
+            if phase == self._phase:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._phase = phase
+            if phase is not None:
+                seconds = header_timeout if phase == "header" else body_timeout
+                self._timer = self.loop.call_later(seconds, self._expire, phase)
+
+        def _expire(self, phase: str) -> None:
+            self._timer = None
+            if self._phase != phase or self.transport.is_closing():
+                return
+            reason = f"{phase}_timeout"
+            closed.labels(reason).inc()
+            logger.warning("closed a connection: request %s not received within %.1f s", phase,
+                           header_timeout if phase == "header" else body_timeout)
+            if phase == "header":
+                self.transport.write(_REQUEST_TIMEOUT)
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
+class RateLimitFilter(logging.Filter):
+    """Passes each distinct message (logger name + format string) at most once per ``interval``
+    seconds; the next one that passes says how many were suppressed meanwhile."""
+
+    def __init__(self, interval: float = LOG_INTERVAL_SECONDS) -> None:
+        super().__init__()
+        self.interval = interval
+        self._seen: dict[tuple[str, str], list[Any]] = {}  # key -> [last passed at, suppressed]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        entry = self._seen.get(key)
+        if entry is not None and now - entry[0] < self.interval:
+            entry[1] += 1
+            return False
+        suppressed = entry[1] if entry is not None else 0
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[key] = [now, 0]
+        if suppressed:
+            record.msg = f"{record.msg} ({suppressed} similar messages suppressed in the last " \
+                         f"{self.interval:.0f} s)"
+        return True
+
+
+def quiet_logs(interval: float = LOG_INTERVAL_SECONDS) -> None:
+    """Rate-limit the loggers a connection flood can repeat (see the module docstring)."""
+    limiter = RateLimitFilter(interval)
+    for name in ("asyncio", "uvicorn.error", __name__):
+        logging.getLogger(name).addFilter(limiter)
