@@ -121,8 +121,9 @@ async def with_cancellation(work: Awaitable[Any], request: Request) -> Any:
     responses={
         **_ERRORS,
         200: {"description": "The images (JSON), or with `stream: true` server-sent events "
-                             "(`image_generation.partial_image`, `image_generation.progress`, "
-                             "`image_generation.completed`, `error`)",
+                             "(`image_generation.partial_image`, `image_generation.completed`, "
+                             "`error`; `image_generation.progress` only with `stream_progress: "
+                             "true`)",
               "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
     },
     dependencies=[Depends(require_api_key)],

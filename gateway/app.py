@@ -237,6 +237,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         description="OpenAI-compatible images API serving MammothModa2 as a disaggregated AR -> "
                     "DiT pipeline. See docs/API.md.",
         lifespan=lifespan,
+        # No 307 to the slash-less path: Starlette builds its Location from the Host header.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = metrics

@@ -235,7 +235,10 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
         return 400, ErrorInfo(message=text, type="invalid_request_error", param=param, code=code), headers
     if isinstance(exc, StarletteHTTPException):
         status = exc.status_code
-        if status == 404:
+        if status == 400:  # FastAPI could not parse the body (e.g. JSON nested too deeply)
+            info = ErrorInfo(message=f"request body is not valid JSON: {exc.detail}",
+                             type="invalid_request_error", code="invalid_json")
+        elif status == 404:
             info = ErrorInfo(message="not found", type="invalid_request_error", code="not_found")
         elif status == 405:
             info = ErrorInfo(message="method not allowed", type="invalid_request_error",

@@ -34,6 +34,7 @@ EXTENSION_FIELDS = (
     "cfg_range",
     "ar_guidance_scale",
     "ar_grid",
+    "stream_progress",
 )
 
 #: OpenAI request fields this deployment cannot honour; any non-null value is a 400 naming it.
@@ -124,6 +125,10 @@ class ImageGenerationRequest(OpenAIBaseModel):
                                 "height/16) or `WxH` cells (W*H cells in the image's aspect ratio; "
                                 "default: the gateway's `default_ar_grid`). Checked against the AR's "
                                 "position limit.")
+    stream_progress: StrictBool | None = Field(
+        None, description="Extension: with stream=true, also send `image_generation.progress` "
+        "events (AR tokens, DiT steps). Off by default: a default stream carries only the event "
+        "types the OpenAI API defines.")
     extra_body: dict[str, Any] | None = Field(None, description="Extensions may also be sent "
                                               "inside this object.")
 

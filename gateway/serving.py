@@ -69,7 +69,9 @@ from gateway.protocol import (
     OutputTokensDetails,
     ProgressEvent,
 )
+from gateway.request_budget import keepalive_interval, request_budget
 from mammoth_core import grpc_common, limits, tracing
+from mammoth_core.text import is_blank
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.refusals import refusal_of
 from mammoth_core.settings import GatewaySettings
@@ -80,6 +82,12 @@ logger = logging.getLogger(__name__)
 QUALITY_STEP_FACTORS = {
     "low": 0.25, "medium": 0.5, "auto": 1.0, "standard": 1.0, "high": 1.0,
     "hd": 1.5, "xhigh": 1.5, "max": 2.0,
+}
+#: ``quality`` as responses and events echo it: the effort actually used, in the values the API's
+#: response schema allows (``low``/``medium``/``high``/``xhigh``/``max``).
+QUALITY_ECHO = {
+    "low": "low", "medium": "medium", "auto": "high", "standard": "high", "high": "high",
+    "hd": "xhigh", "xhigh": "xhigh", "max": "max",
 }
 #: After the image arrived, how long to wait for the AR's ARDone (usage and AR timings), seconds.
 AR_DONE_GRACE_SECONDS = 10.0
@@ -133,6 +141,7 @@ class ImageJob:
     stream: bool
     quality: str
     safety_identifier: str | None
+    stream_progress: bool = False
 
     @property
     def size(self) -> str:
@@ -224,8 +233,9 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         raise InvalidRequestError(
             f"prompt is {len(req.prompt)} characters; the maximum is {settings.max_prompt_chars}",
             param="prompt", code="string_above_max_length")
-    if not req.prompt.strip():
-        raise InvalidRequestError("prompt must not be blank", param="prompt")
+    if is_blank(req.prompt):
+        raise InvalidRequestError("prompt must not be blank (it has no visible character)",
+                                  param="prompt")
     negative = req.negative_prompt or ""
     if len(negative) > settings.max_prompt_chars:
         raise InvalidRequestError(
@@ -273,6 +283,8 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
     partial_images = req.partial_images or 0
     if partial_images and not req.stream:
         raise InvalidRequestError("partial_images needs stream=true", param="partial_images")
+    if req.stream_progress and not req.stream:
+        raise InvalidRequestError("stream_progress needs stream=true", param="stream_progress")
     if partial_images and partial_images > steps:
         raise InvalidRequestError(f"partial_images ({partial_images}) exceeds the number of "
                                   f"denoising steps ({steps})", param="partial_images")
@@ -299,8 +311,9 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         partial_images=partial_images,
         response_format=req.response_format or "b64_json",
         stream=bool(req.stream),
-        quality=quality,
+        quality=QUALITY_ECHO[quality],
         safety_identifier=req.safety_identifier or req.user or None,
+        stream_progress=bool(req.stream_progress),
     )
 
 
@@ -980,10 +993,12 @@ class OpenAIServingImages:
         logger.info("request %s: n=%d size=%s ar_grid=%dx%d steps=%d seed=%d user=%s", request_id,
                     job.n, job.size, *job.ar_grid, job.num_inference_steps, job.seed,
                     job.safety_identifier)
-        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_seconds
+        budget = request_budget(raw.headers, self.settings.request_timeout_seconds, job.stream)
+        deadline = asyncio.get_running_loop().time() + budget
         if job.stream:
+            keepalive = keepalive_interval(raw.headers, SSE_KEEPALIVE_SECONDS)
             return StreamingResponse(
-                self._stream(job, raw, ticket, deadline), media_type="text/event-stream",
+                self._stream(job, raw, ticket, deadline, keepalive), media_type="text/event-stream",
                 headers={"x-request-id": request_id, "cache-control": "no-cache",
                          "x-accel-buffering": "no"})
         started = getattr(raw.state, "started", None)
@@ -1028,9 +1043,11 @@ class OpenAIServingImages:
     # ---------------------------------------------------------------- streaming
 
     async def _stream(self, job: ImageJob, raw: Request, ticket: AdmissionTicket,
-                      deadline: float) -> AsyncIterator[bytes]:
-        """SSE body: progress and partial images as they come, one completed event per image in
-        index order, an ``error`` event on failure. Cancelled on client disconnect."""
+                      deadline: float, keepalive: float = SSE_KEEPALIVE_SECONDS) -> AsyncIterator[bytes]:
+        """SSE body: partial images as they come (and, for clients that opted in with
+        ``stream_progress``, the ``image_generation.progress`` extension events), one completed
+        event per image in index order, an ``error`` event on failure; a keep-alive comment every
+        ``keepalive`` seconds without events. Cancelled on client disconnect."""
         started = time.perf_counter()
         request_started = getattr(raw.state, "started", started)  # RequestIdMiddleware's clock
         outcome = "cancelled"
@@ -1057,7 +1074,7 @@ class OpenAIServingImages:
                 next_index = 0
                 while next_index < job.n:
                     try:
-                        item = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_SECONDS)
+                        item = await asyncio.wait_for(queue.get(), keepalive)
                     except asyncio.TimeoutError:
                         yield b": keep-alive\n\n"
                         continue
@@ -1068,6 +1085,8 @@ class OpenAIServingImages:
                         yield _sse("error", ErrorResponse(error=info).model_dump())
                         return
                     if isinstance(item, StageProgress):
+                        if not job.stream_progress:
+                            continue  # an extension event: only for clients that asked for it
                         ev = ProgressEvent(created_at=now, image_index=item.index, stage=item.stage,
                                            phase=item.phase, tokens_generated=item.tokens_generated,
                                            total_tokens=item.total_tokens, step=item.step,

@@ -31,6 +31,7 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
+from mammoth_core.text import is_blank
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
 from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
 from stage_ar.generation import T2ISequence
@@ -128,8 +129,8 @@ class ARServicer(pb_grpc.ARServicer):
         """A message naming what is wrong with ``request``, or None."""
         if not request.request_id:
             return "request_id is required"
-        if not request.prompt.strip():
-            return "prompt is empty"
+        if is_blank(request.prompt):
+            return "prompt is blank (it has no visible character)"
         if len(request.prompt) > MAX_PROMPT_CHARS or len(request.negative_prompt) > MAX_PROMPT_CHARS:
             return f"prompt longer than {MAX_PROMPT_CHARS} characters"
         for name in ("width", "height"):
