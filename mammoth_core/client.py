@@ -92,6 +92,7 @@ def request_body(prompt: str, args: argparse.Namespace, stream: bool) -> dict[st
     }
     if stream:
         body["partial_images"] = 0
+        body["stream_progress"] = True  # the progress display reads the extension events
     if args.size is not None:
         body["size"] = args.size
     if args.steps is not None:

@@ -243,7 +243,8 @@ def stream_until_ar_progress(url: str, timeout: float = 90.0, seed: int = 5):
     """Open a streaming ``BIG`` request and return (client, response context, lines iterator) once
     the AR has sent its first progress event (the AR is decoding and pushing rows to the DiT)."""
     client = httpx.Client(timeout=timeout)
-    body = {"prompt": PROMPT, "size": BIG, "num_inference_steps": STEPS, "seed": seed, "stream": True}
+    body = {"prompt": PROMPT, "size": BIG, "num_inference_steps": STEPS, "seed": seed, "stream": True,
+            "stream_progress": True}
     cm = client.stream("POST", f"{url}/v1/images/generations", json=body)
     response = cm.__enter__()
     assert response.status_code == 200

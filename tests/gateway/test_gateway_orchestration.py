@@ -140,7 +140,7 @@ def test_stream_progress_per_step_and_completed_last(stack):
     steps = 4
     events = list(client(gw).images.generate(
         prompt="p", size="32x32", stream=True, partial_images=2,
-        extra_body={"num_inference_steps": steps, "seed": 9}))
+        extra_body={"num_inference_steps": steps, "seed": 9, "stream_progress": True}))
     kinds = [e.type for e in events]
     assert kinds[-1] == "image_generation.completed"
     dit_steps = [e for e in events if e.type == "image_generation.progress"
@@ -271,7 +271,8 @@ def test_client_disconnect_cancels_both_stages(fakes, gateway_factory):
     gw = gateway_factory(ar=[ar.address], dit=[dit.address])
     gw.wait_ready()
     with httpx.stream("POST", gw.url + GEN, json={"prompt": "p", "size": "32x32", "stream": True,
-                                                   "num_inference_steps": 20}, timeout=30) as r:
+                                                   "num_inference_steps": 20, "stream_progress": True},
+                      timeout=30) as r:
         for line in r.iter_lines():
             if '"stage":"dit","phase":"denoising"' in line:
                 break

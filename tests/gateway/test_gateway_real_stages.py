@@ -88,7 +88,7 @@ def test_stream_one_progress_event_per_step_completed_last(real):
     steps = 3
     events = list(client(gw).images.generate(
         prompt="a boat", size="32x32", stream=True, partial_images=1,
-        extra_body={"seed": 4, "num_inference_steps": steps}))
+        extra_body={"seed": 4, "num_inference_steps": steps, "stream_progress": True}))
     assert events[-1].type == "image_generation.completed"
     dit_steps = [e.step for e in events if e.type == "image_generation.progress"
                  and e.stage == "dit" and e.phase == "denoising"]
@@ -117,7 +117,7 @@ def test_disconnect_frees_both_stages_within_a_second(real):
     gw, ar, dit = real
     with httpx.stream("POST", gw.url + GEN, json={"prompt": "a long one", "size": "256x256",
                                                    "stream": True, "num_inference_steps": 50,
-                                                   "seed": 1}, timeout=60) as r:
+                                                   "seed": 1, "stream_progress": True}, timeout=60) as r:
         for line in r.iter_lines():
             if '"stage":"ar"' in line:
                 break
@@ -155,7 +155,8 @@ def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gat
     body = {"prompt": "a lighthouse", "size": "512x512", "seed": 8, "num_inference_steps": 1}
     reference = httpx.post(gw.url + GEN, json=body, timeout=120).json()["data"][0]["b64_json"]
     killed = None
-    with httpx.stream("POST", gw.url + GEN, json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream("POST", gw.url + GEN, json={**body, "stream": True, "stream_progress": True},
+                      timeout=120) as r:
         completed = None
         for line in r.iter_lines():
             if not line.startswith("data: "):
