@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from mammoth_core import transport_metrics as metrics
@@ -49,6 +50,22 @@ _ROLES = (pb.CONDITION, pb.NEGATIVE)
 _CHUNKS_RECEIVED = metrics.CHUNKS.labels(side="receive")
 _BYTES_RECEIVED = metrics.BYTES.labels(side="receive")
 _ROWS_RECEIVED = metrics.ROWS.labels(side="receive")
+
+
+#: Exponent mask of each wire dtype, viewed as unsigned integers: all exponent bits set = NaN or inf.
+_EXPONENT_MASKS = {
+    torch.bfloat16: (np.uint16, 0x7F80),
+    torch.float16: (np.uint16, 0x7C00),
+    torch.float32: (np.uint32, 0x7F800000),
+}
+
+
+def all_finite(data: bytes | memoryview, dtype: torch.dtype) -> bool:
+    """Whether every value of the raw little-endian ``data`` (``dtype`` from `wire.ALLOWED_DTYPES`)
+    is finite; bit tests on the exponent, no float conversion, no copy of ``data``."""
+    kind, mask = _EXPONENT_MASKS[dtype]
+    bits = np.frombuffer(data, dtype=np.dtype(kind).newbyteorder("<"))
+    return not bool(np.any((bits & kind(mask)) == kind(mask)))
 
 
 def _invalid(msg: str) -> WireError:
@@ -312,7 +329,8 @@ class Slot:
         allowed dtype and row counts within the slot; role CONDITION or NEGATIVE (NEGATIVE only when
         announced); dtype equal to the metadata's, shape ``[rows, hidden]`` matching the payload
         length, ``len(token_ids) == rows``; ``row_offset`` equal to the rows already received for
-        the role; rows within the announced count (INVALID_ARGUMENT); on `StreamEnd`, totals equal
+        the role; rows within the announced count; every value finite (INVALID_ARGUMENT); on
+        `StreamEnd`, totals equal
         to the rows announced and received and CRC-32C equal to the received bytes' (DATA_LOSS).
 
         After a final chunk call `finish` (async) before acknowledging the stream.
@@ -397,6 +415,10 @@ class Slot:
         if rows_info.rows:
             if role not in _ROLES:
                 raise _invalid(f"role {role} is not CONDITION or NEGATIVE")
+            if not all_finite(data, dtype):
+                # NaN/inf conditions would denoise into a blank image without a word.
+                raise _invalid(f"{pb.Role.Name(role)} rows {h.row_offset}..{h.row_offset + rows_info.rows - 1} "
+                               "hold non-finite values (NaN or inf)")
             expected = md.expected_rows if role == pb.CONDITION else md.expected_negative_rows
             if role == pb.NEGATIVE and expected == 0:
                 raise _invalid("NEGATIVE rows in a stream that announced none")

@@ -410,8 +410,10 @@ async def test_pageable_fallback_is_counted_and_still_exact(dit):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 async def test_every_16bit_pattern_crosses_bit_exact(dit, dtype):
-    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).reshape(-1, HIDDEN)
-    hidden = bits.view(dtype)  # NaN payloads, ±inf, ±0, subnormals, beyond-fp16 bf16 values
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    # Every finite pattern: ±0, subnormals, beyond-fp16 bf16 values (NaN and ±inf cross the wire
+    # codec bit-exact too, tests/unit/test_wire.py, but the DiT refuses them as conditions).
+    hidden = values[torch.isfinite(values)].reshape(-1, HIDDEN)
     n = hidden.shape[0]
     # The patterns travel as the NEGATIVE rows (unused by the model at guidance 1.0, so the image
     # model's work stays small); the receiver's CRC-32 over what arrived must equal the sender's.
@@ -442,6 +444,35 @@ async def test_every_16bit_pattern_crosses_bit_exact(dit, dtype):
         msgs[0].data = bytes(data)
         msgs[0].end.CopyFrom(pb.StreamEnd(total_rows=k, crc32c=crc))
         await expect_code(push_raw(stub, msgs), grpc.StatusCode.DATA_LOSS, "CRC")
+        call.cancel()
+
+
+@pytest.mark.parametrize("bad", ["all-nan", "one-inf", "one-nan-negative"])
+async def test_non_finite_rows_are_refused(dit, bad):
+    """A condition of NaN or infinite values would denoise into a blank image without a word:
+    the DiT refuses such rows with INVALID_ARGUMENT (and the epoch, so a retry must resend)."""
+    n = PROMPT + IMAGE_ROWS
+    hidden, ids = rows(n)
+    role, negative = pb.CONDITION, None
+    if bad == "all-nan":
+        hidden[:] = float("nan")
+    elif bad == "one-inf":
+        hidden[PROMPT + 3, 5] = float("inf")
+    else:
+        negative = torch.zeros(4, HIDDEN)
+        negative[2, 7] = float("nan")
+    async with channel(dit) as ch:
+        stub = pb_grpc.DiTStub(ch)
+        call, token = await reserve(stub, f"nonfinite-{bad}", has_negative=negative is not None)
+        md = metadata(n, expected_negative_rows=0 if negative is None else 4)
+        msgs = [chunk(token, f"nonfinite-{bad}", 0, 0, hidden, ids, 0, role=role, metadata=md)]
+        if negative is not None:
+            msgs.append(chunk(token, f"nonfinite-{bad}", 0, 1, negative, [0, 1, 2, 3], 0, role=pb.NEGATIVE))
+        end = pb.StreamEnd(total_rows=n, crc32c=wire.crc32c(msgs[0].data))  # otherwise a valid stream
+        if negative is not None:
+            end.total_negative_rows, end.negative_crc32c = 4, wire.crc32c(msgs[1].data)
+        msgs[-1].end.CopyFrom(end)
+        await expect_code(push_raw(stub, msgs), grpc.StatusCode.INVALID_ARGUMENT, "non-finite")
         call.cancel()
 
 
