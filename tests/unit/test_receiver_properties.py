@@ -28,12 +28,15 @@ MAX_ROWS = 32
 
 
 def producer_rows(request: int, epoch: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """Distinct random bit patterns per (request, epoch), NaNs and infinities included."""
+    """Distinct random finite bit patterns per (request, epoch): subnormals, ±0 and extremes
+    included; NaN/inf patterns get their lowest exponent bit cleared (the receiver refuses them)."""
     g = torch.Generator().manual_seed(1000 * request + epoch)
     if dtype == torch.float32:
         bits = torch.randint(-(2**31), 2**31 - 1, (rows, HIDDEN), generator=g, dtype=torch.int32)
     else:
         bits = torch.randint(-(2**15), 2**15 - 1, (rows, HIDDEN), generator=g, dtype=torch.int16)
+    lowest_exponent_bit = {torch.float32: 0x00800000, torch.float16: 0x0400, torch.bfloat16: 0x0080}[dtype]
+    bits[~torch.isfinite(bits.view(dtype))] ^= lowest_exponent_bit
     return bits.view(dtype)
 
 
