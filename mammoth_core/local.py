@@ -87,10 +87,6 @@ def cache_dir(env: dict[str, str]) -> str:
     return env.get("MAMMOTH_CACHE_DIR") or default_cache_dir()
 
 
-#: Settings that configure stage authentication (any of them: `start_pipeline` generates no tokens).
-AUTH_SETTINGS = ("auth_token_file", "gateway_token_file", "ar_token_file", "insecure_no_auth")
-
-
 def generate_role_tokens(workdir: pathlib.Path) -> dict[str, str]:
     """Fresh per-role stage tokens for one run (secure by default).
 
@@ -113,16 +109,18 @@ def generate_role_tokens(workdir: pathlib.Path) -> dict[str, str]:
 
 
 def _auth_configured(env: dict[str, str], config: str | None) -> bool:
-    """Whether the caller configured stage auth itself (environment or settings file)."""
-    if any(env.get("MAMMOTH_" + name.upper()) for name in AUTH_SETTINGS):
-        return True
-    config = config or env.get("MAMMOTH_CONFIG")
-    if not config:
-        return False
-    from mammoth_core.settings import read_config_file
+    """Whether the caller configured stage auth itself for any component: a token file or
+    ``insecure_no_auth`` true, in the environment or the settings file (read as the component will)."""
+    from mammoth_core.settings import ARSettings, DiTSettings, GatewaySettings, SettingsError, resolve_settings
 
-    return any(read_config_file(config, section).get(name) is not None
-               for section in ("ar", "dit", "gateway") for name in AUTH_SETTINGS)
+    for cls in (DiTSettings, ARSettings, GatewaySettings):
+        try:
+            s = resolve_settings(cls, env=env, config_file=config)
+        except SettingsError:
+            continue  # the component itself reports the bad setting
+        if s.insecure_no_auth or s.auth_token_file or s.gateway_token_file or s.ar_token_file:
+            return True
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
