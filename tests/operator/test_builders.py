@@ -191,6 +191,8 @@ def test_gateway_backends_are_headless_service_dns():
     assert args[args.index("--dit") + 1] == "dns:///p-dit.ns1.svc:50052"
     assert children[("Service", "p-ar")]["spec"]["clusterIP"] == "None"
     assert children[("Service", "p-dit")]["spec"]["clusterIP"] == "None"
+    # the AR may push only to the pods behind the same DiT Service the gateway dials
+    assert builders.pipeline_config(VARIANTS["builtin"])["ar"]["dit_allow_list"] == ["dns:///p-dit.ns1.svc:50052"]
 
 
 # -- the create-or-patch diff ---------------------------------------------------------------------
