@@ -63,13 +63,15 @@ async def _start_stages(checkpoint, cache_dir):
                                dtype="float32", slots=2)
     pipeline = await asyncio.to_thread(load_pipeline, dit_settings)
     pool = SlotPool(2, dit_settings.max_rows_per_slot, int(pipeline.llm_hidden_size), torch.float32, "cpu")
-    dit_server = grpc_common.create_server(64 * MiB, None)
+    # In-process stages with no token: the explicit development opt-out (stages refuse by default).
+    dit_server = grpc_common.create_server(64 * MiB, None, insecure=True)
     add_dit_servicer(DiTServicer(pipeline, pool), dit_server)
     dit_port = dit_server.add_insecure_port("127.0.0.1:0")
     await dit_server.start()
 
     ar_settings = ARSettings(checkpoint=str(checkpoint), cache_dir=str(cache_dir), device="cpu",
-                             dtype="float32", max_running_sequences=2)
+                             dtype="float32", max_running_sequences=2,
+                             dit_allow_list=[f"127.0.0.1:{dit_port}"])
     bundle = await asyncio.to_thread(load_ar, str(checkpoint), str(cache_dir), "cpu", torch.float32)
     gen = bundle.generation_config
     engine = DecodeEngine(make_sequence_factory(bundle), 2, model=bundle.model,
@@ -78,7 +80,7 @@ async def _start_stages(checkpoint, cache_dir):
     engine.start()
     await asyncio.to_thread(engine.ready.wait, 60)
     servicer = ARServicer(bundle, engine, ar_settings, None)
-    ar_server = grpc_common.create_server(64 * MiB, None)
+    ar_server = grpc_common.create_server(64 * MiB, None, insecure=True)
     pb_grpc.add_ARServicer_to_server(servicer, ar_server)
     ar_port = ar_server.add_insecure_port("127.0.0.1:0")
     await ar_server.start()
