@@ -26,12 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM
+from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridConstrainedSampler
 
-__all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence"]
+__all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence", "cache_rows", "grid_tokens"]
 
 CFG_CONTEXT_TOKENS = 10  # upstream generate_t2i: the unconditional copy keeps the last 10 prompt tokens
+
+
+def cache_rows(ar_guidance_scale: float) -> int:
+    """KV-cache rows (and pool slots) a request needs: 2 with AR-side CFG (``scale > 1``), else 1."""
+    return 2 if float(ar_guidance_scale) > 1.0 else 1
+
+
+def grid_tokens(ar_width: int, ar_height: int) -> int:
+    """Tokens of a grid: ``ar_height`` rows of ``ar_width`` codes and one EOL each."""
+    return ar_height * (ar_width + 1)
 
 
 @dataclass
@@ -101,10 +111,10 @@ class T2ISequence:
         self.ar_height = ar_height
         self.sampler = sampler
         self.ar_guidance_scale = float(ar_guidance_scale)
-        self.cfg = self.ar_guidance_scale > 1.0
+        self.cfg = cache_rows(self.ar_guidance_scale) == 2
 
         self.prompt_len = len(self.prompt_ids)
-        self.grid_tokens = ar_height * (ar_width + 1)
+        self.grid_tokens = grid_tokens(ar_width, ar_height)
         self.total_rows = self.prompt_len + self.grid_tokens
         self.total_samples = self.grid_tokens + 1
         max_pos = model.config.max_position_embeddings
@@ -118,7 +128,6 @@ class T2ISequence:
         self.finished = False
         self._next_token: int | None = None
         self._kv_cache: KVCache | None = None
-        self._key_mask: torch.Tensor | None = None
         self._position_base: list[int] = [0]
 
     # ---- public state machine -------------------------------------------------------------------
@@ -141,6 +150,13 @@ class T2ISequence:
     def next_token(self) -> int | None:
         """The sampled token the next step feeds (``None`` before `prefill` and once finished)."""
         return self._next_token
+
+    @property
+    def key_starts(self) -> list[int]:
+        """Per cache row, the first key position it attends to (0; the CFG uncond row ``P - keep``)."""
+        if not self.cfg:
+            return [0]
+        return [0, self.prompt_len - min(CFG_CONTEXT_TOKENS, self.prompt_len)]
 
     @property
     def position_offsets(self) -> list[int]:
@@ -183,7 +199,6 @@ class T2ISequence:
             self.finished = True
             self._next_token = None
             self._kv_cache = None
-            self._key_mask = None
         else:
             self._next_token = int(sampled_token)
 
@@ -203,17 +218,15 @@ class T2ISequence:
         positions = torch.arange(self.prompt_len, device=self.device).expand(batch, -1)
         attention_mask = None
         if self.cfg:
-            key_mask = torch.ones(batch, self.total_rows, dtype=torch.bool, device=self.device)
+            key_mask = build_key_mask(self.key_starts, self.prompt_len, self.device)
             keep = min(CFG_CONTEXT_TOKENS, self.prompt_len)
-            key_mask[1, : self.prompt_len - keep] = False
-            self._key_mask = key_mask
             # upstream get_rope_index with a mask: cumsum(mask) - 1, masked positions set to 1.
             uncond = key_mask[1, : self.prompt_len].long().cumsum(0) - 1
             uncond = uncond.masked_fill(~key_mask[1, : self.prompt_len], 1)
             positions = torch.stack([positions[0], uncond])
             # generated token g sits at position P + g (cond) and keep + g (uncond).
             self._position_base = [0, keep - self.prompt_len]
-            attention_mask = key_mask[:, : self.prompt_len]
+            attention_mask = key_mask
         out = self.model(ids, positions, kv_cache=self._kv_cache, attention_mask=attention_mask, compute_logits=False)
         hidden = out.last_hidden_state
         self._sample_next(hidden[:, -1])
@@ -237,9 +250,7 @@ class T2ISequence:
         positions = torch.tensor(
             [[self.prompt_len + g + base] for base in self._position_base], dtype=torch.long, device=self.device
         )
-        attention_mask = None
-        if self._key_mask is not None:
-            attention_mask = self._key_mask[:, : self.prompt_len + g + 1]
+        attention_mask = build_key_mask(self.key_starts, self.prompt_len + g + 1, self.device) if self.cfg else None
         out = self.model(ids, positions, kv_cache=self._kv_cache, attention_mask=attention_mask, compute_logits=False)
         self.generated_ids.append(token)
         self._next_token = None
@@ -268,7 +279,6 @@ class T2ISequence:
     def release(self) -> None:
         """Free the KV cache (idempotent); the sequence cannot step afterwards."""
         self._kv_cache = None
-        self._key_mask = None
         self._next_token = None
         self.finished = True
 
@@ -302,7 +312,6 @@ class T2ISequence:
             self.lookahead_id = token
             self.finished = True
             self._kv_cache = None
-            self._key_mask = None
         else:
             self._next_token = token
 

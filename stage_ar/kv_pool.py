@@ -2,9 +2,9 @@
 
 The pool is one preallocated pair of tensors ``(num_layers, num_slots, num_kv_heads, capacity,
 head_dim)``; a sequence owns one slot (two adjacent slots with AR-side CFG: conditional, then
-unconditional) from its prefill until it leaves. Allocation is lowest-free-first so the running
-sequences stay packed at the front: the batched decode step covers slots ``[0, bucket)`` as a plain
-view of the pool (no gather of keys/values).
+unconditional) from its prefill until it leaves. Which slots are free is the scheduler's business
+(`stage_ar.scheduler.SlotAllocator`, lowest free first, so the running sequences stay packed at the
+front and the batched decode step covers slots ``[0, bucket)`` as a plain view of the pool).
 
 `KVPool.view` hands a sequence a `KVCache` whose tensors are views of its slots, so the prefill runs
 through the unchanged `MammothARForCausalLM.forward` and writes straight into the pool.
@@ -17,13 +17,9 @@ import torch
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.modeling_mammoth_ar import KVCache
 
-__all__ = ["KVPool", "PoolFull"]
+__all__ = ["KVPool"]
 
 CAPACITY_ALIGN = 16  # memory-efficient attention wants the key length (mask width) a multiple of 16
-
-
-class PoolFull(RuntimeError):
-    """No run of free adjacent slots is large enough."""
 
 
 class KVPool:
@@ -59,46 +55,11 @@ class KVPool:
         self.value = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots = num_slots
         self.capacity = capacity
-        self._used = [False] * num_slots
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors."""
         return self.key.numel() * self.key.element_size() * 2
-
-    @property
-    def free_slots(self) -> int:
-        """Slots not owned by any sequence."""
-        return self._used.count(False)
-
-    @property
-    def high_water(self) -> int:
-        """One past the highest slot in use (0 when the pool is empty)."""
-        for i in range(self.num_slots - 1, -1, -1):
-            if self._used[i]:
-                return i + 1
-        return 0
-
-    def alloc(self, count: int = 1) -> int:
-        """Take the lowest run of ``count`` free adjacent slots and return its first index.
-
-        Raises:
-            PoolFull: no such run.
-        """
-        run = 0
-        for i in range(self.num_slots):
-            run = run + 1 if not self._used[i] else 0
-            if run == count:
-                first = i - count + 1
-                for j in range(first, i + 1):
-                    self._used[j] = True
-                return first
-        raise PoolFull(f"no {count} adjacent free slots among {self.num_slots} ({self.free_slots} free)")
-
-    def free(self, first: int, count: int = 1) -> None:
-        """Give slots ``[first, first + count)`` back (idempotent)."""
-        for j in range(first, first + count):
-            self._used[j] = False
 
     def view(self, first: int, count: int = 1) -> KVCache:
         """A `KVCache` of batch ``count`` and this pool's capacity over slots ``[first, first+count)``.

@@ -33,7 +33,7 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
 from mammoth_core.text import is_blank
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
-from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
+from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats, Role
 from stage_ar.generation import T2ISequence
 from stage_ar.loader import ARBundle, load_ar
 from stage_ar.sender import HiddenStateSender
@@ -59,6 +59,26 @@ AR_TOKENS_PER_SECOND = Histogram(
     "mammoth_ar_decode_tokens_per_second", "grid tokens decoded per second of decode, per request",
     buckets=(10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400),
 )
+
+
+PB_ROLES = {Role.CONDITION: pb.CONDITION, Role.NEGATIVE: pb.NEGATIVE}
+
+
+class ProtoRoleSink:
+    """The engine's `stage_ar.engine.RowSink` over a `HiddenStateSender`: engine roles become the
+    ``mammoth.v1`` roles here, the one place they meet."""
+
+    def __init__(self, sender: HiddenStateSender) -> None:
+        self.sender = sender
+
+    def put_rows(self, role: Role, hidden: Any, token_ids: list[int]) -> None:
+        self.sender.put_rows(PB_ROLES[role], hidden, token_ids)
+
+    def finish(self) -> None:
+        self.sender.finish()
+
+    def abort(self) -> None:
+        self.sender.abort()
 
 
 class ARServicer(pb_grpc.ARServicer):
@@ -221,9 +241,10 @@ class ARServicer(pb_grpc.ARServicer):
             top_k=s.top_k,
             top_p=s.top_p,
             ar_guidance_scale=request.ar_guidance_scale,
-            sink=sender,
+            sink=ProtoRoleSink(sender),
             on_progress=on_progress,
             on_done=on_done,
+            deadline=None if remaining is None else time.monotonic() + remaining,
             row_times=[] if self.settings.trace_dir else None,
         )
         try:

@@ -176,7 +176,7 @@ def test_experts_act_only_in_their_layer(model, reference):
     unchanged and changes only generation rows after layer 3."""
     lm = model.model.language_model
     for i in (0, 1):
-        assert lm.layers[i].gen_mlp is None and lm.layers[i].self_attn.gen_q_proj is None
+        assert lm.layers[i].gen_mlp is None and lm.layers[i].self_attn.gen_qkv_proj is None
     for i in (2, 3):
         assert lm.layers[i].gen_mlp is not None and lm.layers[i].self_attn.gen_o_proj is not None
     ids = reference["ar_input_ids"]

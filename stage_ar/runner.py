@@ -1,6 +1,6 @@
 """Batched AR decode over a `KVPool`: one forward + fused grid-constrained sampling per step.
 
-`BatchedDecoder` keeps every running sequence's decode state on the device, one entry per pool slot
+`ARModelRunner` keeps every running sequence's decode state on the device, one entry per pool slot
 (next token, cache index, RoPE offset, key start, sample index, grid width, sampling parameters, the
 uniform stream, the repetition-penalty "seen" mask). A step covers slots ``[0, bucket)`` — the
 smallest bucket (1, 2, 4, 8, 16, ...) holding the highest slot in use — and does, without any host
@@ -55,19 +55,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from stage_ar.decode_attention import available as decode_attention_available
-from stage_ar.decode_attention import decode_attention
+from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
 from stage_ar.generation import T2ISequence
 from stage_ar.kv_pool import KVPool
-from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, rotate_half
+from stage_ar.layers import EAGER_OPS, compiled_ops
+from stage_ar.modeling_mammoth_ar import ExpertRouting, KVCache, MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import MIN_TOKENS_TO_KEEP
 
-__all__ = ["BatchedDecoder", "StepEntry", "PendingStep"]
+__all__ = ["ARModelRunner", "StepEntry", "PendingStep"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,81 +74,12 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_LENGTH_BUCKET = 512  # attention key-length granularity (positions)
 
 
-# ---- per-layer elementwise chains (eager; `torch.compile`d on CUDA) ------------------------------
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`MammothRMSNorm.forward` as a function: statistics in float32, cast before the weight."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Residual add then RMSNorm: returns ``(x + delta, rms_norm(x + delta))``."""
-    x = x + delta
-    return x, _rms_norm(x, weight, eps)
-
-
-def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
-    """Split a fused q/k/v row block ``(b, (heads + 2 kv_heads) * d)`` and rotate q and k (RoPE).
-
-    ``cos``/``sin``: ``(b, 1, d)``. Returns q ``(b, heads, d)``, k and v ``(b, kv_heads, d)``.
-    """
-    b = qkv.shape[0]
-    d = cos.shape[-1]
-    q_out, kv_out = heads * d, kv_heads * d
-    q = qkv[:, :q_out].view(b, heads, d)
-    k = qkv[:, q_out : q_out + kv_out].view(b, kv_heads, d)
-    v = qkv[:, q_out + kv_out :].view(b, kv_heads, d)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    return q, k, v
-
-
-def _masked_softmax(scores: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Tensor:
-    """``softmax(scores * scale + bias)`` in float32, cast back to the scores' dtype."""
-    return torch.softmax(scores.float() * scale + bias, dim=-1).to(scores.dtype)
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation ``silu(gate) * up``."""
-    return F.silu(gate) * up
-
-
-_EAGER_KERNELS: dict[str, Callable] = {
-    "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "rope_qkv": _rope_qkv,
-    "masked_softmax": _masked_softmax, "silu_mul": _silu_mul,
-}
-_COMPILED_KERNELS: dict[str, Callable] | None = None
-
-
-def _compiled_kernels() -> dict[str, Callable]:
-    """`torch.compile`d versions of the helpers (built once per process, shared by decoders).
-
-    Inductor default mode (no CUDA graphs of its own: the decoder captures the whole step), split
-    reductions requested off. Inductor still generates per-shape kernels (batch 1 specialised, and
-    on the H200 it split the softmax reduction anyway), so in bucket mode a row's reduction order
-    may depend on the batch bucket; ``pad_to_max_bucket`` (one shape) stays batch-invariant.
-    """
-    global _COMPILED_KERNELS  # noqa: PLW0603 - one compile cache per process
-    if _COMPILED_KERNELS is None:
-        try:
-            opts: dict[str, Any] | None = {"split_reductions": False}
-            torch.compile(_silu_mul, options=opts)  # validates the option names
-        except Exception:  # noqa: BLE001 - an Inductor without that option
-            opts = None
-        _COMPILED_KERNELS = {name: torch.compile(fn, options=opts) for name, fn in _EAGER_KERNELS.items()}
-    return _COMPILED_KERNELS
-
-
 @dataclasses.dataclass
 class StepEntry:
     """One conditional row of a launched step.
 
     Attributes:
-        key: the caller's handle given to `BatchedDecoder.activate`.
+        key: the caller's handle given to `ARModelRunner.activate`.
         slot: the row's pool slot.
         finished: this step fed the sequence's last grid token (its sample is the look-ahead).
     """
@@ -161,7 +91,7 @@ class StepEntry:
 
 @dataclasses.dataclass
 class PendingStep:
-    """A launched step whose ids have not been read back yet (see `BatchedDecoder.collect`)."""
+    """A launched step whose ids have not been read back yet (see `ARModelRunner.collect`)."""
 
     entries: list[StepEntry]
     hidden: torch.Tensor  # (bucket, H) private copy of the step's rows
@@ -179,7 +109,7 @@ class _Slot:
     needs_sort: bool = True  # top-k or top-p in use
 
 
-class BatchedDecoder:
+class ARModelRunner:
     """Continuous-batching decode state over a `KVPool`.
 
     Args:
@@ -228,7 +158,10 @@ class BatchedDecoder:
         if not visual_token_start_id < visual_token_end_id:
             raise ValueError("empty visual range")
         if min(eol_token_id, visual_token_start_id) < cfg.gen_vocab_start_index:
-            raise ValueError("the batched decoder needs EOL and visual codes to be generation ids")
+            if exact_rows is False:
+                raise ValueError("batched rows need EOL and visual codes to be generation ids")
+            logger.warning("grid ids are not generation ids: stepping each request with its own forward")
+            exact_rows = True
         if visual_token_end_id > cfg.full_vocab_size:
             raise ValueError(f"visual_token_end_id {visual_token_end_id} > vocabulary {cfg.full_vocab_size}")
         param = model.lm_head.weight
@@ -245,8 +178,8 @@ class BatchedDecoder:
         self.pad_to_max_bucket = pad_to_max_bucket
         want_compile = (self.on_cuda and not self.exact_rows) if compile is None else bool(compile)
         self.compile = want_compile and not self.exact_rows
-        self._kernels = _compiled_kernels() if self.compile else _EAGER_KERNELS
-        can_fuse = decode_attention_available(self.device) and not self.exact_rows
+        self._ops = compiled_ops() if self.compile else EAGER_OPS
+        can_fuse = TritonDecodeAttention.available(self.device) and not self.exact_rows
         want_fused = self.on_cuda if fused_attention is None else bool(fused_attention)
         self.fused_attention = want_fused and can_fuse
         if fused_attention and not self.fused_attention:
@@ -258,8 +191,7 @@ class BatchedDecoder:
         self.eol = int(eol_token_id)
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
-        self.head_weight = self._visual_head_weight()
-        self._qkv = self._fused_qkv() if not self.exact_rows else []
+        self.scale = cfg.head_dim**-0.5
         self._slots: dict[int, _Slot] = {}  # by conditional slot
         self.steps_launched = 0
 
@@ -286,35 +218,12 @@ class BatchedDecoder:
         self.uniforms = torch.zeros(n, self.capacity + 1, device=dev, dtype=torch.float64)
         self.seen = torch.zeros(n, self.vocab, device=dev, dtype=torch.bool)
         self.rows = torch.arange(n, **i64)
-        self.key_index = torch.arange(self.capacity, **i64)
         self.vocab_index = torch.arange(self.vocab, **i64)
         # by (batch bucket, key length, sorted sampler)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
 
     # ---- set-up ---------------------------------------------------------------------------------
-
-    def _visual_head_weight(self) -> torch.Tensor:
-        """Rows ``[vstart, vend)`` of the concatenated head ``[lm_head; gen_head]`` (a view when the
-        range lies in one head)."""
-        cfg, m = self.model.config, self.model
-        base = m.lm_head.weight
-        if self.vend <= cfg.vocab_size:
-            return base[self.vstart : self.vend]
-        gen = m.gen_head.weight
-        if self.vstart >= cfg.vocab_size:
-            return gen[self.vstart - cfg.vocab_size : self.vend - cfg.vocab_size]
-        return torch.cat([base[self.vstart :], gen[: self.vend - cfg.vocab_size]])
-
-    def _fused_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the q/k/v projections a generation token uses, concatenated into one weight
-        ``(q_out + 2*kv_out, hidden)`` and bias: one GEMM instead of three (copies, taken now)."""
-        fused = []
-        for layer in self.model.language_model.layers:
-            a = layer.self_attn
-            mods = (a.gen_q_proj, a.gen_k_proj, a.gen_v_proj) if a.has_experts else (a.q_proj, a.k_proj, a.v_proj)
-            fused.append((torch.cat([m.weight for m in mods]), torch.cat([m.bias for m in mods])))
-        return fused
 
     def _shapes(self) -> list[tuple[int, int, bool]]:
         buckets = self.buckets[-1:] if self.pad_to_max_bucket else self.buckets
@@ -336,10 +245,10 @@ class BatchedDecoder:
                     logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
                                    type(exc).__name__, exc)
                     self.fused_attention = False
-                elif self._kernels is not _EAGER_KERNELS:
+                elif self._ops.compiled:
                     logger.warning("torch.compile of the decode step failed (%s: %s); using eager kernels",
                                    type(exc).__name__, exc)
-                    self._kernels = _EAGER_KERNELS
+                    self._ops = EAGER_OPS
                     self.compile = False
                 else:
                     raise
@@ -375,30 +284,9 @@ class BatchedDecoder:
         """Requests decoding now."""
         return len(self._slots)
 
-    def reserve(self, seq: T2ISequence) -> int:
-        """Allocate slots for ``seq`` and attach their `KVCache` view (call before ``seq.prefill()``).
-
-        Returns:
-            the first slot.
-
-        Raises:
-            ValueError: the sequence needs more positions than the pool's capacity.
-            stage_ar.kv_pool.PoolFull: no free slots.
-        """
-        if seq.total_rows > self.capacity:
-            raise ValueError(f"sequence needs {seq.total_rows} positions; the decode pool holds {self.capacity}")
-        count = seq.cache_batch
-        first = self.pool.alloc(count)
-        try:
-            seq.attach_kv_cache(self.pool.view(first, count))
-        except Exception:
-            self.pool.free(first, count)
-            raise
-        return first
-
-    def unreserve(self, first: int, count: int) -> None:
-        """Give back slots of a sequence that never became active (failed prefill)."""
-        self.pool.free(first, count)
+    def kv_view(self, first: int, count: int) -> KVCache:
+        """A `KVCache` over pool slots ``[first, first + count)`` (length 0) for a prefill."""
+        return self.pool.view(first, count)
 
     @torch.inference_mode()
     def activate(self, key: Any, seq: T2ISequence, first: int) -> None:
@@ -424,9 +312,7 @@ class BatchedDecoder:
             seen[ids[(ids >= 0) & (ids < self.vocab)]] = True
         k = self.vocab if s.top_k is None else min(max(s.top_k, MIN_TOKENS_TO_KEEP), self.vocab)
         offsets = seq.position_offsets
-        key_starts = [0] * count
-        if seq.cfg:
-            key_starts[1] = int((~seq._key_mask[1]).sum())  # noqa: SLF001 - the uncond prefix cut
+        key_starts = seq.key_starts
         for r in range(count):
             slot = first + r
             ints = torch.tensor(
@@ -455,7 +341,8 @@ class BatchedDecoder:
         self._slots[first] = _Slot(key, seq, first, count, steps_done=g0, needs_sort=needs_sort)
 
     def deactivate(self, first: int, key: Any = None) -> Any:
-        """Remove the request at ``first`` (finished or cancelled) and free its slots; returns its key.
+        """Remove the request at ``first`` (finished or cancelled) from the batch; returns its key.
+        Its slots stay the scheduler's to give out again.
 
         With ``key``, only when that request still holds the slot (no-op otherwise).
         """
@@ -468,7 +355,6 @@ class BatchedDecoder:
         self.has_partner[span] = False
         self.partner[span] = self.rows[span]
         self.source[span] = self.rows[span]
-        self.pool.free(first, st.count)
         return st.key
 
     # ---- stepping -------------------------------------------------------------------------------
@@ -479,7 +365,7 @@ class BatchedDecoder:
         need = max(st.first + st.count for st in self._slots.values())
         return next(b for b in self.buckets if b >= need)
 
-    def _shape(self) -> tuple[int, int, bool]:
+    def next_shape(self) -> tuple[int, int, bool]:
         """(batch bucket, key-length bucket, sorted sampler) of the next step."""
         need = max(st.seq.prompt_len + st.steps_done + 1 for st in self._slots.values())
         length = next((n for n in self.length_buckets if n >= need), self.capacity)
@@ -494,7 +380,7 @@ class BatchedDecoder:
         """
         if not self._slots:
             return None
-        shape = self._shape()
+        shape = self.next_shape()
         if shape in self._graphs:
             graph, (hidden, fed, sampled) = self._graphs[shape]
             graph.replay()
@@ -542,7 +428,7 @@ class BatchedDecoder:
             hidden, logits = self._forward_exact(b, fed)
         else:
             hidden = self._forward_batched(b, fed, pos, length)
-            logits = F.linear(hidden, self.head_weight).float()
+            logits = self.model.compute_logits(hidden, self.vstart, self.vend)
         vis = fed - self.vstart
         in_vis = active & (vis >= 0) & (vis < self.vocab)
         rows = self.rows[:b]
@@ -557,60 +443,17 @@ class BatchedDecoder:
         return hidden, fed, tokens
 
     def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
-        """All-generation-token decode forward of ``b`` rows, one new position each, attending over
-        key positions ``[0, length)`` (every row's ``pos < length``)."""
-        cfg = self.model.config
-        lm = self.model.language_model
-        kern = self._kernels
-        if lm.gen_embed_tokens is not None:
-            x = lm.gen_embed_tokens(fed - cfg.gen_vocab_start_index)
+        """The model's forward over slots ``[0, b)``, one new (generation) token each at cache
+        position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``."""
+        if self.fused_attention:
+            attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length, self.scale)
         else:
-            x = lm.embed_tokens(fed)
-        rope_pos = (pos + self.rope_off[:b])[:, None]
-        cos, sin = lm.rotary_emb(rope_pos, x.dtype)  # (b, 1, head_dim)
-        key_start = self.key_start[:b]
-        bias = None
-        if not self.fused_attention:
-            k_idx = self.key_index[:length]
-            valid = (k_idx[None, :] >= key_start[:, None]) & (k_idx[None, :] <= pos[:, None])
-            # additive float32 bias (0 / -inf), shared by every layer of the step: (b, 1, 1, length)
-            bias = torch.zeros(valid.shape, device=x.device, dtype=torch.float32).masked_fill(~valid, float("-inf"))
-            bias = bias[:, None, None, :]
-        rows = self.rows[:b]
-        heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_out = heads * hd
-        scale = hd**-0.5
-        layers = lm.layers
-        first_norm = layers[0].input_layernorm
-        h = kern["rms_norm"](x, first_norm.weight, first_norm.variance_epsilon)
-        for li, layer in enumerate(layers):
-            attn = layer.self_attn
-            exp = attn.has_experts
-            w_qkv, b_qkv = self._qkv[li]
-            q, k, v = kern["rope_qkv"](F.linear(h, w_qkv, b_qkv), cos, sin, heads, kv_heads)
-            key_l, value_l = self.pool.key[li], self.pool.value[li]
-            if self.fused_attention:
-                # Split-KV decode kernel with the KV write fused in (`stage_ar.decode_attention`).
-                out = decode_attention(q, k, v, key_l, value_l, pos, key_start, length, scale)
-            else:
-                key_l[rows, :, pos] = k
-                value_l[rows, :, pos] = v
-                # Decode attention as two batched GEMMs (the query heads of one KV head are the M
-                # rows); scores in the model dtype, softmax in float32 (as transformers' eager
-                # attention). cuDNN/flash SDPA here runs one CTA per (row, KV head) over the whole
-                # pool width, far below the memory bandwidth (profile in docs/PERFORMANCE.md).
-                keys, values = key_l[:b, :, :length], value_l[:b, :, :length]
-                qg = q.view(b, kv_heads, heads // kv_heads, hd)
-                probs = kern["masked_softmax"](torch.matmul(qg, keys.transpose(-1, -2)), scale, bias)
-                out = torch.matmul(probs, values).reshape(b, q_out)
-            post = layer.post_attention_layernorm
-            x, h = kern["add_rms_norm"](x, (attn.gen_o_proj if exp else attn.o_proj)(out), post.weight,
-                                        post.variance_epsilon)
-            mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
-            down = mlp.down_proj(kern["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
-            norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else lm.norm
-            x, h = kern["add_rms_norm"](x, down, norm.weight, norm.variance_epsilon)
-        return h
+            attention = GEMMDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
+                                            self.scale, ops=self._ops)
+        ids = fed[:, None]
+        out = self.model(ids, (pos + self.rope_off[:b])[:, None], compute_logits=False, attention=attention,
+                         routing=ExpertRouting.all_generation(ids), ops=self._ops)
+        return out.last_hidden_state[:, 0]
 
     def _forward_exact(self, b: int, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request, the B=1 path's exact forward (`MammothARForCausalLM.forward` on the slots'
@@ -627,7 +470,7 @@ class BatchedDecoder:
             ids = torch.tensor([[fed_host[first]]] * n, dtype=torch.long, device=self.device)
             offsets = seq.position_offsets
             positions = torch.tensor([[length + offsets[r]] for r in range(n)], dtype=torch.long, device=self.device)
-            mask = seq._key_mask[:, : length + 1] if seq.cfg else None  # noqa: SLF001
+            mask = build_key_mask(seq.key_starts, length + 1, self.device) if seq.cfg else None
             out = self.model(ids, positions, kv_cache=cache, attention_mask=mask, compute_logits=False)
             last = out.last_hidden_state[:, -1]
             hidden[first : first + n] = last
@@ -671,9 +514,3 @@ class BatchedDecoder:
         width = self.width[:b]
         is_eol = sidx % (width + 1) == width
         return torch.where(is_eol, torch.full_like(index, self.eol), index + self.vstart)
-
-    # ---- bookkeeping for the caller --------------------------------------------------------------
-
-    def entry_sequence(self, key_slot: int) -> T2ISequence | None:
-        st = self._slots.get(key_slot)
-        return st.seq if st else None
