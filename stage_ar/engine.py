@@ -43,7 +43,7 @@ from stage_ar.scheduler import (
 )
 
 __all__ = [
-    "DecodeEngine", "DecodeJob", "EngineCancelled", "EngineDeadlineExceeded", "EngineFull", "EngineStopped",
+    "CollectingSink", "DecodeEngine", "DecodeJob", "EngineCancelled", "EngineDeadlineExceeded", "EngineFull", "EngineStopped",
     "JobStats", "Role", "RowSink", "RowsReady", "SequenceDone",
 ]
 
@@ -65,6 +65,29 @@ class RowSink(Protocol):
     def finish(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+class CollectingSink:
+    """A `RowSink` that keeps every row in order (in-process runs, benchmarks, tests)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[Role, list[torch.Tensor]] = {role: [] for role in Role}
+        self.token_ids: dict[Role, list[int]] = {role: [] for role in Role}
+        self.finished = self.aborted = False
+
+    def put_rows(self, role: Role, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        self.rows[role].append(hidden)
+        self.token_ids[role].extend(int(t) for t in token_ids)
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def hidden(self, role: Role = Role.CONDITION) -> torch.Tensor | None:
+        """``(rows, H)`` of ``role`` in arrival order, or None when it has none."""
+        return torch.cat(self.rows[role]) if self.rows[role] else None
 
 
 @dataclasses.dataclass
@@ -302,6 +325,17 @@ class DecodeEngine:
         while self.scheduler.num_admitted or self.runner.active_count or self._pending is not None:
             self.step()
         self._flush()
+
+    def run_job(self, job: DecodeJob) -> None:
+        """Submit ``job`` and run the loop in the calling thread until it is done (the engine must
+        not be `start`ed). Raises the job's error, if any."""
+        errors: list[BaseException | None] = []
+        on_done = job.on_done
+        job.on_done = lambda exc, stats: (errors.append(exc), on_done(exc, stats))
+        self.submit(job)
+        self.run_until_idle()
+        if errors and errors[0] is not None:
+            raise errors[0]
 
     def step(self) -> None:
         """One turn: schedule -> prefill joins -> launch a step -> collect the previous -> emit."""

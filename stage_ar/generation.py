@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, build_key_mask
-from stage_ar.sampling import GridConstrainedSampler
+from stage_ar.sampling import GridConstrainedSampler, GridSampler, SamplingState
 
 __all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence", "cache_rows", "grid_tokens"]
 
@@ -129,6 +129,8 @@ class T2ISequence:
         self._next_token: int | None = None
         self._kv_cache: KVCache | None = None
         self._position_base: list[int] = [0]
+        self.grid_sampler = GridSampler(sampler.eol_token_id, sampler.visual_token_start_id, sampler.visual_token_end_id)
+        self.sampling_state: SamplingState | None = None  # built by `prefill`
 
     # ---- public state machine -------------------------------------------------------------------
 
@@ -255,7 +257,7 @@ class T2ISequence:
         self.generated_ids.append(token)
         self._next_token = None
         hidden = out.last_hidden_state
-        self._sample_next(hidden[:, -1])
+        self._sample_next(hidden[:, -1], fed=token)
         return self._emit(hidden[0], [token], self.prompt_len + g)
 
     @torch.inference_mode()
@@ -297,16 +299,32 @@ class T2ISequence:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _sample_next(self, last_hidden: torch.Tensor) -> None:
-        """Sample from the last row's logits ``last_hidden (batch, hidden)``."""
-        logits = self.model.compute_logits(last_hidden)
-        if self.cfg:
-            cond, uncond = logits[0], logits[1]
-            scores = uncond + (cond - uncond) * self.ar_guidance_scale
-        else:
-            scores = logits[0]
-        previous = self.prompt_ids + self.generated_ids if self.sampler.repetition_penalty != 1.0 else None
-        token = self.sampler.sample(scores, self.tokens_sampled, previous)
+    def _init_sampling(self) -> None:
+        """The request's `SamplingState` (rows as the KV cache: 1, or 2 with AR-side CFG), with every
+        uniform it will use drawn now in one call: one float64 per non-EOL sample, none when greedy
+        (``torch.rand(n)`` yields the values of ``n`` scalar draws; the generator ends where a
+        draw-per-sample run leaves it)."""
+        s = self.sampler
+        table = torch.zeros(self.total_samples, dtype=torch.float64)
+        if not s.greedy:
+            draws = [i for i in range(self.total_samples) if not s.is_eol_position(i)]
+            if draws:
+                table[torch.tensor(draws)] = torch.rand(len(draws), generator=s.generator, dtype=torch.float64)
+        self.sampling_state = SamplingState.for_request(
+            s, self.grid_sampler.vocab, self.cache_batch, self.ar_guidance_scale, self.prompt_ids, table, self.device)
+
+    def _sample_next(self, last_hidden: torch.Tensor, fed: int | None = None) -> None:
+        """Sample from the last rows ``last_hidden (rows, hidden)`` (after feeding ``fed``)."""
+        if self.sampling_state is None:
+            self._init_sampling()
+        state, sampler = self.sampling_state, self.grid_sampler
+        if fed is not None:
+            rows = last_hidden.shape[0]
+            sampler.mark_seen(state, torch.full((rows,), fed, dtype=torch.long, device=self.device),
+                              torch.ones(rows, dtype=torch.bool, device=self.device))
+        logits = self.model.compute_logits(last_hidden, sampler.vstart, sampler.vend)
+        token = int(sampler(logits, state)[0])
+        state.sample_idx += 1
         self.tokens_sampled += 1
         if len(self.generated_ids) == self.grid_tokens:
             self.lookahead_id = token

@@ -64,7 +64,7 @@ from stage_ar.generation import T2ISequence
 from stage_ar.kv_pool import KVPool
 from stage_ar.layers import EAGER_OPS, compiled_ops
 from stage_ar.modeling_mammoth_ar import ExpertRouting, KVCache, MammothARForCausalLM, build_key_mask
-from stage_ar.sampling import MIN_TOKENS_TO_KEEP
+from stage_ar.sampling import GridSampler, SamplingState
 
 __all__ = ["ARModelRunner", "StepEntry", "PendingStep"]
 
@@ -201,24 +201,10 @@ class ARModelRunner:
         self.cache_pos = torch.zeros(n, **i64)
         self.rope_off = torch.zeros(n, **i64)
         self.key_start = torch.zeros(n, **i64)
-        self.sample_idx = torch.zeros(n, **i64)
-        self.width = torch.ones(n, **i64)
-        self.partner = torch.arange(n, **i64)
-        self.source = torch.arange(n, **i64)
-        self.top_k = torch.full((n,), self.vocab, **i64)
         self.active = torch.zeros(n, device=dev, dtype=torch.bool)
-        self.has_partner = torch.zeros(n, device=dev, dtype=torch.bool)
-        self.greedy = torch.zeros(n, device=dev, dtype=torch.bool)
-        self.use_top_p = torch.zeros(n, device=dev, dtype=torch.bool)
-        f32 = dict(device=dev, dtype=torch.float32)
-        self.temperature = torch.ones(n, **f32)
-        self.top_p_cut = torch.zeros(n, **f32)  # 1 - top_p, computed in float64 on the host as upstream
-        self.penalty = torch.ones(n, **f32)
-        self.cfg_scale = torch.ones(n, **f32)
-        self.uniforms = torch.zeros(n, self.capacity + 1, device=dev, dtype=torch.float64)
-        self.seen = torch.zeros(n, self.vocab, device=dev, dtype=torch.bool)
         self.rows = torch.arange(n, **i64)
-        self.vocab_index = torch.arange(self.vocab, **i64)
+        self.sampler = GridSampler(self.eol, self.vstart, self.vend)
+        self.sampling = SamplingState.allocate(n, self.vocab, self.capacity + 1, dev)
         # by (batch bucket, key length, sorted sampler)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
@@ -296,49 +282,18 @@ class ARModelRunner:
         """
         if seq.finished or seq.next_token is None:
             raise ValueError("activate() needs a prefilled, unfinished sequence")
-        s = seq.sampler
         count = seq.cache_batch
         g0 = len(seq.generated_ids)
-        samples_left = range(seq.tokens_sampled, seq.total_samples)
-        table = torch.zeros(self.capacity + 1, dtype=torch.float64)
-        if not s.greedy:
-            draws = [i for i in samples_left if not s.is_eol_position(i)]
-            if draws:
-                values = torch.rand(len(draws), generator=s.generator, dtype=torch.float64)
-                table[torch.tensor(draws)] = values
-        seen = torch.zeros(self.vocab, dtype=torch.bool)
-        if s.repetition_penalty != 1.0:
-            ids = torch.tensor(seq.prompt_ids + seq.generated_ids, dtype=torch.long) - self.vstart
-            seen[ids[(ids >= 0) & (ids < self.vocab)]] = True
-        k = self.vocab if s.top_k is None else min(max(s.top_k, MIN_TOKENS_TO_KEEP), self.vocab)
-        offsets = seq.position_offsets
-        key_starts = seq.key_starts
-        for r in range(count):
-            slot = first + r
-            ints = torch.tensor(
-                [
-                    seq.next_token, seq.prompt_len + g0, offsets[r], key_starts[r], seq.tokens_sampled,
-                    s.ar_width, first + 1 if (seq.cfg and r == 0) else slot, first if seq.cfg else slot, k,
-                ],
-                dtype=torch.long,
-            )
-            for tensor, value in zip(
-                (self.next_token, self.cache_pos, self.rope_off, self.key_start, self.sample_idx, self.width,
-                 self.partner, self.source, self.top_k),
-                ints.to(self.device),
-            ):
-                tensor[slot] = value
-            flags = torch.tensor([True, seq.cfg and r == 0, s.greedy, s.top_p < 1.0], device=self.device)
-            self.active[slot], self.has_partner[slot], self.greedy[slot], self.use_top_p[slot] = flags
-            floats = torch.tensor(
-                [s.temperature if not s.greedy else 1.0, 1.0 - s.top_p, s.repetition_penalty, seq.ar_guidance_scale],
-                dtype=torch.float32,
-            ).to(self.device)
-            self.temperature[slot], self.top_p_cut[slot], self.penalty[slot], self.cfg_scale[slot] = floats
-            self.uniforms[slot].copy_(table)
-            self.seen[slot].copy_(seen)
-        needs_sort = k < self.vocab or s.top_p < 1.0
-        self._slots[first] = _Slot(key, seq, first, count, steps_done=g0, needs_sort=needs_sort)
+        ints = torch.tensor([seq.next_token, seq.prompt_len + g0], dtype=torch.long)
+        span = slice(first, first + count)
+        self.next_token[span] = ints[0].to(self.device)
+        self.cache_pos[span] = ints[1].to(self.device)
+        self.rope_off[span] = torch.tensor(seq.position_offsets, dtype=torch.long).to(self.device)
+        self.key_start[span] = torch.tensor(seq.key_starts, dtype=torch.long).to(self.device)
+        self.active[span] = True
+        state = seq.sampling_state
+        state.copy_into(self.sampling, first)
+        self._slots[first] = _Slot(key, seq, first, count, steps_done=g0, needs_sort=state.needs_sort)
 
     def deactivate(self, first: int, key: Any = None) -> Any:
         """Remove the request at ``first`` (finished or cancelled) from the batch; returns its key.
@@ -352,9 +307,7 @@ class ARModelRunner:
         del self._slots[first]
         span = slice(first, first + st.count)
         self.active[span] = False
-        self.has_partner[span] = False
-        self.partner[span] = self.rows[span]
-        self.source[span] = self.rows[span]
+        self.sampling.clear(first, st.count)
         return st.key
 
     # ---- stepping -------------------------------------------------------------------------------
@@ -429,17 +382,12 @@ class ARModelRunner:
         else:
             hidden = self._forward_batched(b, fed, pos, length)
             logits = self.model.compute_logits(hidden, self.vstart, self.vend)
-        vis = fed - self.vstart
-        in_vis = active & (vis >= 0) & (vis < self.vocab)
-        rows = self.rows[:b]
-        idx = vis.clamp(0, self.vocab - 1)
-        self.seen[rows, idx] = self.seen[rows, idx] | in_vis
-        tokens = self._sample(b, logits, sort)
-        tokens = tokens[self.source[:b]]
+        self.sampler.mark_seen(self.sampling, fed, active)
+        tokens = self.sampler(logits, self.sampling, sort)
         self.next_token[:b] = torch.where(active, tokens, fed)
         step = active.long()
         self.cache_pos[:b] += step
-        self.sample_idx[:b] += step
+        self.sampling.sample_idx[:b] += step
         return hidden, fed, tokens
 
     def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -474,43 +422,5 @@ class ARModelRunner:
             out = self.model(ids, positions, kv_cache=cache, attention_mask=mask, compute_logits=False)
             last = out.last_hidden_state[:, -1]
             hidden[first : first + n] = last
-            logits[first : first + n] = self.model.compute_logits(last)[:, self.vstart : self.vend]
+            logits[first : first + n] = self.model.compute_logits(last, self.vstart, self.vend)
         return hidden, logits
-
-    def _sample(self, b: int, logits: torch.Tensor, sort: bool = True) -> torch.Tensor:
-        """Fused grid-constrained sampling of ``b`` rows; same operations as
-        `GridConstrainedSampler.sample` (after `T2ISequence`'s CFG mix), batched. ``sort=False``
-        skips top-k/top-p (only valid when no row uses them: then both give the same tokens)."""
-        partner = self.partner[:b]
-        uncond = logits[partner]
-        scale = self.cfg_scale[:b, None]
-        scores = torch.where(self.has_partner[:b, None], uncond + (logits - uncond) * scale, logits)
-        p = self.penalty[:b, None]
-        penalised = torch.where(scores < 0, scores * p, scores / p)
-        scores = torch.where(self.seen[:b] & (p != 1.0), penalised, scores)
-        greedy_idx = torch.argmax(scores, dim=-1)
-
-        s = scores / self.temperature[:b, None]
-        if sort:
-            desc = torch.sort(s, dim=-1, descending=True).values
-            kth = desc.gather(1, (self.top_k[:b] - 1)[:, None])
-            s = s.masked_fill(s < kth, float("-inf"))
-            asc, order = torch.sort(s, dim=-1, descending=False)
-            cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
-            remove_sorted = cumulative <= self.top_p_cut[:b, None]
-            keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
-            remove_sorted = remove_sorted & ~keep_tail[None, :] & self.use_top_p[:b, None]
-            remove = remove_sorted.scatter(1, order, remove_sorted)
-            s = s.masked_fill(remove, float("-inf"))
-        probs = torch.softmax(s, dim=-1, dtype=torch.float64)
-        cdf = torch.cumsum(probs, dim=-1)
-        sidx = self.sample_idx[:b]
-        u = self.uniforms[:b].gather(1, sidx.clamp(max=self.capacity)[:, None]) * cdf[:, -1:]
-        index = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab - 1)
-        # never land on a zero-probability entry: step back to the last positive one (as the sampler)
-        positive = torch.where(probs > 0, self.vocab_index[None, :], 0)
-        index = torch.cummax(positive, dim=-1).values.gather(1, index).squeeze(1)
-        index = torch.where(self.greedy[:b], greedy_idx, index)
-        width = self.width[:b]
-        is_eol = sidx % (width + 1) == width
-        return torch.where(is_eol, torch.full_like(index, self.eol), index + self.vstart)

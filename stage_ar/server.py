@@ -34,7 +34,6 @@ from mammoth_core.settings import ARSettings
 from mammoth_core.text import is_blank
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
 from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats, Role
-from stage_ar.generation import T2ISequence
 from stage_ar.loader import ARBundle, load_ar
 from stage_ar.sender import HiddenStateSender
 
@@ -388,26 +387,6 @@ def _push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def make_sequence_factory(bundle: ARBundle):
-    """The engine's `SequenceFactory`: a seeded sampler and a `T2ISequence` per job."""
-
-    def make(job: DecodeJob) -> T2ISequence:
-        sampler = bundle.make_sampler(
-            job.ar_width, job.ar_height, job.seed, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p
-        )
-        return T2ISequence(
-            bundle.model,
-            job.prompt_ids,
-            job.ar_width,
-            job.ar_height,
-            sampler,
-            negative_prompt_ids=job.negative_ids,
-            ar_guidance_scale=job.ar_guidance_scale,
-        )
-
-    return make
-
-
 async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     """Run the AR stage until SIGTERM/SIGINT, then drain.
 
@@ -431,12 +410,11 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     bundle = await asyncio.to_thread(
         load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype()
     )
-    gen = bundle.generation_config
     engine = DecodeEngine(
-        make_sequence_factory(bundle),
+        bundle.new_sequence,
         settings.max_running_sequences,
         model=bundle.model,
-        grid_ids=(gen.eol_token_id, gen.visual_token_start_id, gen.visual_token_end_id),
+        grid_ids=bundle.grid_ids,
         max_sequence_length=min(settings.max_sequence_length, bundle.model.config.max_position_embeddings),
     )
     engine.start()
