@@ -204,6 +204,8 @@ class DecodeEngine:
             request's rows and tokens do not depend on what else is decoding (issue 8).
         decoder_options: extra keyword arguments for `ARModelRunner` (``exact_rows``,
             ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ...).
+        kv_slots: KV-pool slots (default ``2 * max_running_sequences``: room for AR-side CFG on
+            every request).
     """
 
     def __init__(
@@ -217,6 +219,7 @@ class DecodeEngine:
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
         batch_invariant: bool = True,
         decoder_options: dict[str, Any] | None = None,
+        kv_slots: int | None = None,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
@@ -224,7 +227,7 @@ class DecodeEngine:
         self._max_len = min(max_sequence_length, int(model.config.max_position_embeddings))
         options = {"pad_to_max_bucket": batch_invariant, **(decoder_options or {})}
         self.runner = ARModelRunner(
-            model, 2 * max_running_sequences, self._max_len,
+            model, kv_slots or 2 * max_running_sequences, self._max_len,
             eol_token_id=grid_ids[0], visual_token_start_id=grid_ids[1], visual_token_end_id=grid_ids[2], **options,
         )
         self.scheduler = ARScheduler(self.runner.num_slots, self._max_len, max_running_sequences)

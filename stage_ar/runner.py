@@ -266,6 +266,16 @@ class ARModelRunner:
     # ---- membership -----------------------------------------------------------------------------
 
     @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured (one per batch bucket x key-length bucket x sampler variant)."""
+        return len(self._graphs)
+
+    def graph(self, shape: tuple[int, int, bool]) -> Any:
+        """The captured CUDA graph of ``shape`` (see `next_shape`), or None (benchmarks replay it)."""
+        entry = self._graphs.get(shape)
+        return entry[0] if entry else None
+
+    @property
     def active_count(self) -> int:
         """Requests decoding now."""
         return len(self._slots)
