@@ -1,5 +1,6 @@
-"""The AR model's pointwise building blocks, each defined once: Qwen2 RMSNorm (with the residual add
-fused in), RoPE of a fused q/k/v block, SwiGLU of a fused gate/up block, the decode softmax.
+"""The AR model's pointwise building blocks, each defined once: RoPE of a fused q/k/v block, SwiGLU
+of a fused gate/up block, the decode softmax; the Qwen2 RMSNorm (residual add fused in) is the
+shared `mammoth_core.norms.RMSNorm`.
 
 `PointwiseOps` bundles them so one model forward can run them eagerly (prefill, the B=1 reference,
 CPU) or as `torch.compile`d kernels (the CUDA decode step, `compiled_ops`) without a second copy of
@@ -14,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from mammoth_core.norms import RMSNorm, add_rms_norm, rms_norm
 
 __all__ = [
     "EAGER_OPS", "PointwiseOps", "RMSNorm", "add_rms_norm", "compiled_ops", "masked_softmax", "rms_norm",
@@ -22,22 +24,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen2 RMSNorm numerics: ``weight * (x / sqrt(mean(x²) + eps))`` with the statistic in float32
-    and the normalised value cast back to ``x.dtype`` *before* the weight multiply (as upstream
-    ``Qwen2RMSNorm``; matters for bf16 bit-compatibility). ``x (..., hidden)``."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Residual add then `rms_norm`: returns ``(rms_norm(residual + x), residual + x)``."""
-    summed = residual + x
-    return rms_norm(summed, weight, eps), summed
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,25 +96,3 @@ def compiled_ops() -> PointwiseOps:
         _COMPILED = PointwiseOps(**{n: torch.compile(getattr(EAGER_OPS, n), options=opts) for n in names},
                                  compiled=True)
     return _COMPILED
-
-
-class RMSNorm(nn.Module):
-    """Qwen2 RMSNorm (`rms_norm` numerics), with the residual add fused in when given.
-
-    ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` returns
-    ``(rms_norm(residual + x), residual + x)``, the new residual stream second (one kernel when
-    compiled). ``x (..., hidden)``; ``ops`` picks eager or compiled kernels.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: PointwiseOps = EAGER_OPS):
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.variance_epsilon)
-        return ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -347,11 +347,11 @@ class MammothDecoderLayer(nn.Module):
         the layer's output is their sum (formed by the next norm)."""
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, ops=ctx.ops)
+            hidden_states = self.input_layernorm(hidden_states, kernels=ctx.ops)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual, ops=ctx.ops)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, kernels=ctx.ops)
         hidden_states = self.self_attn(hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, ops=ctx.ops)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, kernels=ctx.ops)
         routing = ctx.routing if self.gen_mlp is not None else None
         hidden_states = route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops)
         return hidden_states, residual
@@ -529,7 +529,7 @@ class MammothARForCausalLM(nn.Module):
             if all_hidden is not None:
                 all_hidden.append(hidden_states if residual is None else residual + hidden_states)
             hidden_states, residual = layer(hidden_states, residual, ctx)
-        hidden_states, _ = lm.norm(hidden_states, residual, ops=ops)
+        hidden_states, _ = lm.norm(hidden_states, residual, kernels=ops)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         if kv_cache is not None:
