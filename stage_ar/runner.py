@@ -1,54 +1,40 @@
-"""Batched AR decode over a `KVPool`: one forward + fused grid-constrained sampling per step.
+"""`ARModelRunner`: persistent per-slot decode inputs over a `KVPool`, one batched step at a time.
 
-`ARModelRunner` keeps every running sequence's decode state on the device, one entry per pool slot
-(next token, cache index, RoPE offset, key start, sample index, grid width, sampling parameters, the
-uniform stream, the repetition-penalty "seen" mask). A step covers slots ``[0, bucket)`` — the
-smallest bucket (1, 2, 4, 8, 16, ...) holding the highest slot in use — and does, without any host
-round trip:
+The runner owns the device side of decoding and nothing else: which requests run is the scheduler's
+(`stage_ar.scheduler`), the arithmetic is the model's one forward (`MammothARForCausalLM.forward`,
+reached only through that public call) and the one sampler (`stage_ar.sampling.GridSampler`).
 
-1. embed the fed tokens (all generation ids: EOL or visual codes), run every decoder layer with the
-   generation experts where the layer has them, write the new key/value at each row's own cache
-   index and attend with a per-row length mask over the fixed pool width;
-2. final norm, then logits of only the visual-code rows of the output head
-   (``[visual_token_start, visual_token_end)``: the grid constraint never lets anything else be
-   sampled, and EOL positions are forced without logits);
-3. AR-CFG mix (row + partner row), repetition penalty, temperature, top-k, top-p, float64 softmax,
-   inverse-CDF draw with the row's next uniform, EOL forced where ``col == ar_width``;
-4. advance each active slot's state (next token, cache index, sample index).
+Per pool slot it keeps, on the device: the next token, cache index, RoPE offset, first key position
+(the AR-CFG unconditional row's prefix cut), whether the slot is active, and the slot's
+`SamplingState` rows (copied from the request's own state at `activate`). A step covers slots
+``[0, bucket)`` — the smallest bucket (1, 2, 4, 8, ...) holding the highest slot in use — and does,
+without any host round trip:
 
-On CUDA each bucket's step is captured once as a CUDA graph over static buffers and replayed; the
-host only reads the fed/sampled ids back (one asynchronous copy and one event per step, waited one
-step later) and hands the hidden rows to the sender.
+1. the model forward of one generation token per slot with a decode attention backend
+   (`stage_ar.attention`: the split-KV Triton kernel with the KV write fused in on CUDA, two GEMMs
+   and a float32 softmax elsewhere) writing each row's key/value at its own cache index, the expert
+   routing fixed to "all generation tokens" (no host sync), `torch.compile`d pointwise kernels on
+   CUDA (`stage_ar.layers.compiled_ops`; Inductor default mode; a failing compile logs a warning
+   and falls back to the eager kernels, a failing Triton kernel to the GEMM path);
+2. logits of only the visual-code rows of the head (the grid constraint never samples anything
+   else; EOL positions are forced);
+3. `GridSampler` over the slots (CFG mix, repetition penalty, temperature, top-k/top-p, seeded
+   inverse-CDF draw from the slot's uniform table, grid constraint);
+4. advance each active slot (next token, cache index, sample index).
 
-Random numbers: sampling must draw exactly what `GridConstrainedSampler.sample` draws from the
-request's seeded CPU generator (one float64 uniform per non-EOL sample, none when greedy). At join
-the decoder draws the request's remaining uniforms from that same generator in one call
-(``torch.rand(n, dtype=float64)`` yields the same values as ``n`` scalar draws: CPU Mersenne
-Twister, sequential) and uploads them as the slot's uniform table indexed by sample number. The
-generator ends in the state the B=1 path would leave it in.
+On CUDA each (batch bucket, key-length bucket, sampler variant) step is captured once as a CUDA
+graph over these static buffers and replayed; the host reads only the fed/sampled ids back (one
+asynchronous copy and one event per step, waited one step later, `collect`). Attention covers the
+first ``L`` key positions, ``L`` the batch's longest sequence rounded up to ``length_bucket``;
+``pad_to_max_bucket`` pins every step to one shape (largest bucket, whole pool width), which makes
+each request's rows independent of the other requests (batch invariance) at a small cost. The
+sampler variant without the top-k/top-p sorts runs when no active request uses either (same tokens).
 
-``exact_rows`` (default on CPU): the linear layers, attention and output head run per request with
-exactly the shapes of the B=1 path (`MammothARForCausalLM.forward` on the slot's `KVCache` view,
-the full head then the visual slice), so rows and tokens are bit-identical to `T2ISequence.step`
-whatever else is in the batch; the sampler and all state handling are the same batched code. On
-CUDA the rows are computed batched (bf16 GEMMs whose kernels may depend on the batch size, so rows
-equal the B=1 path to bf16 rounding); ``pad_to_max_bucket`` pins every step to one shape, which makes
-each request's rows independent of the other requests (batch invariance) at a small cost.
-
-Kernel count (CUDA, ``compile``): each layer's elementwise chain is fused by `torch.compile`d
-helpers (RMSNorm, residual add + RMSNorm, RoPE of q and k, scaled + masked float32 softmax,
-SiLU·mul; Inductor, default mode, no split reductions) called inside the captured step, so a layer
-is its GEMMs plus ≈ 6 small kernels instead of ≈ 30. Compilation happens during `capture`'s
-warm-up; if it fails the decoder logs a warning and keeps the eager helpers (same operations as the
-model's modules). Compiled kernels are per shape, so only ``pad_to_max_bucket`` keeps a request's
-rows independent of the rest of the batch (measured on the H200: docs/PERFORMANCE.md). Attention covers the first ``L`` key positions only, ``L`` the batch's longest
-sequence rounded up to ``length_bucket`` (one graph per (batch bucket, length bucket)); with
-``pad_to_max_bucket`` ``L`` is pinned to the pool width so every step keeps one shape. On CUDA
-the attention and the KV-cache write are one split-KV Triton kernel pair
-(`stage_ar.decode_attention`): tiles past a row's position are skipped, so padded rows and long
-length buckets cost little, and a row's attention is batch-invariant by construction. The sampler
-has a variant without the two sorts of top-k/top-p, used when no running request asks for either
-(the sorted variant leaves the scores untouched in that case, so both give identical tokens).
+``exact_rows`` (default on CPU): each request's token runs through the same forward with exactly
+the B=1 path's shapes and backend (SDPA over the slot's `KVCache` view, `T2ISequence.step`'s call),
+so rows and tokens are bit-identical to the request decoded alone, whatever else is in the batch;
+the sampler and the state handling are the same batched code. It is also the path for grid ids
+that are not generation ids (the routing is computed per forward then).
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
 from mammoth_core.text import is_blank
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
-from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats, Role
+from stage_ar.engine import (
+    DecodeEngine, DecodeJob, EngineDeadlineExceeded, EngineFull, EngineStopped, JobStats, Role,
+)
 from stage_ar.loader import ARBundle, load_ar
 from stage_ar.sender import HiddenStateSender
 
@@ -290,6 +292,9 @@ class ARServicer(pb_grpc.ARServicer):
                 elif kind == "sent" and send_task.done() and not decoded:
                     # The push ended before decoding finished: the DiT refused or went away.
                     break
+            if isinstance(decode_error, EngineDeadlineExceeded):
+                outcome = "deadline"
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(decode_error))
             if decode_error is not None:
                 outcome = "failed"
                 logger.error("decode failed: %s", decode_error)

@@ -142,14 +142,14 @@ def test_length_buckets_and_sortless_sampler_match_too(model, tokenizer, referen
 
 def test_compile_failure_falls_back_to_eager(model, tokenizer, references, monkeypatch, caplog):
     """A compiled helper that fails (as an Inductor/Triton error would) leaves a working decoder."""
-    import stage_ar.runner as batch_engine
+    import stage_ar.runner as runner_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated compilation failure")
 
     broken_ops = PointwiseOps(**dict.fromkeys(("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul",
                                                "masked_softmax"), broken), compiled=True)
-    monkeypatch.setattr(batch_engine, "compiled_ops", lambda: broken_ops)
+    monkeypatch.setattr(runner_module, "compiled_ops", lambda: broken_ops)
     with caplog.at_level("WARNING", logger="stage_ar.runner"):
         got = run_staggered(model, tokenizer, exact_rows=False, compile=True)
     assert "using eager kernels" in caplog.text
