@@ -129,7 +129,8 @@ class T2ISequence:
         self._next_token: int | None = None
         self._kv_cache: KVCache | None = None
         self._position_base: list[int] = [0]
-        self.grid_sampler = GridSampler(sampler.eol_token_id, sampler.visual_token_start_id, sampler.visual_token_end_id)
+        self.grid_sampler = GridSampler(
+            sampler.eol_token_id, sampler.visual_token_start_id, sampler.visual_token_end_id, self.device)
         self.sampling_state: SamplingState | None = None  # built by `prefill`
 
     # ---- public state machine -------------------------------------------------------------------

@@ -113,12 +113,13 @@ class ExpertRouting:
     """Which tokens of one forward go to the generation experts, computed once per forward.
 
     Attributes:
-        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index``.
+        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index`` (None for
+            `all_generation`, which needs no mask).
         mode: ``"none"`` (no generation token), ``"all"`` (only generation tokens) or ``"mixed"``.
         gen_index, und_index: flat token indices of each group (``"mixed"`` only).
     """
 
-    gen_token_mask: torch.Tensor
+    gen_token_mask: torch.Tensor | None
     mode: str
     gen_index: torch.Tensor | None = None
     und_index: torch.Tensor | None = None
@@ -135,8 +136,8 @@ class ExpertRouting:
 
     @classmethod
     def all_generation(cls, input_ids: torch.Tensor) -> ExpertRouting:
-        """Every token is a generation token (grid decode): no host sync, capturable."""
-        return cls(torch.ones_like(input_ids, dtype=torch.bool), "all")
+        """Every token is a generation token (grid decode): no host sync, no kernel, capturable."""
+        return cls(None, "all")
 
 
 def route_experts(

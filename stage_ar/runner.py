@@ -189,7 +189,7 @@ class ARModelRunner:
         self.key_start = torch.zeros(n, **i64)
         self.active = torch.zeros(n, device=dev, dtype=torch.bool)
         self.rows = torch.arange(n, **i64)
-        self.sampler = GridSampler(self.eol, self.vstart, self.vend)
+        self.sampler = GridSampler(self.eol, self.vstart, self.vend, dev)
         self.sampling = SamplingState.allocate(n, self.vocab, self.capacity + 1, dev)
         # by (batch bucket, key length, sorted sampler)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}

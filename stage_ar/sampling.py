@@ -209,7 +209,7 @@ class GridConstrainedSampler:
             raise ValueError(f"logits must be 1-D (vocab,), got shape {tuple(logits.shape)}")
         if logits.shape[0] < self.visual_token_end_id:
             raise ValueError(f"logits width {logits.shape[0]} < visual_token_end_id {self.visual_token_end_id}")
-        sampler = GridSampler(self.eol_token_id, self.visual_token_start_id, self.visual_token_end_id)
+        sampler = GridSampler(self.eol_token_id, self.visual_token_start_id, self.visual_token_end_id, logits.device)
         draw = not self.greedy and not self.is_eol_position(generated_len)
         uniforms = torch.rand(1, generator=self.generator, dtype=torch.float64) if draw else torch.zeros(1)
         state = SamplingState.for_request(self, sampler.vocab, 1, 0.0, previous_ids or [], uniforms, logits.device)
@@ -325,13 +325,16 @@ class GridSampler(nn.Module):
     Args:
         eol_token_id, visual_token_start_id, visual_token_end_id: the grid vocabulary; logits are
             the visual slice ``[start, end)`` only.
+        device: where the logits live (its index table is built there once).
     """
 
-    def __init__(self, eol_token_id: int, visual_token_start_id: int, visual_token_end_id: int) -> None:
+    def __init__(self, eol_token_id: int, visual_token_start_id: int, visual_token_end_id: int,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.eol = int(eol_token_id)
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
+        self.register_buffer("vocab_index", torch.arange(self.vocab, device=device), persistent=False)
 
     def mark_seen(self, state: SamplingState, fed: torch.Tensor, active: torch.Tensor) -> None:
         """Record the fed tokens ``(b,)`` of ``active`` rows for the repetition penalty."""
@@ -378,7 +381,7 @@ class GridSampler(nn.Module):
         asc, order = torch.sort(s, dim=-1, descending=False)
         cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
         remove_sorted = cumulative <= state.top_p_cut[:b, None]
-        keep_tail = torch.arange(self.vocab, device=s.device) >= self.vocab - MIN_TOKENS_TO_KEEP
+        keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
         remove_sorted = remove_sorted & ~keep_tail[None, :] & state.use_top_p[:b, None]
         remove = remove_sorted.scatter(1, order, remove_sorted)
         return s.masked_fill(remove, float("-inf"))
@@ -390,5 +393,5 @@ class GridSampler(nn.Module):
         u = state.uniforms[:b].gather(1, col[:, None]) * cdf[:, -1:]
         index = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab - 1)
         # never land on a zero-probability entry: step back to the last positive one
-        positive = torch.where(probs > 0, torch.arange(self.vocab, device=s.device)[None, :], 0)
+        positive = torch.where(probs > 0, self.vocab_index[None, :], 0)
         return torch.cummax(positive, dim=-1).values.gather(1, index).squeeze(1)
