@@ -395,8 +395,14 @@ class DecodeEngine:
                 continue  # aborted after the launch
             if entry.finished:
                 run.slot = None  # the runner already took it out of the batch
-            run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
-            out.append(RowsReady(run.job, Role.CONDITION, pending.hidden[entry.slot : entry.slot + 1], [fed[entry.slot]]))
+            try:
+                run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
+            except Exception as exc:  # noqa: BLE001 - fails this job only
+                logger.exception("decode step bookkeeping failed for %s", run.job.request_id)
+                out.append(SequenceDone(run.job, exc))
+                continue
+            row = pending.hidden[entry.slot : entry.slot + 1]
+            out.append(RowsReady(run.job, Role.CONDITION, row, [fed[entry.slot]]))
             if run.seq.finished:
                 out.append(SequenceDone(run.job, None))
         return out

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, build_key_mask
+from stage_ar.kv_pool import KVCache
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridConstrainedSampler, GridSampler, SamplingState
 
 __all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence", "cache_rows", "grid_tokens"]

@@ -23,6 +23,7 @@ from torch import nn
 
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
+from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "ExpertRouting",
     "ForwardContext",
     "STACKED_PARAMS",
-    "KVCache",
     "MammothARForCausalLM",
     "build_key_mask",
     "strip_llm_prefix",
@@ -198,85 +198,6 @@ class MammothRotaryEmbedding(nn.Module):
         freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-class KVCache:
-    """Preallocated per-sequence key/value cache.
-
-    Attributes:
-        key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` in the model dtype
-            (keys are stored after RoPE).
-        length: number of positions filled (the same for every batch row).
-        capacity: maximum positions.
-
-    The model writes a forward's new keys at ``[length, length + T)`` in every layer and advances
-    `length` once that forward has finished.
-    """
-
-    def __init__(
-        self,
-        config: MammothARConfig,
-        batch_size: int,
-        capacity: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        if batch_size < 1 or capacity < 1:
-            raise ValueError(f"KVCache needs batch_size >= 1 and capacity >= 1, got {batch_size}, {capacity}")
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self.key = torch.zeros(shape, device=device, dtype=dtype)
-        self.value = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-        self.capacity = capacity
-        self.batch_size = batch_size
-
-    @classmethod
-    def from_buffers(cls, key: torch.Tensor, value: torch.Tensor, length: int = 0) -> KVCache:
-        """A cache over existing tensors (e.g. slots of `stage_ar.kv_pool.KVPool`), no allocation.
-
-        Args:
-            key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` (views allowed;
-                writes go through to them).
-            length: positions already filled.
-
-        Raises:
-            ValueError: the two shapes differ, are not 5-D, or ``length`` is out of range.
-        """
-        if key.dim() != 5 or key.shape != value.shape:
-            raise ValueError(f"key/value must be equal 5-D shapes, got {tuple(key.shape)}, {tuple(value.shape)}")
-        if not 0 <= length <= key.shape[3]:
-            raise ValueError(f"length {length} outside [0, {key.shape[3]}]")
-        cache = cls.__new__(cls)
-        cache.key, cache.value = key, value
-        cache.length = int(length)
-        cache.capacity = int(key.shape[3])
-        cache.batch_size = int(key.shape[1])
-        return cache
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the key and value tensors."""
-        return self.key.numel() * self.key.element_size() * 2
-
-    @staticmethod
-    def bytes_needed(config: MammothARConfig, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
-        """Bytes a cache of this size would take (for admission control before allocating):
-        ``2 * layers * batch * kv_heads * capacity * head_dim * itemsize``."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
-        return per_position * batch_size * capacity
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``key``/``value`` ``(batch, kv_heads, T, head_dim)`` after the filled part.
-
-        Returns:
-            keys and values of positions ``[0, length + T)`` of this layer.
-        """
-        end = self.length + key.shape[2]
-        self.key[layer, :, :, self.length : end] = key
-        self.value[layer, :, :, self.length : end] = value
-        return self.key[layer, :, :, :end], self.value[layer, :, :, :end]
 
 
 @dataclass

@@ -47,9 +47,9 @@ import torch
 
 from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
 from stage_ar.generation import T2ISequence
-from stage_ar.kv_pool import KVPool
+from stage_ar.kv_pool import KVCache, KVPool
 from stage_ar.layers import EAGER_OPS, compiled_ops
-from stage_ar.modeling_mammoth_ar import ExpertRouting, KVCache, MammothARForCausalLM, build_key_mask
+from stage_ar.modeling_mammoth_ar import ExpertRouting, MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridSampler, SamplingState
 
 __all__ = ["ARModelRunner", "StepEntry", "PendingStep"]

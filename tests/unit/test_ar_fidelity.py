@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from stage_ar.configuration_mammoth_ar import MammothARConfig, parse_moe_type
-from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, strip_llm_prefix
+from stage_ar.kv_pool import KVCache
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
 
 from reference_fixture import REFERENCE_DIR as FIXTURE
 
