@@ -60,7 +60,8 @@ def build_attention_mask(
         mask = causal & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
     elif attention_mask.dim() == 4:
         if tuple(attention_mask.shape[-2:]) != (seq, total):
-            raise ValueError(f"4-D attention_mask must end in (T, S) = {(seq, total)}, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"4-D attention_mask must end in (T, S) = {(seq, total)}, got {tuple(attention_mask.shape)}")
         full = attention_mask.to(device)
         mask = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
         mask = mask.expand(batch, 1, seq, total)

@@ -43,8 +43,8 @@ from stage_ar.scheduler import (
 )
 
 __all__ = [
-    "CollectingSink", "DecodeEngine", "DecodeJob", "EngineCancelled", "EngineDeadlineExceeded", "EngineFull", "EngineStopped",
-    "JobStats", "Role", "RowSink", "RowsReady", "SequenceDone",
+    "CollectingSink", "DecodeEngine", "DecodeJob", "EngineCancelled", "EngineDeadlineExceeded", "EngineFull",
+    "EngineStopped", "JobStats", "Role", "RowSink", "RowsReady", "SequenceDone",
 ]
 
 logger = logging.getLogger(__name__)

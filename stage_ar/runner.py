@@ -390,7 +390,8 @@ class ARModelRunner:
         """The model's forward over slots ``[0, b)``, one new (generation) token each at cache
         position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``."""
         if self.fused_attention:
-            attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length, self.scale)
+            attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
+                                              self.scale)
         else:
             attention = GEMMDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
                                             self.scale, ops=self._ops)
