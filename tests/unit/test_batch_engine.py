@@ -328,3 +328,27 @@ def test_cancelled_job_frees_its_admission_at_once(model, tokenizer, references)
     finally:
         first_sink.release.set()
         engine.stop()
+
+
+def test_deadline_aborts_the_job_and_inline_run_raises(model, tokenizer):
+    """A job whose deadline has passed is aborted at the next schedule (its sink aborted, on_done
+    told why); `run_job` (the in-process path) raises that error."""
+    from stage_ar.engine import CollectingSink, EngineDeadlineExceeded
+
+    engine = DecodeEngine(lambda job: make_seq(model, tokenizer, 0), 1, model=model, grid_ids=grid_ids(tokenizer),
+                          max_sequence_length=CAPACITY)
+    sink, outcomes = CollectingSink(), []
+    job = DecodeJob(request_id="late", epoch=0, prompt_ids=make_seq(model, tokenizer, 0).prompt_ids, negative_ids=None,
+                    ar_width=3, ar_height=2, seed=0, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0, sink=sink,
+                    on_progress=lambda a, b: None, on_done=lambda exc, stats: outcomes.append(exc),
+                    deadline=time.monotonic() - 1.0)
+    with pytest.raises(EngineDeadlineExceeded):
+        engine.run_job(job)
+    assert isinstance(outcomes[0], EngineDeadlineExceeded) and sink.aborted and not sink.finished
+    assert engine.running == 0 and engine.scheduler.slots.free_slots == engine.runner.num_slots
+    ok = CollectingSink()  # the same engine serves the next job
+    engine.run_job(DecodeJob(request_id="ok", epoch=0, prompt_ids=job.prompt_ids, negative_ids=None, ar_width=3,
+                             ar_height=2, seed=0, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0, sink=ok,
+                             on_progress=lambda a, b: None, on_done=lambda exc, stats: None))
+    hidden, ids = make_seq(model, tokenizer, 0).run()
+    assert ok.finished and ok.token_ids[Role.CONDITION] == ids and torch.equal(ok.hidden(), hidden)
