@@ -115,7 +115,9 @@ class DecodeJob:
         temperature, top_k, top_p: sampling overrides (0: checkpoint defaults).
         ar_guidance_scale: AR-side CFG scale (<= 1: off).
         sink: receives rows (`RowSink`).
-        on_progress: called from the engine thread with (tokens_sampled, total_samples).
+        on_progress: called from the engine thread with (image tokens decoded, image tokens in all):
+            rows emitted after the prompt, of ``h * (w + 1)``, the count ``usage`` reports (the
+            look-ahead sample, never fed, is not counted).
         on_done: called from the engine thread once, with None on success or the exception, before
             the sink is finished (so "decoding done" is recorded before the push can complete).
         deadline: `time.monotonic()` seconds after which the job is aborted, or None.
@@ -382,7 +384,7 @@ class DecodeEngine:
         run.slot = first
         run.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         run.last_progress = time.perf_counter()
-        job.on_progress(seq.tokens_sampled, seq.total_samples)
+        job.on_progress(0, seq.grid_tokens)
         return out
 
     def _collect(self, pending: PendingStep) -> list[EngineOutput]:
@@ -442,7 +444,7 @@ class DecodeEngine:
         seq = run.seq
         if seq.finished or now - run.last_progress >= self._progress_interval:
             run.last_progress = now
-            run.job.on_progress(seq.tokens_sampled, seq.total_samples)
+            run.job.on_progress(run.stats.rows_sent - run.stats.prompt_tokens, seq.grid_tokens)
 
     def _finish(self, run: _Running, error: BaseException | None) -> None:
         """Record the outcome (``on_done``) and only then finish or abort the sink."""
