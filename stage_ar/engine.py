@@ -118,8 +118,9 @@ class DecodeJob:
         on_progress: called from the engine thread with (image tokens decoded, image tokens in all):
             rows emitted after the prompt, of ``h * (w + 1)``, the count ``usage`` reports (the
             look-ahead sample, never fed, is not counted).
-        on_done: called from the engine thread once, with None on success or the exception, before
-            the sink is finished (so "decoding done" is recorded before the push can complete).
+        on_done: called from the engine thread once, with None on success or the exception; on
+            success before ``sink.finish()``, so "decoding done" is known before the push can be
+            acknowledged (on failure after ``sink.abort()``).
         deadline: `time.monotonic()` seconds after which the job is aborted, or None.
         row_times: when a list, the engine appends ``(CONDITION rows produced so far, unix ms)``
             after every hand-off to the sink (request traces; see the ``trace_dir`` setting).
@@ -447,7 +448,8 @@ class DecodeEngine:
             run.job.on_progress(run.stats.rows_sent - run.stats.prompt_tokens, seq.grid_tokens)
 
     def _finish(self, run: _Running, error: BaseException | None) -> None:
-        """Record the outcome (``on_done``) and only then finish or abort the sink."""
+        """On success record the outcome (``on_done``) and only then finish the sink; on failure
+        abort the sink, then report."""
         if run.closed:
             return
         run.closed = True
@@ -462,10 +464,16 @@ class DecodeEngine:
             stats.generated_tokens = stats.rows_sent - stats.prompt_tokens
             stats.decode_ms = (now - run.started) * 1e3 - stats.prefill_ms
             stats.last_row_unix_ms = time.time() * 1e3
-        try:
-            run.job.on_done(error, stats)
-        finally:
-            if error is None:
+        if error is None:
+            # Decoding is recorded as done BEFORE the push is finished: once the sink sends its last
+            # chunk the DiT may acknowledge the stream at once, and an acknowledgement that arrives
+            # before "done" reads as a DiT that closed the stream early (issue 15.1).
+            try:
+                run.job.on_done(None, stats)
+            finally:
                 run.job.sink.finish()
-            else:
+        else:
+            try:
                 run.job.sink.abort()
+            finally:
+                run.job.on_done(error, stats)
