@@ -179,7 +179,8 @@ class DecodeEngine:
         self.decoder: BatchedDecoder | None = None
         self._inbox: "queue.Queue[DecodeJob]" = queue.Queue()
         self._lock = threading.Lock()
-        self._admitted = 0
+        #: Admitted jobs not yet released, by id; a cancelled one stops counting at once (issue 15.7).
+        self._admitted: dict[int, DecodeJob] = {}
         self._accepting = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ar-decode", daemon=True)
@@ -211,7 +212,13 @@ class DecodeEngine:
     def running(self) -> int:
         """Jobs admitted and not finished (queued for prefill or decoding)."""
         with self._lock:
-            return self._admitted
+            return self._live()
+
+    def _live(self) -> int:
+        """Admitted jobs that still count against ``max_running_sequences`` (caller holds the lock):
+        a cancelled job's admission is free the moment it is cancelled, before the engine thread
+        reaps it (its KV slots are reaped before the next admission, see `_loop`)."""
+        return sum(1 for job in self._admitted.values() if not job.cancelled.is_set())
 
     def submit(self, job: DecodeJob) -> None:
         """Admit ``job``.
@@ -223,12 +230,12 @@ class DecodeEngine:
         if not self._accepting:
             raise EngineStopped("AR engine is draining")
         with self._lock:
-            if self._admitted >= self.max_running_sequences:
+            live = self._live()
+            if live >= self.max_running_sequences:
                 raise EngineFull(
-                    f"AR has {self._admitted} running sequences (max_running_sequences="
-                    f"{self.max_running_sequences})"
+                    f"AR has {live} running sequences (max_running_sequences={self.max_running_sequences})"
                 )
-            self._admitted += 1
+            self._admitted[id(job)] = job
         self._inbox.put(job)
 
     # -- engine thread ------------------------------------------------------------------------
@@ -264,7 +271,7 @@ class DecodeEngine:
             return
         run.closed = True
         with self._lock:
-            self._admitted -= 1
+            self._admitted.pop(id(run.job), None)
         if run.slot is not None and self.decoder is not None:
             self.decoder.deactivate(run.slot, key=run)  # no-op when it already left the batch
             run.slot = None
@@ -386,10 +393,13 @@ class DecodeEngine:
         running: list[_Running] = []
         pending: PendingStep | None = None
         while not self._stop.is_set():
-            self._admit_new(running, block=not running and pending is None)
+            # Cancelled sequences leave first: their admission is already free (`submit`), so their
+            # KV slots must be back before a job admitted in their place is prefilled.
             for run in running:
                 if run.job.cancelled.is_set():
                     self._release(run, EngineCancelled(run.job.request_id))
+            running = [r for r in running if not r.closed]
+            self._admit_new(running, block=not running and pending is None)
             launched = None
             if self.decoder is not None and self.decoder.active_count:
                 try:

@@ -260,3 +260,64 @@ def test_too_long_request_fails_cleanly(model, tokenizer):
     with pytest.raises(ValueError, match="positions"):
         decoder.reserve(seq)
     assert decoder.pool.free_slots == 2
+
+
+class BlockingSink(RecordingSink):
+    """A sink whose ``put_rows`` holds the engine thread after ``block_after`` rows until released."""
+
+    def __init__(self, block_after: int):
+        super().__init__()
+        self.block_after = block_after
+        self.blocked = threading.Event()
+        self.release = threading.Event()
+
+    def put_rows(self, role, hidden, token_ids):
+        super().put_rows(role, hidden, token_ids)
+        if len(self.ids) >= self.block_after and not self.release.is_set():
+            self.blocked.set()
+            self.release.wait(30)
+
+
+def test_cancelled_job_frees_its_admission_at_once(model, tokenizer, references):
+    """Issue 15 item 7: a strictly sequential client cancels its request and sends the next one at
+    once; the AR must admit it (max_running_sequences=1) even while the engine thread is busy."""
+
+    def factory(job: DecodeJob) -> T2ISequence:
+        return make_seq(model, tokenizer, job.seed)
+
+    engine = DecodeEngine(factory, 1, model=model, grid_ids=grid_ids(tokenizer), max_sequence_length=CAPACITY)
+    engine.start()
+    assert engine.ready.wait(30)
+    done: dict[str, BaseException | None] = {}
+    finished = threading.Event()
+
+    def job_for(i: int, sink) -> DecodeJob:
+        w, h = SPECS[i][:2]
+        job = DecodeJob(
+            request_id=f"seq{i}", epoch=0, prompt_ids=make_seq(model, tokenizer, i).prompt_ids, negative_ids=None,
+            ar_width=w, ar_height=h, seed=i, temperature=0, top_k=0, top_p=0, ar_guidance_scale=SPECS[i][4],
+            sink=sink, on_progress=lambda a, b: None,
+            on_done=lambda exc, stats, rid=f"seq{i}": (done.__setitem__(rid, exc), finished.set()),
+        )
+        sink.job = job
+        return job
+
+    try:
+        first_sink = BlockingSink(block_after=len(make_seq(model, tokenizer, 0).prompt_ids) + 2)
+        first = job_for(0, first_sink)
+        engine.submit(first)
+        assert first_sink.blocked.wait(30)  # the engine thread is inside a step now
+        first.cancel()
+        second_sink = RecordingSink()
+        engine.submit(job_for(3, second_sink))  # today: EngineFull until the engine thread reaps
+        first_sink.release.set()
+        deadline = time.monotonic() + 30
+        while not ("seq3" in done and second_sink.finished) and time.monotonic() < deadline:
+            finished.wait(0.05)  # on_done comes first, then the sink is finished
+        assert isinstance(done["seq0"], EngineCancelled) and first_sink.aborted
+        assert done["seq3"] is None and second_sink.finished
+        assert second_sink.ids == references[3][1] and torch.equal(torch.cat(second_sink.rows), references[3][0])
+    finally:
+        first_sink.release.set()
+        engine.stop()
+
