@@ -29,7 +29,8 @@ async def dit(tiny_checkpoint, tmp_path):
                            dtype="float32", slots=1)
     pipeline = await asyncio.to_thread(load_pipeline, settings)
     pool = SlotPool(1, settings.max_rows_per_slot, int(pipeline.llm_hidden_size), torch.float32, "cpu")
-    server = grpc_common.create_server(settings.max_message_bytes, None)
+    # No token here: the explicit development opt-out (stages refuse unauthenticated calls by default).
+    server = grpc_common.create_server(settings.max_message_bytes, None, insecure=True)
     add_dit_servicer(DiTServicer(pipeline, pool, request_limits=limits.from_settings(settings)), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
