@@ -45,7 +45,7 @@ def test_sdk_sizes_work_or_are_refused_before_stage_work(real_stages, gateway_fa
     dit = real_stages("dit", "--slots", "2")
     ar = real_stages("ar", "--max-sequence-length", str(POSITIONS))
     gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120,
-                         max_sequence_length=POSITIONS, max_pixels=limits.DEFAULTS.max_pixels,
+                         gateway_token_file=real_stages.gateway_token_file, max_sequence_length=POSITIONS, max_pixels=limits.DEFAULTS.max_pixels,
                          min_pixels=limits.DEFAULTS.min_pixels,
                          max_prompt_chars=limits.DEFAULTS.max_prompt_chars)
     gw.wait_ready(60)
