@@ -136,7 +136,7 @@ def test_tuned_parameters_do_not_change_bits(gemv, variant):
     as it is: the reduction order of a row is fixed by the K tile alone. GPU only: the interpreter's
     numpy matmul orders its sums by the matrix shapes, the GPU's MMA instructions do not."""
     if gemv.INTERPRETED:
-        pytest.skip("numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
+        pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
     x, weight, kwargs = make_inputs(variant, torch.float16, seed=2)
     a = gemv.gemv(x, weight, config=gemv.GemvConfig(block_n=16, num_warps=4, num_stages=3), **kwargs)
     b = gemv.gemv(x, weight, config=gemv.GemvConfig(block_n=32, num_warps=8, num_stages=4), **kwargs)
