@@ -67,6 +67,21 @@ def detach(argv: Sequence[str], port: int, timeout: float = 600.0) -> int:
     return 1
 
 
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (Linux ``/proc``; elsewhere: exists)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return "\nState:\tZ" not in status
+
+
 def down(port: int, timeout: float = 60.0) -> int:
     """Stop the ``mammoth up`` holding ``port``'s instance lock; returns an exit code."""
     lock = instance_lock(port)
@@ -80,9 +95,11 @@ def down(port: int, timeout: float = 60.0) -> int:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while lock.held() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if lock.held():
+    # The lock is released before the interpreter's teardown ends: "stopped" means the process is
+    # gone too, not only its lock (a caller may reuse the port or check for leftovers at once).
+    while (lock.held() or _running(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if lock.held() or _running(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         print(f"mammoth down: mammoth up (pid {pid}) did not stop within {timeout:.0f} s; killed it "
