@@ -7,16 +7,18 @@ Run on the GPU machine from the source tree (no install, no checkpoint: random b
 Sections (each printed as it finishes; a table last; everything in ``ar_decode.json`` in --out):
 1. ceilings: device-to-device copy bandwidth (bytes read + written), a large bf16 matmul;
 2. the AR built from `preview_config()` in bf16, random weights, on the GPU;
-3. correctness on the GPU: one 8x8-grid request through `BatchedDecoder` (CUDA graphs) alone and
-   inside a batch of 8 staggered requests of mixed grids, against the B=1 `T2ISequence` path
-   (same seed): tokens equal up to the first divergence, relative row error; and with
-   ``pad_to_max_bucket`` (one GEMM shape for every step) whether alone == batched bit for bit;
-4. decode timings (1024x1024 grids, 64x65 tokens) of the `BatchedDecoder` default on CUDA
-   (compiled graphs, fused split-KV attention): ms/token at batch 1 (engine-style loop: launch step
-   t+1, then read step t's ids) at image start and at mid-image (the slot's cache position moved to
-   the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the graph replay alone
-   (CUDA events), a kernel profile of the mid-image batch-1 step; at batch 1 also the GEMM +
-   softmax attention path and padded mode; eager graphs with ``--eager``;
+3. correctness on the GPU: one 8x8-grid request through the AR stage's `DecodeEngine` (its
+   `ARModelRunner` with CUDA graphs) alone and inside a batch of 8 staggered requests of mixed grids,
+   against the B=1 `T2ISequence` path (same seed): tokens equal up to the first divergence, relative
+   row error; and with ``pad_to_max_bucket`` (one GEMM shape for every step) whether alone == batched
+   bit for bit;
+4. decode timings (1024x1024 grids, 64x65 tokens) of the engine with the runner's CUDA defaults
+   (compiled graphs, fused split-KV attention), driven inline (`DecodeEngine.step`: schedule, launch
+   step t+1, read step t back, emit rows): ms/token at batch 1 at image start and at mid-image (a
+   prompt as long as the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the
+   graph replay alone (CUDA events), a kernel profile of the mid-image batch-1 step, peak GPU memory
+   (weights alone, after the engine's capture, after each run); at batch 1 also the GEMM + softmax
+   attention path and padded mode; eager graphs with ``--eager``;
 5. the per-token HBM floor (bytes one step must read / measured copy bandwidth);
 6. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
    dimensions as the baseline.
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules  # noqa: E402
 
 from mammoth_core.make_checkpoint import preview_config  # noqa: E402
-from stage_ar.batch_engine import BatchedDecoder  # noqa: E402
+from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM  # noqa: E402
 from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
@@ -50,6 +52,9 @@ from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
 EOL, VSTART, VEND = 152064, 152072, 152072 + 16384
 TIMING_GRID = 64  # 1024x1024
 PROMPT = [151644] + list(range(1000, 1060)) + [151645, 152069]  # 63 tokens, as full_size.py
+MID = len(PROMPT) + 64 * 65 // 2  # the floor's KV position (mid-image of a 64x64 grid)
+MID_GRID = 32  # grid of the mid-image request (its long prompt plus this grid fit the pool)
+SAMPLING: dict[str, dict] = {}  # request id -> sampler overrides (temperature 0 = greedy here)
 
 
 def sampler(w: int, h: int, seed: int, **kw) -> GridConstrainedSampler:
@@ -60,45 +65,45 @@ def sampler(w: int, h: int, seed: int, **kw) -> GridConstrainedSampler:
     )
 
 
+def prompt_for(seed: int, length: int = len(PROMPT)) -> list[int]:
+    """The benchmark prompt, one token varied by ``seed``, padded to ``length`` with text tokens."""
+    return PROMPT[:-1] + [PROMPT[1] + seed] + [1000 + i % 60 for i in range(length - len(PROMPT))] + PROMPT[-1:]
+
+
 def new_seq(model, w, h, seed, **kw) -> T2ISequence:
-    prompt = PROMPT[:-1] + [PROMPT[1] + seed] + PROMPT[-1:]
-    return T2ISequence(model, prompt, w, h, sampler(w, h, seed, **kw))
+    return T2ISequence(model, prompt_for(seed), w, h, sampler(w, h, seed, **kw))
 
 
-def make_decoder(model, slots: int, capacity: int, **kw) -> BatchedDecoder:
-    return BatchedDecoder(model, slots, capacity, eol_token_id=EOL, visual_token_start_id=VSTART,
-                          visual_token_end_id=VEND, buckets=(1, 2, 4, 8), **kw)
+def make_engine(model, slots: int, capacity: int, **opts) -> DecodeEngine:
+    """The AR stage's engine (8 admitted at most, ``slots`` KV slots, buckets 1..8), run inline."""
+    pad = opts.pop("pad_to_max_bucket", False)
+
+    def make(job: DecodeJob) -> T2ISequence:
+        params = sampler(job.ar_width, job.ar_height, job.seed, **SAMPLING.get(job.request_id, {}))
+        return T2ISequence(model, job.prompt_ids, job.ar_width, job.ar_height, params)
+
+    return DecodeEngine(make, 8, model=model, grid_ids=(EOL, VSTART, VEND), max_sequence_length=capacity,
+                        batch_invariant=pad, kv_slots=slots, decoder_options={"buckets": (1, 2, 4, 8), **opts})
 
 
-def drive(decoder: BatchedDecoder, joins: dict[int, list[tuple[int, T2ISequence]]], max_steps: int | None = None):
-    """Engine-style loop: join at given steps, launch step t+1 before reading step t. Returns rows per key."""
-    rows: dict[int, list[torch.Tensor]] = {}
-    seqs: dict[int, T2ISequence] = {}
-    pending = None
-    step = 0
+def job(key: str, w: int, h: int, seed: int, prompt_len: int = len(PROMPT), **kw) -> tuple[DecodeJob, CollectingSink]:
+    SAMPLING[key] = kw
+    sink = CollectingSink()
+    return DecodeJob(request_id=key, epoch=0, prompt_ids=prompt_for(seed, prompt_len), negative_ids=None,
+                     ar_width=w, ar_height=h, seed=seed, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0,
+                     sink=sink, on_progress=lambda a, b: None, on_done=lambda exc, stats: None), sink
 
-    def emit(p):
-        fed, sampled = decoder.collect(p)
-        for e in p.entries:
-            seqs[e.key].record_external_step(fed[e.slot], sampled[e.slot])
-            rows[e.key].append(p.hidden[e.slot : e.slot + 1])
 
-    while True:
-        for key, seq in joins.get(step, []):
-            seqs[key] = seq
-            first = decoder.reserve(seq)
-            rows[key] = [seq.prefill().hidden]
-            decoder.activate(key, seq, first)
-        launched = decoder.launch()
-        if pending is not None:
-            emit(pending)
-        pending = launched
-        step += 1
-        if (launched is None and step > max(joins)) or (max_steps is not None and step >= max_steps):
-            break
-    if pending is not None:
-        emit(pending)
-    return {k: torch.cat(v) for k, v in rows.items()}, seqs
+def drive(engine: DecodeEngine, joins: dict[int, list[tuple[DecodeJob, CollectingSink]]]) -> dict[str, CollectingSink]:
+    """Submit jobs before given engine steps, run until every job is done; sinks by request id."""
+    sinks: dict[str, CollectingSink] = {}
+    for step in range(max(joins) + 1):
+        for j, sink in joins.get(step, []):
+            sinks[j.request_id] = sink
+            engine.submit(j)
+        engine.step()
+    engine.run_until_idle()
+    return sinks
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -114,46 +119,41 @@ def correctness(model, res: dict) -> None:
     ref = new_seq(model, w, h, 0)
     ref_hidden, ref_ids = ref.run()
     others = [(12, 4, 1), (4, 12, 2), (16, 16, 3), (8, 2, 4), (2, 8, 5), (6, 6, 6), (10, 3, 7)]
+    n = len(PROMPT)
     for label, opts in (("buckets", {}), ("pad_to_max_bucket", {"pad_to_max_bucket": True})):
-        dec = make_decoder(model, 8, 512, **opts)
-        dec.capture()
-        alone, alone_seqs = drive(dec, {0: [(0, new_seq(model, w, h, 0))]})
-        alone_rows = alone[0]
-        joins: dict[int, list] = {0: [(1, new_seq(model, *others[0][:2], others[0][2]))]}
+        engine = make_engine(model, 8, 512, **opts)
+        alone = drive(engine, {0: [job(f"{label}-alone", w, h, 0)]})[f"{label}-alone"]
+        joins: dict[int, list] = {0: [job(f"{label}-o0", *others[0])]}
         for j, (ow, oh, seed) in enumerate(others[1:], start=1):
-            joins.setdefault(2 * j, []).append((j + 1, new_seq(model, ow, oh, seed)))
-        joins.setdefault(5, []).append((0, new_seq(model, w, h, 0)))
-        batch_rows, batch_seqs = drive(dec, joins)
-        a_ids = alone_seqs[0].prompt_ids + alone_seqs[0].generated_ids
-        b_ids = batch_seqs[0].prompt_ids + batch_seqs[0].generated_ids
-        n = len(PROMPT)
+            joins.setdefault(2 * j, []).append(job(f"{label}-o{j}", ow, oh, seed))
+        joins.setdefault(5, []).append(job(f"{label}-target", w, h, 0))
+        batch = drive(engine, joins)
+        a_ids, b_ids = alone.token_ids[Role.CONDITION], batch[f"{label}-target"].token_ids[Role.CONDITION]
+        alone_rows, batch_rows = alone.hidden(), batch[f"{label}-target"].hidden()
         div_ref = first_divergence(ref_ids, a_ids)
         upto = len(ref_ids) if div_ref is None else div_ref
         rel = ((alone_rows[:upto].float() - ref_hidden[:upto].float()).norm() / ref_hidden[:upto].float().norm()).item()
+        div_batch = first_divergence(a_ids, b_ids)
         out[label] = {
             "grid_tokens": w * (w + 1),
             "alone_vs_B1_reference_first_divergence": None if div_ref is None else div_ref - n,
             "alone_vs_B1_reference_rel_row_error": rel,
-            "batched_vs_alone_first_divergence": (
-                None if first_divergence(a_ids, b_ids) is None else first_divergence(a_ids, b_ids) - n),
-            "batched_vs_alone_rows_bit_identical": bool(torch.equal(alone_rows, batch_rows[0]))
-            if alone_rows.shape == batch_rows[0].shape else False,
-            "all_requests_finished": all(s.finished for s in batch_seqs.values()),
+            "batched_vs_alone_first_divergence": None if div_batch is None else div_batch - n,
+            "batched_vs_alone_rows_bit_identical": bool(torch.equal(alone_rows, batch_rows))
+            if alone_rows.shape == batch_rows.shape else False,
+            "all_requests_finished": all(sink.finished for sink in batch.values()),
         }
         print(f"correctness [{label}]: {out[label]}", flush=True)
-        del dec
+        del engine
         gc.collect()
         torch.cuda.empty_cache()
     # greedy: batched (graphs) vs the B=1 path
-    ref = new_seq(model, w, h, 0, temperature=0.0)
-    _, ref_ids = ref.run()
-    dec = make_decoder(model, 8, 512)
-    dec.capture()
-    _, seqs = drive(dec, {0: [(0, new_seq(model, w, h, 0, temperature=0.0))]})
-    g_ids = seqs[0].prompt_ids + seqs[0].generated_ids
-    out["greedy_alone_vs_B1_reference_first_divergence"] = first_divergence(ref_ids, g_ids)
+    _, ref_ids = new_seq(model, w, h, 0, temperature=0.0).run()
+    engine = make_engine(model, 8, 512)
+    greedy = drive(engine, {0: [job("greedy", w, h, 0, temperature=0.0)]})["greedy"]
+    out["greedy_alone_vs_B1_reference_first_divergence"] = first_divergence(ref_ids, greedy.token_ids[Role.CONDITION])
     print("greedy:", out["greedy_alone_vs_B1_reference_first_divergence"], flush=True)
-    del dec
+    del engine
     res["correctness"] = out
 
 
@@ -167,79 +167,70 @@ def _profile(graph) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
 
 
+def _replay_ms(graph) -> float:
+    """Median of 3 x (20 replays of ``graph``) per replay, CUDA events; NaN without a graph."""
+    if graph is None:
+        return float("nan")
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 20)
+    return sorted(times)[1]
+
+
 def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, ...], steps: int,
                  slots: int = 8, mid_image: bool = False, profile: bool = False, save=None) -> None:
-    """ms/step of ``batches`` concurrent 1024x1024 requests through one decoder built with ``opts``.
+    """ms/step of ``batches`` concurrent 1024x1024 requests through one `DecodeEngine` built with
+    ``opts`` (the engine loop itself: schedule, launch step t+1, read step t back, emit rows).
 
-    ``mid_image``: batch 1 again with the slot's cache position (and the decoder's host count) moved
-    to mid-image (the floor's KV position), so attention covers what a mid-image step must read.
+    ``mid_image``: batch 1 again with a prompt as long as the floor's KV position (and a 32x32 grid
+    so it fits the pool), so attention covers what a mid-image step must read.
     """
     t = res.setdefault("timings", {})
     w = h = TIMING_GRID
     capacity = len(PROMPT) + h * (w + 1) + 1
-    dec = make_decoder(model, slots, capacity, **opts)
+    engine = make_engine(model, slots, capacity, **opts)
+    runner = engine.runner
     t0 = time.perf_counter()
-    dec.capture()
+    engine.run_until_idle()  # captures the graphs (nothing submitted yet)
     t[f"{label}_capture_s"] = time.perf_counter() - t0
-    t[f"{label}_graphs"] = len(dec._graphs)  # noqa: SLF001
-    t[f"{label}_compiled"] = dec.compile
-    t[f"{label}_fused_attention"] = dec.fused_attention
-    print(f"[{label}] capture {t[f'{label}_capture_s']:.1f} s, {len(dec._graphs)} graphs, "  # noqa: SLF001
-          f"compiled={dec.compile}, fused_attention={dec.fused_attention}", flush=True)
+    t[f"{label}_graphs"] = runner.graphs_captured
+    t[f"{label}_compiled"] = runner.compile
+    t[f"{label}_fused_attention"] = runner.fused_attention
+    t[f"{label}_engine_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(f"[{label}] capture {t[f'{label}_capture_s']:.1f} s, {runner.graphs_captured} graphs, "
+          f"compiled={runner.compile}, fused_attention={runner.fused_attention}", flush=True)
     runs = [(b, False) for b in batches] + ([(1, True)] if mid_image else [])
     for batch, mid in runs:
-        seqs = [new_seq(model, w, h, 100 + i) for i in range(batch)]
-        for i, s in enumerate(seqs):
-            first = dec.reserve(s)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            s.prefill()
-            torch.cuda.synchronize()
-            if batch == 1 and not mid:
-                t[f"{label}_prefill_ms"] = (time.perf_counter() - t0) * 1e3
-            dec.activate(i, s, first)
-            if mid:  # jump the slot to mid-image: positions (and attention length) of the floor
-                jump = len(PROMPT) + 64 * 65 // 2 - len(PROMPT)
-                dec.cache_pos[first] += jump
-                dec._slots[first].steps_done += jump  # noqa: SLF001
-        keyed = {i: s for i, s in enumerate(seqs)}
-
-        def run(n):
-            pending = None
-            for _ in range(n):
-                launched = dec.launch()
-                if pending is not None:
-                    fed, sampled = dec.collect(pending)
-                    for e in pending.entries:
-                        keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
-                        _ = pending.hidden[e.slot : e.slot + 1]
-                pending = launched
-            fed, sampled = dec.collect(pending)
-            for e in pending.entries:
-                keyed[e.key].record_external_step(fed[e.slot], sampled[e.slot])
-
-        run(10)
+        jobs = [job(f"{label}-{batch}-{mid}-{i}", MID_GRID if mid else w, MID_GRID if mid else h, 100 + i,
+                    MID if mid else len(PROMPT)) for i in range(batch)]
+        for j, _ in jobs:
+            engine.submit(j)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run(steps)
+        engine.step()  # prefills every job and launches the first batched step
+        torch.cuda.synchronize()
+        if batch == 1 and not mid:
+            t[f"{label}_prefill_ms"] = (time.perf_counter() - t0) * 1e3
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / steps
-        shape = dec._shape()  # noqa: SLF001
-        graph = dec._graphs[shape][0] if shape in dec._graphs else None  # noqa: SLF001
-        replay_ms = [float("nan")] * 3 if graph is None else []
-        for _ in range(3 if graph is not None else 0):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(20):
-                graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            replay_ms.append(a.elapsed_time(b) / 20)
+        shape = runner.next_shape()
+        graph = runner.graph(shape)
         key = f"{label}_B{batch}" + ("_mid" if mid else "")
-        pos_end = int(dec.cache_pos[0])
         t[key] = {
-            "ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "graph_replay_ms": sorted(replay_ms)[1],
-            "shape": list(shape), "cache_position_at_end": pos_end,
+            "ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "graph_replay_ms": _replay_ms(graph),
+            "shape": list(shape), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
         print(f"decode [{label}] B={batch}{' mid' if mid else ''}: {t[key]}", flush=True)
         if profile and mid and graph is not None:
@@ -248,17 +239,18 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
                 print(t[f"profile_{label}_B1_mid"], flush=True)
             except Exception as exc:  # noqa: BLE001
                 t["profile_error"] = repr(exc)
-        for i in range(batch):
-            dec.deactivate(next(st.first for st in dec._slots.values() if st.key == i))  # noqa: SLF001
+        for j, _ in jobs:
+            j.cancel()
+        engine.run_until_idle()
         if save:
             save()
-    del dec
+    del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def timings(model, res: dict, steps: int, save=None, eager: bool = False) -> None:
-    """The default decoder (compiled graphs, fused split-KV attention; buckets) at batch 1, image
+    """The default runner (compiled graphs, fused split-KV attention; buckets) at batch 1, image
     start and mid-image, and 2/4/8 concurrent; at batch 1 the GEMM + softmax attention path and
     padded mode (the engine default); eager graphs (``compile=False``) with ``eager``."""
     time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
@@ -276,8 +268,7 @@ def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
     total = 0
     for layer in lm.layers:
         a = layer.self_attn
-        projs = [a.gen_q_proj, a.gen_k_proj, a.gen_v_proj, a.gen_o_proj] if a.has_experts else [
-            a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+        projs = [a.gen_qkv_proj, a.gen_o_proj] if a.has_experts else [a.qkv_proj, a.o_proj]
         mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
         mods = projs + [mlp, layer.input_layernorm, layer.post_attention_layernorm]
         total += sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
@@ -315,8 +306,10 @@ def main() -> int:
     print("ceilings", res["ceilings"], flush=True)
     config, _ = preview_config()
     lc = config["llm_config"]
+    torch.cuda.reset_peak_memory_stats()
     model, _ = random_preview_modules(config, dit=False)
     model.eval().requires_grad_(False)
+    res["weights_gib"] = torch.cuda.max_memory_allocated() / 2**30
     def save() -> None:
         (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
 
@@ -354,6 +347,9 @@ def main() -> int:
     print(f"| copy bandwidth (read+write) | {bw / 1e12:.2f} TB/s |")
     print(f"| bf16 matmul 8192^3 | {res['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |")
     print(f"| floor per token (B=1, pos {mid}) | {floor:.3f} ms ({res['floor']['total'] / 1e9:.2f} GB) |")
+    print(f"| GPU memory: weights / after capture / peak | {res['weights_gib']:.2f} / "
+          f"{t.get('compiled_engine_peak_gib', float('nan')):.2f} / "
+          f"{max([v['peak_gib'] for v in t.values() if isinstance(v, dict)] or [float('nan')]):.2f} GiB |")
     for key in sorted(k for k in t if isinstance(t[k], dict)):
         v = t[key]
         print(f"| {key} | {v['ms_per_step']:.3f} ms/step ({v['ms_per_step'] / floor:.2f} x floor), "

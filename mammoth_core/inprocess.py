@@ -1,7 +1,8 @@
 """The whole model in one process, without any transport: the reference the served path must equal.
 
-It runs exactly the code the stages run (`stage_ar.generation.T2ISequence` for the AR,
-`stage_dit.pipeline.MammothDiTPipeline` for the DiT, `stage_dit.images.encode_image`), so an image
+It runs exactly the code the stages run (the AR's `stage_ar.engine.DecodeEngine` with one request,
+stepped in this thread; `stage_dit.pipeline.MammothDiTPipeline` for the DiT,
+`stage_dit.images.encode_image`), so an image
 served through gateway -> AR -> gRPC chunks -> DiT must be byte-identical to this one for the same
 checkpoint, prompt, size, seed and parameters (the tests assert it).
 """
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from mammoth_core.limits import resolve_grid
-from stage_ar.generation import T2ISequence
+from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
 from stage_ar.loader import ARBundle, load_ar
 from stage_dit.conditions import compute_answer_start_index
 from stage_dit.images import encode_image
@@ -62,9 +63,15 @@ class InProcessModel:
         dtype: torch.dtype = torch.float32,
         answer_boundary: str = "prompt_length",
     ):
-        from mammoth_core.settings import DiTSettings
+        from mammoth_core.settings import ARSettings, DiTSettings
 
+        ar_settings = ARSettings()
         self.ar: ARBundle = load_ar(checkpoint, cache_dir, device, dtype)
+        # the AR stage's engine, as `stage_ar.server.serve` builds it from the default settings
+        self.engine = DecodeEngine(
+            self.ar.new_sequence, ar_settings.max_running_sequences, model=self.ar.model,
+            grid_ids=self.ar.grid_ids, max_sequence_length=ar_settings.max_sequence_length,
+        )
         self.dit: MammothDiTPipeline = load_pipeline(
             DiTSettings(checkpoint=checkpoint, cache_dir=cache_dir, device=device, dtype=str(dtype).split(".")[-1])
         )
@@ -100,14 +107,15 @@ class InProcessModel:
         w, h = resolve_grid(width, height, ar_grid)
         prompt_ids = tok.encode_t2i_prompt(prompt, w, h)
         negative_ids = tok.encode_negative_prompt(negative_prompt) if negative_prompt else None
-        sampler = self.ar.make_sampler(w, h, seed, temperature=temperature, top_k=top_k, top_p=top_p)
-        seq = T2ISequence(
-            self.ar.model, prompt_ids, w, h, sampler,
-            negative_prompt_ids=negative_ids, ar_guidance_scale=ar_guidance_scale,
-        )
-        hidden, ids = seq.run()
-        negative = seq.negative_rows().hidden if negative_ids else None
-        seq.release()
+        sink = CollectingSink()
+        self.engine.run_job(DecodeJob(
+            request_id="inprocess", epoch=0, prompt_ids=prompt_ids, negative_ids=negative_ids, ar_width=w,
+            ar_height=h, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
+            ar_guidance_scale=ar_guidance_scale, sink=sink, on_progress=lambda done, total: None,
+            on_done=lambda exc, stats: None,
+        ))
+        hidden, ids = sink.hidden(Role.CONDITION), sink.token_ids[Role.CONDITION]
+        negative = sink.hidden(Role.NEGATIVE)
         answer_start = compute_answer_start_index(len(prompt_ids), len(ids), self.answer_boundary)
         condition = self.dit.prepare_conditions(hidden, torch.tensor(ids, dtype=torch.long), answer_start)
         neg = negative.to(self.dit.device, self.dit.dtype) if negative is not None else None

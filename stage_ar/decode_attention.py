@@ -9,7 +9,7 @@ accumulated in float32; the KV head's query heads, the GQA group, are the M rows
 `tl.dot`); a second kernel, one program per (row, query head), combines the splits with the
 usual rescaling ``exp(m_i - max_j m_j)``.
 
-Why this instead of the two batched GEMMs + softmax of `BatchedDecoder`'s eager path: at batch 1
+Why this instead of the two batched GEMMs + softmax of `stage_ar.attention.GEMMDecodeAttention`: at batch 1
 those are three launches per layer over the whole length bucket plus two ``index_put`` launches
 for the KV write (≈ 0.6 ms per step on the H200, `docs/PERFORMANCE.md`); tiles past a row's
 position are skipped here, and the tile holding the new position writes the new key/value into

@@ -1,62 +1,108 @@
 """The AR decode engine: one dedicated thread runs every sequence, off the asyncio event loop.
 
-Structure (DESIGN.md, "Request path"): gRPC I/O runs on asyncio; decoding runs here, in its own
-thread, and never waits on the network. Requests join and leave between decode steps (continuous
-batching): a new request is prefilled on its own (`T2ISequence.prefill`, writing its keys/values
-straight into a slot of the shared `KVPool`) and then joins the next batched step of
-`stage_ar.batch_engine.BatchedDecoder`, which advances every running request by one token in one
-forward with fused on-device grid-constrained sampling (CUDA graphs per batch bucket on CUDA). A
-request leaves the batch as soon as its last grid token is fed, or when it is cancelled; its slots
-are reused by the next join.
+Structure (DESIGN.md, "AR decode engine"): gRPC I/O runs on asyncio; decoding runs here, in its own
+thread, and never waits on the network. Each turn of the loop is
 
-After every step each request's new hidden-state row is handed to its `RowSink` (the hidden-state
-sender), whose ``put_rows`` never blocks. The step's ids are read back one step late (the host
-launches step t+1 before waiting for step t's ids), so the device never idles on the host.
+    schedule (`ARScheduler`: reap aborted, admit waiting into KV slots)
+    -> prefill the admitted (`T2ISequence.prefill` into their pool slots) and let them join
+    -> run one batched decode step (`ARModelRunner.launch`, asynchronous on CUDA)
+    -> read the previous step back (`ARModelRunner.collect`, one step late) and update each sequence
+    -> emit typed outputs (`RowsReady`, `SequenceDone`) to each request's `RowSink`.
+
+The sink's ``put_rows`` never blocks. A request leaves the batch as soon as its last grid token
+is fed, or when it is aborted; its slots are reused by the next admission.
 
 Admission is bounded by ``max_running_sequences`` (the KV pool holds twice that many slots, enough
 for every request to use AR-side CFG): `DecodeEngine.submit` raises `EngineFull` instead of
-queueing, and the caller answers ``RESOURCE_EXHAUSTED`` so the gateway can try another replica.
+queueing, and the caller answers ``RESOURCE_EXHAUSTED`` so the gateway can try another replica. A
+cancelled job stops counting at once (`DecodeJob.cancel`), before the engine thread reaps it.
 
-If the batched decoder cannot serve the model (grid ids that are not generation ids), every
-sequence is stepped on its own with `T2ISequence.step` (the B=1 path).
+Roles are this module's `Role`; the transport's proto roles are the server's business.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
-import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Union
 
 import torch
 
-from mammoth_core.pb import mammoth_pb2 as pb
-from stage_ar.batch_engine import BatchedDecoder, PendingStep
+from stage_ar.generation import T2ISequence, cache_rows, grid_tokens
+from stage_ar.runner import ARModelRunner, PendingStep
+from stage_ar.scheduler import (
+    ARScheduler,
+    EngineCancelled,
+    EngineDeadlineExceeded,
+    EngineFull,
+    EngineStopped,
+    SchedulerRequest,
+)
+
+__all__ = [
+    "CollectingSink", "DecodeEngine", "DecodeJob", "EngineCancelled", "EngineDeadlineExceeded", "EngineFull",
+    "EngineStopped", "JobStats", "Role", "RowSink", "RowsReady", "SequenceDone",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class EngineFull(RuntimeError):
-    """No room for another running sequence (``max_running_sequences`` reached)."""
+class Role(enum.Enum):
+    """Which stream a row belongs to: the prompt + grid rows, or a negative prompt's rows."""
 
-
-class EngineStopped(RuntimeError):
-    """The engine is draining or stopped and accepts no new sequence."""
+    CONDITION = "condition"
+    NEGATIVE = "negative"
 
 
 class RowSink(Protocol):
     """Where a sequence's hidden-state rows go (the hidden-state sender). Thread-safe, non-blocking."""
 
-    def put_rows(self, role: int, hidden: torch.Tensor, token_ids: list[int]) -> None: ...
+    def put_rows(self, role: Role, hidden: torch.Tensor, token_ids: list[int]) -> None: ...
 
     def finish(self) -> None: ...
 
     def abort(self) -> None: ...
 
 
+class CollectingSink:
+    """A `RowSink` that keeps every row in order (in-process runs, benchmarks, tests)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[Role, list[torch.Tensor]] = {role: [] for role in Role}
+        self.token_ids: dict[Role, list[int]] = {role: [] for role in Role}
+        self.finished = self.aborted = False
+
+    def put_rows(self, role: Role, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        self.rows[role].append(hidden)
+        self.token_ids[role].extend(int(t) for t in token_ids)
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def hidden(self, role: Role = Role.CONDITION) -> torch.Tensor | None:
+        """``(rows, H)`` of ``role`` in arrival order, or None when it has none."""
+        return torch.cat(self.rows[role]) if self.rows[role] else None
+
+
 @dataclasses.dataclass
+class JobStats:
+    """Timings and counts of one finished (or failed) job; times in ms, counts in tokens/rows."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rows_sent: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    last_row_unix_ms: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
 class DecodeJob:
     """One request for the engine.
 
@@ -64,7 +110,7 @@ class DecodeJob:
         request_id, epoch: identity of the request attempt.
         prompt_ids: the text-to-image envelope token ids.
         negative_ids: negative prompt ids (prefilled as a second sequence) or None.
-        ar_width, ar_height: grid size in tokens (pixels // 16).
+        ar_width, ar_height: grid size in tokens.
         seed: sampling seed.
         temperature, top_k, top_p: sampling overrides (0: checkpoint defaults).
         ar_guidance_scale: AR-side CFG scale (<= 1: off).
@@ -74,7 +120,10 @@ class DecodeJob:
             look-ahead sample, never fed, is not counted).
         on_done: called from the engine thread once, with None on success or the exception; on
             success before ``sink.finish()``, so "decoding done" is known before the push can be
-            acknowledged.
+            acknowledged (on failure after ``sink.abort()``).
+        deadline: `time.monotonic()` seconds after which the job is aborted, or None.
+        row_times: when a list, the engine appends ``(CONDITION rows produced so far, unix ms)``
+            after every hand-off to the sink (request traces; see the ``trace_dir`` setting).
     """
 
     request_id: str
@@ -90,43 +139,52 @@ class DecodeJob:
     ar_guidance_scale: float
     sink: RowSink
     on_progress: Callable[[int, int], None]
-    on_done: Callable[[BaseException | None, "JobStats"], None]
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    #: When a list, the engine appends ``(CONDITION rows produced so far, unix ms)`` after every
-    #: hand-off to the sink (request traces; see the ``trace_dir`` setting).
+    on_done: Callable[[BaseException | None, JobStats], None]
+    deadline: float | None = None
     row_times: list[tuple[int, float]] | None = None
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    cancel_callbacks: list[Callable[[], None]] = dataclasses.field(default_factory=list, repr=False)
 
     def cancel(self) -> None:
-        """Ask the engine to drop this sequence before its next step (thread-safe)."""
+        """Drop this job (thread-safe): it stops counting for admission at once (the engine's
+        `cancel_callbacks`), and leaves the batch before the engine's next step."""
         self.cancelled.set()
+        for callback in list(self.cancel_callbacks):
+            callback()
 
 
 @dataclasses.dataclass
-class JobStats:
-    """Timings and counts of one finished (or failed) job; times in ms, counts in tokens/rows."""
+class RowsReady:
+    """Rows of one job ready for its sink (``hidden (rows, H)`` on the model's device)."""
 
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rows_sent: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    last_row_unix_ms: float = 0.0
+    job: DecodeJob
+    role: Role
+    hidden: torch.Tensor
+    token_ids: list[int]
 
 
-class SequenceFactory(Protocol):
-    """Builds the per-request state machine (`stage_ar.generation.T2ISequence`)."""
+@dataclasses.dataclass
+class SequenceDone:
+    """A job left the engine: ``error`` None on success."""
 
-    def __call__(self, job: DecodeJob) -> Any: ...
+    job: DecodeJob
+    error: BaseException | None
+
+
+EngineOutput = Union[RowsReady, SequenceDone]
 
 
 @dataclasses.dataclass(eq=False)
 class _Running:
+    """Engine-side state of one admitted job (the scheduler request's payload)."""
+
     job: DecodeJob
-    seq: Any
+    request: SchedulerRequest
     stats: JobStats
-    started: float
+    seq: T2ISequence | None = None
+    started: float = 0.0
     last_progress: float = 0.0
-    slot: int | None = None  # first pool slot while in the batched decoder
+    slot: int | None = None  # first pool slot while in the runner's batch
     closed: bool = False
 
 
@@ -134,72 +192,73 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 4608  # 1024x1024 (64*65 = 4160 grid tokens) + a 4
 
 
 class DecodeEngine:
-    """Runs `DecodeJob`s in one background thread.
+    """Runs `DecodeJob`s in one background thread (or inline, `run_until_idle`).
 
     Args:
         make_sequence: builds a `T2ISequence` for a job (model, sampler, device already bound).
         max_running_sequences: admission bound (requests prefilled or decoding at once).
         progress_interval_s: minimum seconds between progress callbacks of one job (the last step
             always reports).
-        model: the AR model; with ``grid_ids`` the batched decoder (and its CUDA graphs) is built when
-            the thread starts, otherwise at the first job from that job's sequence.
+        model: the AR model the runner steps.
         grid_ids: ``(eol_token_id, visual_token_start_id, visual_token_end_id)``.
         max_sequence_length: positions per KV-pool slot (prompt + grid of the largest request);
             capped by the model's ``max_position_embeddings``. A longer request fails with ValueError.
-        batched: use the batched decoder (default True; False = `T2ISequence.step` per request).
         batch_invariant: run every batched step at the largest bucket (one GEMM shape), so a
-            request's rows and tokens do not depend on what else is decoding (issue 8); costs the
-            padded rows' attention (docs/PERFORMANCE.md). False: smallest bucket that fits.
-        decoder_options: extra keyword arguments for `BatchedDecoder` (``exact_rows``,
-            ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``).
+            request's rows and tokens do not depend on what else is decoding (issue 8).
+        decoder_options: extra keyword arguments for `ARModelRunner` (``exact_rows``,
+            ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ...).
+        kv_slots: KV-pool slots (default ``2 * max_running_sequences``: room for AR-side CFG on
+            every request).
     """
 
     def __init__(
         self,
-        make_sequence: SequenceFactory,
+        make_sequence: Callable[[DecodeJob], T2ISequence],
         max_running_sequences: int,
         progress_interval_s: float = 0.05,
         *,
-        model: Any = None,
-        grid_ids: tuple[int, int, int] | None = None,
+        model: Any,
+        grid_ids: tuple[int, int, int],
         max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
-        batched: bool = True,
         batch_invariant: bool = True,
         decoder_options: dict[str, Any] | None = None,
+        kv_slots: int | None = None,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
         self._progress_interval = progress_interval_s
-        self._model = model
-        self._grid_ids = grid_ids
-        self._max_len = max_sequence_length
-        self._batched = batched
-        self._decoder_options = dict(decoder_options or {})
-        self._decoder_options.setdefault("pad_to_max_bucket", batch_invariant)
-        self.decoder: BatchedDecoder | None = None
-        self._inbox: "queue.Queue[DecodeJob]" = queue.Queue()
-        self._lock = threading.Lock()
-        #: Admitted jobs not yet released, by id; a cancelled one stops counting at once (issue 15.7).
-        self._admitted: dict[int, DecodeJob] = {}
-        self._accepting = True
+        self._max_len = min(max_sequence_length, int(model.config.max_position_embeddings))
+        options = {"pad_to_max_bucket": batch_invariant, **(decoder_options or {})}
+        self.runner = ARModelRunner(
+            model, kv_slots or 2 * max_running_sequences, self._max_len,
+            eol_token_id=grid_ids[0], visual_token_start_id=grid_ids[1], visual_token_end_id=grid_ids[2], **options,
+        )
+        self.scheduler = ARScheduler(self.runner.num_slots, self._max_len, max_running_sequences)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ar-decode", daemon=True)
+        self._pending: PendingStep | None = None
+        self._runs: dict[DecodeJob, _Running] = {}  # by job (identity); touched by the engine thread
         self.steps_total = 0
         self.ready = threading.Event()
 
     # -- control (any thread) -----------------------------------------------------------------
 
+    @property
+    def decoder(self) -> ARModelRunner:
+        """The model runner (KV pool, CUDA graphs)."""
+        return self.runner
+
     def start(self) -> None:
-        """Start the decode thread (it builds the decoder and captures graphs first; see `ready`)."""
+        """Start the decode thread (it captures the CUDA graphs first; see `ready`)."""
         self._thread.start()
 
     def stop_accepting(self) -> None:
         """Drain: refuse new jobs; running ones continue."""
-        self._accepting = False
+        self.scheduler.stop_accepting()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         """Stop the thread; running jobs are failed with `EngineStopped`."""
-        self._accepting = False
+        self.scheduler.stop_accepting()
         self._stop.set()
         self._thread.join(timeout)
 
@@ -210,15 +269,8 @@ class DecodeEngine:
 
     @property
     def running(self) -> int:
-        """Jobs admitted and not finished (queued for prefill or decoding)."""
-        with self._lock:
-            return self._live()
-
-    def _live(self) -> int:
-        """Admitted jobs that still count against ``max_running_sequences`` (caller holds the lock):
-        a cancelled job's admission is free the moment it is cancelled, before the engine thread
-        reaps it (its KV slots are reaped before the next admission, see `_loop`)."""
-        return sum(1 for job in self._admitted.values() if not job.cancelled.is_set())
+        """Jobs admitted and neither finished nor cancelled."""
+        return self.scheduler.num_admitted
 
     def submit(self, job: DecodeJob) -> None:
         """Admit ``job``.
@@ -226,219 +278,202 @@ class DecodeEngine:
         Raises:
             EngineFull: ``max_running_sequences`` jobs are already admitted.
             EngineStopped: the engine is draining or stopped.
+            ValueError: the job needs more positions than a KV slot holds.
         """
-        if not self._accepting:
-            raise EngineStopped("AR engine is draining")
-        with self._lock:
-            live = self._live()
-            if live >= self.max_running_sequences:
-                raise EngineFull(
-                    f"AR has {live} running sequences (max_running_sequences={self.max_running_sequences})"
-                )
-            self._admitted[id(job)] = job
-        self._inbox.put(job)
+        request = SchedulerRequest(
+            job.request_id, cache_rows(job.ar_guidance_scale),
+            len(job.prompt_ids) + grid_tokens(job.ar_width, job.ar_height), job.deadline,
+        )
+        run = _Running(job, request, JobStats(prompt_tokens=len(job.prompt_ids)))
+        request.payload = run
+        self._runs[job] = run  # before the engine thread can see the request
+        try:
+            self.scheduler.add(request)
+        except Exception:
+            self._runs.pop(job, None)
+            raise
+        job.cancel_callbacks.append(lambda: self.scheduler.abort(request))
+        if job.cancelled.is_set():
+            self.scheduler.abort(request)
 
     # -- engine thread ------------------------------------------------------------------------
 
-    def _build_decoder(self, model: Any, grid_ids: tuple[int, int, int]) -> None:
-        if self.decoder is not None or not self._batched:
-            return
-        capacity = min(self._max_len, int(model.config.max_position_embeddings))
-        try:
-            self.decoder = BatchedDecoder(
-                model,
-                2 * self.max_running_sequences,
-                capacity,
-                eol_token_id=grid_ids[0],
-                visual_token_start_id=grid_ids[1],
-                visual_token_end_id=grid_ids[2],
-                **self._decoder_options,
-            )
-        except ValueError as exc:
-            logger.warning("batched decoder unavailable (%s); stepping each sequence alone", exc)
-            self._batched = False
+    def _prepare(self) -> None:
+        """Capture the runner's CUDA graphs (no-op on CPU); decoding continues without graphs if
+        capture fails."""
+        if self.ready.is_set():
             return
         t0 = time.perf_counter()
-        self.decoder.capture()
-        logger.info(
-            "batched decoder: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s (%.1f s)",
-            self.decoder.num_slots, self.decoder.capacity, self.decoder.pool.nbytes / 2**30,
-            self.decoder.exact_rows, self.decoder.cuda_graphs, time.perf_counter() - t0,
-        )
+        try:
+            self.runner.capture()
+        except Exception:  # noqa: BLE001 - keep serving, slower
+            logger.exception("capturing CUDA graphs failed; decoding without graphs")
+            self.runner.cuda_graphs = False
+        r = self.runner
+        logger.info("AR runner: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s (%.1f s)",
+                    r.num_slots, r.capacity, r.pool.nbytes / 2**30, r.exact_rows, r.cuda_graphs,
+                    time.perf_counter() - t0)
+        self.ready.set()
 
-    def _release(self, run: _Running, exc: BaseException | None) -> None:
+    def _loop(self) -> None:
+        self._prepare()
+        while not self._stop.is_set():
+            if not self.runner.active_count and self._pending is None:
+                self.scheduler.wait_for_work(0.05)
+            self.step()
+        self._flush()
+        for request in self.scheduler.drain_all(EngineStopped("AR engine stopped")):
+            self._emit([SequenceDone(request.payload.job, request.abort_reason)])
+
+    def run_until_idle(self) -> None:
+        """Run the loop in the calling thread until no job is left (in-process runs, benchmarks)."""
+        self._prepare()
+        while self.scheduler.num_admitted or self.runner.active_count or self._pending is not None:
+            self.step()
+        self._flush()
+
+    def run_job(self, job: DecodeJob) -> None:
+        """Submit ``job`` and run the loop in the calling thread until it is done (the engine must
+        not be `start`ed). Raises the job's error, if any."""
+        errors: list[BaseException | None] = []
+        on_done = job.on_done
+        job.on_done = lambda exc, stats: (errors.append(exc), on_done(exc, stats))
+        self.submit(job)
+        self.run_until_idle()
+        if errors and errors[0] is not None:
+            raise errors[0]
+
+    def step(self) -> None:
+        """One turn: schedule -> prefill joins -> launch a step -> collect the previous -> emit."""
+        out = self.scheduler.schedule()
+        for request in out.aborted:
+            self._emit(self._leave(request.payload, request.abort_reason))
+        for request in out.admitted:
+            self._emit(self._prefill(request.payload))
+        launched = None
+        if self.runner.active_count:
+            try:
+                launched = self.runner.launch()
+            except Exception as exc:  # noqa: BLE001 - a broken step fails its requests
+                logger.exception("batched decode step failed")
+                for request in self.scheduler.running:
+                    self._emit(self._leave(request.payload, exc))
+        self._flush()
+        self._pending = launched
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._emit(self._collect(pending))
+
+    @torch.inference_mode()
+    def _prefill(self, run: _Running) -> list[EngineOutput]:
+        job, first = run.job, run.request.first_slot
+        t0 = run.started = time.perf_counter()
+        try:
+            run.seq = seq = self._make_sequence(job)
+            seq.attach_kv_cache(self.runner.kv_view(first, seq.cache_batch))
+            rows = seq.prefill()
+            out: list[EngineOutput] = [RowsReady(job, Role.CONDITION, rows.hidden, list(rows.token_ids))]
+            if job.negative_ids:
+                neg = seq.negative_rows()
+                out.append(RowsReady(job, Role.NEGATIVE, neg.hidden, list(neg.token_ids)))
+            self.runner.activate(run, seq, first)
+        except Exception as exc:  # noqa: BLE001 - reported to the request, engine continues
+            logger.exception("prefill failed for %s", job.request_id)
+            return [SequenceDone(job, exc)]
+        run.slot = first
+        run.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+        run.last_progress = time.perf_counter()
+        job.on_progress(0, seq.grid_tokens)
+        return out
+
+    def _collect(self, pending: PendingStep) -> list[EngineOutput]:
+        """Read a launched step's ids back (the one host sync per step); one row per entry."""
+        fed, sampled = self.runner.collect(pending)
+        out: list[EngineOutput] = []
+        for entry in pending.entries:
+            run: _Running = entry.key
+            if run.closed:
+                continue  # aborted after the launch
+            if entry.finished:
+                run.slot = None  # the runner already took it out of the batch
+            try:
+                run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
+            except Exception as exc:  # noqa: BLE001 - fails this job only
+                logger.exception("decode step bookkeeping failed for %s", run.job.request_id)
+                out.append(SequenceDone(run.job, exc))
+                continue
+            row = pending.hidden[entry.slot : entry.slot + 1]
+            out.append(RowsReady(run.job, Role.CONDITION, row, [fed[entry.slot]]))
+            if run.seq.finished:
+                out.append(SequenceDone(run.job, None))
+        return out
+
+    def _leave(self, run: _Running, error: BaseException | None) -> list[EngineOutput]:
+        """Take ``run`` out of the batch and free its cache; the scheduler frees the slots."""
+        if run.slot is not None:
+            self.runner.deactivate(run.slot, key=run)
+            run.slot = None
+        return [SequenceDone(run.job, error)]
+
+    def _emit(self, outputs: list[EngineOutput]) -> None:
+        """Hand outputs to the jobs' sinks; a failing sink fails only its own job."""
+        for output in outputs:
+            run = self._runs.get(output.job)
+            if run is None or run.closed:
+                continue
+            try:
+                if isinstance(output, RowsReady):
+                    self._deliver_rows(run, output)
+                else:
+                    self._finish(run, output.error)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("emitting to %s failed", output.job.request_id)
+                self._finish(run, exc)
+
+    def _deliver_rows(self, run: _Running, rows: RowsReady) -> None:
+        run.job.sink.put_rows(rows.role, rows.hidden, rows.token_ids)
+        if rows.role is not Role.CONDITION:
+            return
+        run.stats.rows_sent += len(rows.token_ids)
+        if run.job.row_times is not None:
+            run.job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
+        if len(rows.token_ids) == 1:
+            self.steps_total += 1
+        now = time.perf_counter()
+        seq = run.seq
+        if seq.finished or now - run.last_progress >= self._progress_interval:
+            run.last_progress = now
+            run.job.on_progress(run.stats.rows_sent - run.stats.prompt_tokens, seq.grid_tokens)
+
+    def _finish(self, run: _Running, error: BaseException | None) -> None:
+        """On success record the outcome (``on_done``) and only then finish the sink; on failure
+        abort the sink, then report."""
         if run.closed:
             return
         run.closed = True
-        with self._lock:
-            self._admitted.pop(id(run.job), None)
-        if run.slot is not None and self.decoder is not None:
-            self.decoder.deactivate(run.slot, key=run)  # no-op when it already left the batch
-            run.slot = None
+        self._runs.pop(run.job, None)
+        self._leave(run, error)
+        self.scheduler.finish(run.request)
         if run.seq is not None:
             run.seq.release()  # frees the KV cache now, whatever happens to the request
-        if exc is None:
+        stats = run.stats
+        if error is None:
+            now = time.perf_counter()
+            stats.generated_tokens = stats.rows_sent - stats.prompt_tokens
+            stats.decode_ms = (now - run.started) * 1e3 - stats.prefill_ms
+            stats.last_row_unix_ms = time.time() * 1e3
+        if error is None:
             # Decoding is recorded as done BEFORE the push is finished: once the sink sends its last
             # chunk the DiT may acknowledge the stream at once, and an acknowledgement that arrives
             # before "done" reads as a DiT that closed the stream early (issue 15.1).
             try:
-                run.job.on_done(None, run.stats)
+                run.job.on_done(None, stats)
             finally:
                 run.job.sink.finish()
         else:
             try:
                 run.job.sink.abort()
             finally:
-                run.job.on_done(exc, run.stats)
-
-    def _admit_new(self, running: list[_Running], block: bool) -> None:
-        while True:
-            try:
-                job = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            stats = JobStats(prompt_tokens=len(job.prompt_ids))
-            run = _Running(job=job, seq=None, stats=stats, started=time.perf_counter())
-            if job.cancelled.is_set():
-                self._release(run, EngineCancelled(job.request_id))
-                continue
-            try:
-                self._prefill(run)
-            except Exception as exc:  # noqa: BLE001 - reported to the request, engine continues
-                logger.exception("prefill failed for %s", job.request_id)
-                self._release(run, exc)
-                continue
-            running.append(run)
-
-    @torch.inference_mode()
-    def _prefill(self, run: _Running) -> None:
-        job = run.job
-        t0 = time.perf_counter()
-        run.seq = seq = self._make_sequence(job)
-        if self._batched:
-            s = seq.sampler
-            self._build_decoder(seq.model, (s.eol_token_id, s.visual_token_start_id, s.visual_token_end_id))
-        first = self.decoder.reserve(seq) if self._batched else None
-        try:
-            rows = seq.prefill()
-        except BaseException:
-            if first is not None:
-                self.decoder.unreserve(first, seq.cache_batch)
-            raise
-        job.sink.put_rows(pb.CONDITION, rows.hidden, _ids(rows.token_ids))
-        run.stats.rows_sent += int(rows.hidden.shape[0])
-        if job.row_times is not None:
-            job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
-        if job.negative_ids:
-            neg = seq.negative_rows()
-            job.sink.put_rows(pb.NEGATIVE, neg.hidden, _ids(neg.token_ids))
-        if first is not None:
-            self.decoder.activate(run, seq, first)
-            run.slot = first
-        run.stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-        run.last_progress = time.perf_counter()
-        job.on_progress(0, seq.grid_tokens)
-
-    def _after_row(self, run: _Running, hidden: torch.Tensor, token: int) -> bool:
-        """Hand one decoded row to the sink, report progress; True when the sequence finished."""
-        run.job.sink.put_rows(pb.CONDITION, hidden, [int(token)])
-        run.stats.rows_sent += 1
-        if run.job.row_times is not None:
-            run.job.row_times.append((run.stats.rows_sent, time.time() * 1e3))
-        self.steps_total += 1
-        now = time.perf_counter()
-        finished = bool(run.seq.finished)
-        if finished or now - run.last_progress >= self._progress_interval:
-            run.last_progress = now
-            run.job.on_progress(run.stats.rows_sent - run.stats.prompt_tokens, run.seq.grid_tokens)
-        if finished:
-            run.stats.generated_tokens = run.stats.rows_sent - run.stats.prompt_tokens
-            run.stats.decode_ms = (now - run.started) * 1e3 - run.stats.prefill_ms
-            run.stats.last_row_unix_ms = time.time() * 1e3
-        return finished
-
-    def _emit(self, pending: PendingStep) -> None:
-        """Read a launched step's ids back (the one host sync per step) and emit its rows."""
-        fed, sampled = self.decoder.collect(pending)
-        for entry in pending.entries:
-            run: _Running = entry.key
-            if run.closed:
-                continue  # cancelled after the launch
-            if entry.finished:
-                run.slot = None  # already out of the batch
-            try:
-                run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
-                done = self._after_row(run, pending.hidden[entry.slot : entry.slot + 1], fed[entry.slot])
-            except Exception as exc:  # noqa: BLE001
-                logger.exception("emitting a row failed for %s", run.job.request_id)
-                self._release(run, exc)
-                continue
-            if done:
-                self._release(run, None)
-
-    @torch.inference_mode()
-    def _step_alone(self, run: _Running) -> bool:
-        rows = run.seq.step()
-        return self._after_row(run, rows.hidden, rows.token_ids[0])
-
-    def _loop(self) -> None:
-        if self._batched and self._model is not None and self._grid_ids is not None:
-            try:
-                self._build_decoder(self._model, self._grid_ids)
-            except Exception:  # noqa: BLE001 - fall back to the B=1 path, keep serving
-                logger.exception("building the batched decoder failed; stepping each sequence alone")
-                self.decoder, self._batched = None, False
-        self.ready.set()
-        running: list[_Running] = []
-        pending: PendingStep | None = None
-        while not self._stop.is_set():
-            # Cancelled sequences leave first: their admission is already free (`submit`), so their
-            # KV slots must be back before a job admitted in their place is prefilled.
-            for run in running:
-                if run.job.cancelled.is_set():
-                    self._release(run, EngineCancelled(run.job.request_id))
-            running = [r for r in running if not r.closed]
-            self._admit_new(running, block=not running and pending is None)
-            launched = None
-            if self.decoder is not None and self.decoder.active_count:
-                try:
-                    launched = self.decoder.launch()
-                except Exception as exc:  # noqa: BLE001 - a broken step fails its requests
-                    logger.exception("batched decode step failed")
-                    for run in running:
-                        if run.slot is not None:
-                            self._release(run, exc)
-            if pending is not None:
-                self._emit(pending)
-            pending = launched
-            for run in running:
-                if run.closed or run.slot is not None or run.seq is None or run.seq.finished:
-                    continue
-                try:  # no batched decoder: the B=1 path
-                    if self._step_alone(run):
-                        self._release(run, None)
-                except Exception as exc:  # noqa: BLE001
-                    logger.exception("decode step failed for %s", run.job.request_id)
-                    self._release(run, exc)
-            running = [r for r in running if not r.closed]
-        if pending is not None:
-            self._emit(pending)
-        for run in running:
-            self._release(run, EngineStopped("AR engine stopped"))
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self._release(_Running(job, None, JobStats(), time.perf_counter()), EngineStopped("AR engine stopped"))
-
-
-class EngineCancelled(RuntimeError):
-    """The request was cancelled (client gone, deadline, or its push failed)."""
-
-
-def _ids(token_ids: Any) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        return [int(x) for x in token_ids.reshape(-1).tolist()]
-    return [int(x) for x in token_ids]
+                run.job.on_done(error, stats)

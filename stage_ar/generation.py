@@ -26,12 +26,23 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM
-from stage_ar.sampling import GridConstrainedSampler
+from stage_ar.kv_pool import KVCache
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, build_key_mask
+from stage_ar.sampling import GridConstrainedSampler, GridSampler, SamplingState
 
-__all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence"]
+__all__ = ["CFG_CONTEXT_TOKENS", "RowBatch", "T2ISequence", "cache_rows", "grid_tokens"]
 
 CFG_CONTEXT_TOKENS = 10  # upstream generate_t2i: the unconditional copy keeps the last 10 prompt tokens
+
+
+def cache_rows(ar_guidance_scale: float) -> int:
+    """KV-cache rows (and pool slots) a request needs: 2 with AR-side CFG (``scale > 1``), else 1."""
+    return 2 if float(ar_guidance_scale) > 1.0 else 1
+
+
+def grid_tokens(ar_width: int, ar_height: int) -> int:
+    """Tokens of a grid: ``ar_height`` rows of ``ar_width`` codes and one EOL each."""
+    return ar_height * (ar_width + 1)
 
 
 @dataclass
@@ -101,10 +112,10 @@ class T2ISequence:
         self.ar_height = ar_height
         self.sampler = sampler
         self.ar_guidance_scale = float(ar_guidance_scale)
-        self.cfg = self.ar_guidance_scale > 1.0
+        self.cfg = cache_rows(self.ar_guidance_scale) == 2
 
         self.prompt_len = len(self.prompt_ids)
-        self.grid_tokens = ar_height * (ar_width + 1)
+        self.grid_tokens = grid_tokens(ar_width, ar_height)
         self.total_rows = self.prompt_len + self.grid_tokens
         self.total_samples = self.grid_tokens + 1
         max_pos = model.config.max_position_embeddings
@@ -118,8 +129,10 @@ class T2ISequence:
         self.finished = False
         self._next_token: int | None = None
         self._kv_cache: KVCache | None = None
-        self._key_mask: torch.Tensor | None = None
         self._position_base: list[int] = [0]
+        self.grid_sampler = GridSampler(
+            sampler.eol_token_id, sampler.visual_token_start_id, sampler.visual_token_end_id, self.device)
+        self.sampling_state: SamplingState | None = None  # built by `prefill`
 
     # ---- public state machine -------------------------------------------------------------------
 
@@ -141,6 +154,13 @@ class T2ISequence:
     def next_token(self) -> int | None:
         """The sampled token the next step feeds (``None`` before `prefill` and once finished)."""
         return self._next_token
+
+    @property
+    def key_starts(self) -> list[int]:
+        """Per cache row, the first key position it attends to (0; the CFG uncond row ``P - keep``)."""
+        if not self.cfg:
+            return [0]
+        return [0, self.prompt_len - min(CFG_CONTEXT_TOKENS, self.prompt_len)]
 
     @property
     def position_offsets(self) -> list[int]:
@@ -183,7 +203,6 @@ class T2ISequence:
             self.finished = True
             self._next_token = None
             self._kv_cache = None
-            self._key_mask = None
         else:
             self._next_token = int(sampled_token)
 
@@ -203,17 +222,15 @@ class T2ISequence:
         positions = torch.arange(self.prompt_len, device=self.device).expand(batch, -1)
         attention_mask = None
         if self.cfg:
-            key_mask = torch.ones(batch, self.total_rows, dtype=torch.bool, device=self.device)
+            key_mask = build_key_mask(self.key_starts, self.prompt_len, self.device)
             keep = min(CFG_CONTEXT_TOKENS, self.prompt_len)
-            key_mask[1, : self.prompt_len - keep] = False
-            self._key_mask = key_mask
             # upstream get_rope_index with a mask: cumsum(mask) - 1, masked positions set to 1.
             uncond = key_mask[1, : self.prompt_len].long().cumsum(0) - 1
             uncond = uncond.masked_fill(~key_mask[1, : self.prompt_len], 1)
             positions = torch.stack([positions[0], uncond])
             # generated token g sits at position P + g (cond) and keep + g (uncond).
             self._position_base = [0, keep - self.prompt_len]
-            attention_mask = key_mask[:, : self.prompt_len]
+            attention_mask = key_mask
         out = self.model(ids, positions, kv_cache=self._kv_cache, attention_mask=attention_mask, compute_logits=False)
         hidden = out.last_hidden_state
         self._sample_next(hidden[:, -1])
@@ -237,14 +254,12 @@ class T2ISequence:
         positions = torch.tensor(
             [[self.prompt_len + g + base] for base in self._position_base], dtype=torch.long, device=self.device
         )
-        attention_mask = None
-        if self._key_mask is not None:
-            attention_mask = self._key_mask[:, : self.prompt_len + g + 1]
+        attention_mask = build_key_mask(self.key_starts, self.prompt_len + g + 1, self.device) if self.cfg else None
         out = self.model(ids, positions, kv_cache=self._kv_cache, attention_mask=attention_mask, compute_logits=False)
         self.generated_ids.append(token)
         self._next_token = None
         hidden = out.last_hidden_state
-        self._sample_next(hidden[:, -1])
+        self._sample_next(hidden[:, -1], fed=token)
         return self._emit(hidden[0], [token], self.prompt_len + g)
 
     @torch.inference_mode()
@@ -268,7 +283,6 @@ class T2ISequence:
     def release(self) -> None:
         """Free the KV cache (idempotent); the sequence cannot step afterwards."""
         self._kv_cache = None
-        self._key_mask = None
         self._next_token = None
         self.finished = True
 
@@ -287,22 +301,37 @@ class T2ISequence:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _sample_next(self, last_hidden: torch.Tensor) -> None:
-        """Sample from the last row's logits ``last_hidden (batch, hidden)``."""
-        logits = self.model.compute_logits(last_hidden)
-        if self.cfg:
-            cond, uncond = logits[0], logits[1]
-            scores = uncond + (cond - uncond) * self.ar_guidance_scale
-        else:
-            scores = logits[0]
-        previous = self.prompt_ids + self.generated_ids if self.sampler.repetition_penalty != 1.0 else None
-        token = self.sampler.sample(scores, self.tokens_sampled, previous)
+    def _init_sampling(self) -> None:
+        """The request's `SamplingState` (rows as the KV cache: 1, or 2 with AR-side CFG), with every
+        uniform it will use drawn now in one call: one float64 per non-EOL sample, none when greedy
+        (``torch.rand(n)`` yields the values of ``n`` scalar draws; the generator ends where a
+        draw-per-sample run leaves it)."""
+        s = self.sampler
+        table = torch.zeros(self.total_samples, dtype=torch.float64)
+        if not s.greedy:
+            draws = [i for i in range(self.total_samples) if not s.is_eol_position(i)]
+            if draws:
+                table[torch.tensor(draws)] = torch.rand(len(draws), generator=s.generator, dtype=torch.float64)
+        self.sampling_state = SamplingState.for_request(
+            s, self.grid_sampler.vocab, self.cache_batch, self.ar_guidance_scale, self.prompt_ids, table, self.device)
+
+    def _sample_next(self, last_hidden: torch.Tensor, fed: int | None = None) -> None:
+        """Sample from the last rows ``last_hidden (rows, hidden)`` (after feeding ``fed``)."""
+        if self.sampling_state is None:
+            self._init_sampling()
+        state, sampler = self.sampling_state, self.grid_sampler
+        if fed is not None:
+            rows = last_hidden.shape[0]
+            sampler.mark_seen(state, torch.full((rows,), fed, dtype=torch.long, device=self.device),
+                              torch.ones(rows, dtype=torch.bool, device=self.device))
+        logits = self.model.compute_logits(last_hidden, sampler.vstart, sampler.vend)
+        token = int(sampler(logits, state)[0])
+        state.sample_idx += 1
         self.tokens_sampled += 1
         if len(self.generated_ids) == self.grid_tokens:
             self.lookahead_id = token
             self.finished = True
             self._kv_cache = None
-            self._key_mask = None
         else:
             self._next_token = token
 

@@ -2,12 +2,13 @@
 
 The pool is one preallocated pair of tensors ``(num_layers, num_slots, num_kv_heads, capacity,
 head_dim)``; a sequence owns one slot (two adjacent slots with AR-side CFG: conditional, then
-unconditional) from its prefill until it leaves. Allocation is lowest-free-first so the running
-sequences stay packed at the front: the batched decode step covers slots ``[0, bucket)`` as a plain
-view of the pool (no gather of keys/values).
+unconditional) from its prefill until it leaves. Which slots are free is the scheduler's business
+(`stage_ar.scheduler.SlotAllocator`, lowest free first, so the running sequences stay packed at the
+front and the batched decode step covers slots ``[0, bucket)`` as a plain view of the pool).
 
-`KVPool.view` hands a sequence a `KVCache` whose tensors are views of its slots, so the prefill runs
-through the unchanged `MammothARForCausalLM.forward` and writes straight into the pool.
+`KVCache` is one sequence's (or one request's rows') cache; `KVPool.view` hands a sequence a
+`KVCache` whose tensors are views of its slots, so the prefill runs through the one
+`MammothARForCausalLM.forward` and writes straight into the pool.
 """
 
 from __future__ import annotations
@@ -15,15 +16,89 @@ from __future__ import annotations
 import torch
 
 from stage_ar.configuration_mammoth_ar import MammothARConfig
-from stage_ar.modeling_mammoth_ar import KVCache
 
-__all__ = ["KVPool", "PoolFull"]
+__all__ = ["KVCache", "KVPool"]
 
 CAPACITY_ALIGN = 16  # memory-efficient attention wants the key length (mask width) a multiple of 16
 
 
-class PoolFull(RuntimeError):
-    """No run of free adjacent slots is large enough."""
+class KVCache:
+    """Preallocated per-sequence key/value cache.
+
+    Attributes:
+        key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` in the model dtype
+            (keys are stored after RoPE).
+        length: number of positions filled (the same for every batch row).
+        capacity: maximum positions.
+
+    The model writes a forward's new keys at ``[length, length + T)`` in every layer and advances
+    `length` once that forward has finished.
+    """
+
+    def __init__(
+        self,
+        config: MammothARConfig,
+        batch_size: int,
+        capacity: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if batch_size < 1 or capacity < 1:
+            raise ValueError(f"KVCache needs batch_size >= 1 and capacity >= 1, got {batch_size}, {capacity}")
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        self.key = torch.zeros(shape, device=device, dtype=dtype)
+        self.value = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+        self.capacity = capacity
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_buffers(cls, key: torch.Tensor, value: torch.Tensor, length: int = 0) -> KVCache:
+        """A cache over existing tensors (e.g. slots of `stage_ar.kv_pool.KVPool`), no allocation.
+
+        Args:
+            key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` (views allowed;
+                writes go through to them).
+            length: positions already filled.
+
+        Raises:
+            ValueError: the two shapes differ, are not 5-D, or ``length`` is out of range.
+        """
+        if key.dim() != 5 or key.shape != value.shape:
+            raise ValueError(f"key/value must be equal 5-D shapes, got {tuple(key.shape)}, {tuple(value.shape)}")
+        if not 0 <= length <= key.shape[3]:
+            raise ValueError(f"length {length} outside [0, {key.shape[3]}]")
+        cache = cls.__new__(cls)
+        cache.key, cache.value = key, value
+        cache.length = int(length)
+        cache.capacity = int(key.shape[3])
+        cache.batch_size = int(key.shape[1])
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value tensors."""
+        return self.key.numel() * self.key.element_size() * 2
+
+    @staticmethod
+    def bytes_needed(config: MammothARConfig, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of this size would take (for admission control before allocating):
+        ``2 * layers * batch * kv_heads * capacity * head_dim * itemsize``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+        return per_position * batch_size * capacity
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` ``(batch, kv_heads, T, head_dim)`` after the filled part.
+
+        Returns:
+            keys and values of positions ``[0, length + T)`` of this layer.
+        """
+        end = self.length + key.shape[2]
+        self.key[layer, :, :, self.length : end] = key
+        self.value[layer, :, :, self.length : end] = value
+        return self.key[layer, :, :, :end], self.value[layer, :, :, :end]
 
 
 class KVPool:
@@ -59,46 +134,11 @@ class KVPool:
         self.value = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots = num_slots
         self.capacity = capacity
-        self._used = [False] * num_slots
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors."""
         return self.key.numel() * self.key.element_size() * 2
-
-    @property
-    def free_slots(self) -> int:
-        """Slots not owned by any sequence."""
-        return self._used.count(False)
-
-    @property
-    def high_water(self) -> int:
-        """One past the highest slot in use (0 when the pool is empty)."""
-        for i in range(self.num_slots - 1, -1, -1):
-            if self._used[i]:
-                return i + 1
-        return 0
-
-    def alloc(self, count: int = 1) -> int:
-        """Take the lowest run of ``count`` free adjacent slots and return its first index.
-
-        Raises:
-            PoolFull: no such run.
-        """
-        run = 0
-        for i in range(self.num_slots):
-            run = run + 1 if not self._used[i] else 0
-            if run == count:
-                first = i - count + 1
-                for j in range(first, i + 1):
-                    self._used[j] = True
-                return first
-        raise PoolFull(f"no {count} adjacent free slots among {self.num_slots} ({self.free_slots} free)")
-
-    def free(self, first: int, count: int = 1) -> None:
-        """Give slots ``[first, first + count)`` back (idempotent)."""
-        for j in range(first, first + count):
-            self._used[j] = False
 
     def view(self, first: int, count: int = 1) -> KVCache:
         """A `KVCache` of batch ``count`` and this pool's capacity over slots ``[first, first+count)``.

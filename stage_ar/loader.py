@@ -11,6 +11,7 @@ import torch
 
 from mammoth_core.check_checkpoint import verify_checkpoint
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
+from stage_ar.generation import T2ISequence
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_ar.sampling import GridConstrainedSampler, T2IGenerationConfig, read_t2i_generation_config
 from stage_ar.tokenization_mammoth import MammothTokenizer
@@ -53,6 +54,21 @@ class ARBundle:
             top_k=top_k or None,
             top_p=top_p or None,
         )
+
+
+    def new_sequence(self, job: Any) -> T2ISequence:
+        """The engine's sequence factory: a seeded sampler and a `T2ISequence` for a
+        `stage_ar.engine.DecodeJob`."""
+        sampler = self.make_sampler(
+            job.ar_width, job.ar_height, job.seed, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p)
+        return T2ISequence(self.model, job.prompt_ids, job.ar_width, job.ar_height, sampler,
+                           negative_prompt_ids=job.negative_ids, ar_guidance_scale=job.ar_guidance_scale)
+
+    @property
+    def grid_ids(self) -> tuple[int, int, int]:
+        """``(eol_token_id, visual_token_start_id, visual_token_end_id)`` of the generation config."""
+        g = self.generation_config
+        return g.eol_token_id, g.visual_token_start_id, g.visual_token_end_id
 
 
 def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype) -> ARBundle:

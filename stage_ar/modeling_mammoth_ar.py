@@ -21,14 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
+from stage_ar.kv_pool import KVCache
+from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
 
 __all__ = [
     "ARForwardOutput",
     "ExpertRouting",
-    "KVCache",
+    "ForwardContext",
+    "STACKED_PARAMS",
     "MammothARForCausalLM",
-    "MammothRMSNorm",
+    "build_key_mask",
     "strip_llm_prefix",
 ]
 
@@ -49,36 +53,59 @@ def strip_llm_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     }
 
 
-class MammothRMSNorm(nn.Module):
-    """Qwen2 RMSNorm: ``weight * (x / sqrt(mean(x²) + eps))``, statistics in float32.
+def build_key_mask(key_starts: list[int], length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool key mask ``(len(key_starts), length)``: row ``r`` attends to positions ``>= key_starts[r]``
+    (the AR-CFG unconditional row keeps only its last prompt tokens)."""
+    starts = torch.tensor(key_starts, dtype=torch.long, device=device)
+    return torch.arange(length, device=device)[None, :] >= starts[:, None]
 
-    The normalised value is cast back to the input dtype *before* the weight multiply, as upstream
-    ``Qwen2RMSNorm`` does (matters for bf16 bit-compatibility).
-    """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        x = hidden_states.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
+#: Fused parameters and the checkpoint tensors stacked into them, in order:
+#: ``fused name -> (checkpoint names)``, siblings inside one module.
+STACKED_PARAMS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gen_qkv_proj": ("gen_q_proj", "gen_k_proj", "gen_v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _stack_hooks(module: nn.Module, fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    """Make ``module``'s state dict speak checkpoint names: ``fused.{weight,bias}`` appears as the
+    ``parts`` (views into the fused tensors: no copy), and loading those names fills the fused one."""
+    suffixes = ("weight", "bias")
+
+    def save(mod, state_dict, prefix, local_metadata) -> None:
+        for suffix in suffixes:
+            tensor = state_dict.pop(f"{prefix}{fused}.{suffix}", None)
+            if tensor is None:
+                continue
+            for name, piece in zip(parts, tensor.detach().split(sizes, dim=0)):
+                state_dict[f"{prefix}{name}.{suffix}"] = piece
+
+    def load(mod, state_dict, prefix, *args) -> None:
+        for suffix in suffixes:
+            keys = [f"{prefix}{name}.{suffix}" for name in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
 
 
 class MammothMLP(nn.Module):
-    """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+    """SwiGLU feed-forward ``down_proj(silu(gate) * up)`` with ``gate_proj``/``up_proj`` stacked in
+    one ``gate_up_proj`` (state dict under the checkpoint names), no biases."""
 
     def __init__(self, config: MammothARConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        _stack_hooks(self, "gate_up_proj", STACKED_PARAMS["gate_up_proj"], (inter, inter))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: PointwiseOps = EAGER_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 @dataclass
@@ -86,12 +113,13 @@ class ExpertRouting:
     """Which tokens of one forward go to the generation experts, computed once per forward.
 
     Attributes:
-        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index``.
+        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index`` (None for
+            `all_generation`, which needs no mask).
         mode: ``"none"`` (no generation token), ``"all"`` (only generation tokens) or ``"mixed"``.
         gen_index, und_index: flat token indices of each group (``"mixed"`` only).
     """
 
-    gen_token_mask: torch.Tensor
+    gen_token_mask: torch.Tensor | None
     mode: str
     gen_index: torch.Tensor | None = None
     und_index: torch.Tensor | None = None
@@ -106,12 +134,18 @@ class ExpertRouting:
         flat = gen_token_mask.reshape(-1)
         return cls(gen_token_mask, "mixed", flat.nonzero(as_tuple=True)[0], (~flat).nonzero(as_tuple=True)[0])
 
+    @classmethod
+    def all_generation(cls, input_ids: torch.Tensor) -> ExpertRouting:
+        """Every token is a generation token (grid decode): no host sync, no kernel, capturable."""
+        return cls(None, "all")
+
 
 def route_experts(
     hidden_states: torch.Tensor,
     und_expert: Callable[[torch.Tensor], torch.Tensor],
     gen_expert: Callable[[torch.Tensor], torch.Tensor] | None,
     routing: ExpertRouting | None,
+    *args: Any,
 ) -> torch.Tensor:
     """Hard routing between the understanding and the generation expert (upstream ``moe_forward``).
 
@@ -121,29 +155,24 @@ def route_experts(
         gen_expert: module for generation tokens; ``None`` (non-expert layer) routes all to
             ``und_expert``.
         routing: the forward's `ExpertRouting`; ``None`` routes all to ``und_expert``.
+        args: passed to the expert after the tokens.
 
     Returns:
         ``(batch, seq, out_features)`` in token order. Each token's output depends only on that token
         and its expert, so the result equals upstream's permute/split/inverse-permute.
     """
     if gen_expert is None or routing is None or routing.mode == "none":
-        return und_expert(hidden_states)
+        return und_expert(hidden_states, *args)
     if routing.mode == "all":
-        return gen_expert(hidden_states)
+        return gen_expert(hidden_states, *args)
     batch, seq, _ = hidden_states.shape
     flat = hidden_states.reshape(batch * seq, -1)
-    gen_out = gen_expert(flat.index_select(0, routing.gen_index))
-    und_out = und_expert(flat.index_select(0, routing.und_index))
+    gen_out = gen_expert(flat.index_select(0, routing.gen_index), *args)
+    und_out = und_expert(flat.index_select(0, routing.und_index), *args)
     out = gen_out.new_empty(batch * seq, gen_out.shape[-1])
     out.index_copy_(0, routing.gen_index, gen_out)
     out.index_copy_(0, routing.und_index, und_out)
     return out.view(batch, seq, -1)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last dim: ``[x1, x2] -> [-x2, x1]`` (Qwen/Llama RoPE layout)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MammothRotaryEmbedding(nn.Module):
@@ -171,90 +200,25 @@ class MammothRotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class KVCache:
-    """Preallocated per-sequence key/value cache.
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares: RoPE tables ``(B, T, d)``, expert routing, the
+    attention backend and the pointwise kernels."""
 
-    Attributes:
-        key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` in the model dtype
-            (keys are stored after RoPE).
-        length: number of positions filled (the same for every batch row).
-        capacity: maximum positions.
-
-    The model writes a forward's new keys at ``[length, length + T)`` in every layer and advances
-    `length` once that forward has finished.
-    """
-
-    def __init__(
-        self,
-        config: MammothARConfig,
-        batch_size: int,
-        capacity: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        if batch_size < 1 or capacity < 1:
-            raise ValueError(f"KVCache needs batch_size >= 1 and capacity >= 1, got {batch_size}, {capacity}")
-        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self.key = torch.zeros(shape, device=device, dtype=dtype)
-        self.value = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-        self.capacity = capacity
-        self.batch_size = batch_size
-
-    @classmethod
-    def from_buffers(cls, key: torch.Tensor, value: torch.Tensor, length: int = 0) -> KVCache:
-        """A cache over existing tensors (e.g. slots of `stage_ar.kv_pool.KVPool`), no allocation.
-
-        Args:
-            key, value: ``(num_layers, batch, num_kv_heads, capacity, head_dim)`` (views allowed;
-                writes go through to them).
-            length: positions already filled.
-
-        Raises:
-            ValueError: the two shapes differ, are not 5-D, or ``length`` is out of range.
-        """
-        if key.dim() != 5 or key.shape != value.shape:
-            raise ValueError(f"key/value must be equal 5-D shapes, got {tuple(key.shape)}, {tuple(value.shape)}")
-        if not 0 <= length <= key.shape[3]:
-            raise ValueError(f"length {length} outside [0, {key.shape[3]}]")
-        cache = cls.__new__(cls)
-        cache.key, cache.value = key, value
-        cache.length = int(length)
-        cache.capacity = int(key.shape[3])
-        cache.batch_size = int(key.shape[1])
-        return cache
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the key and value tensors."""
-        return self.key.numel() * self.key.element_size() * 2
-
-    @staticmethod
-    def bytes_needed(config: MammothARConfig, batch_size: int, capacity: int, dtype: torch.dtype) -> int:
-        """Bytes a cache of this size would take (for admission control before allocating):
-        ``2 * layers * batch * kv_heads * capacity * head_dim * itemsize``."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
-        return per_position * batch_size * capacity
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``key``/``value`` ``(batch, kv_heads, T, head_dim)`` after the filled part.
-
-        Returns:
-            keys and values of positions ``[0, length + T)`` of this layer.
-        """
-        end = self.length + key.shape[2]
-        self.key[layer, :, :, self.length : end] = key
-        self.value[layer, :, :, self.length : end] = value
-        return self.key[layer, :, :, :end], self.value[layer, :, :, :end]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    routing: ExpertRouting | None
+    attention: AttentionBackend
+    ops: PointwiseOps = EAGER_OPS
 
 
 class MammothAttention(nn.Module):
     """Causal GQA self-attention with optional generation-expert projections.
 
-    ``q/k/v_proj`` have biases, ``o_proj`` has none (Qwen2). In expert layers generation tokens use
-    ``gen_{q,k,v,o}_proj`` instead; attention itself is computed jointly over all tokens.
+    ``q/k/v_proj`` (biases) are stacked in ``qkv_proj`` (``gen_q/k/v_proj`` in ``gen_qkv_proj``) and
+    saved/loaded under the checkpoint names; ``o_proj`` has no bias (Qwen2). In expert layers
+    generation tokens use the ``gen_*`` projections; attention is computed jointly over all tokens
+    by the forward's attention backend.
     """
 
     def __init__(self, config: MammothARConfig, layer_idx: int) -> None:
@@ -266,82 +230,53 @@ class MammothAttention(nn.Module):
         hidden = config.hidden_size
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_out, bias=True)
-        self.k_proj = nn.Linear(hidden, kv_out, bias=True)
-        self.v_proj = nn.Linear(hidden, kv_out, bias=True)
+        sizes = (q_out, kv_out, kv_out)
+        self.qkv_proj = nn.Linear(hidden, sum(sizes), bias=True)
         self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        _stack_hooks(self, "qkv_proj", STACKED_PARAMS["qkv_proj"], sizes)
         self.has_experts = layer_idx in config.attention_expert_layers
+        self.gen_qkv_proj = nn.Linear(hidden, sum(sizes), bias=True) if self.has_experts else None
+        self.gen_o_proj = nn.Linear(q_out, hidden, bias=False) if self.has_experts else None
         if self.has_experts:
-            self.gen_q_proj = nn.Linear(hidden, q_out, bias=True)
-            self.gen_k_proj = nn.Linear(hidden, kv_out, bias=True)
-            self.gen_v_proj = nn.Linear(hidden, kv_out, bias=True)
-            self.gen_o_proj = nn.Linear(q_out, hidden, bias=False)
-        else:
-            self.gen_q_proj = self.gen_k_proj = self.gen_v_proj = self.gen_o_proj = None
+            _stack_hooks(self, "gen_qkv_proj", STACKED_PARAMS["gen_qkv_proj"], sizes)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_mask: torch.Tensor,
-        routing: ExpertRouting | None,
-        kv_cache: KVCache | None,
-    ) -> torch.Tensor:
-        """``hidden_states (batch, T, hidden)`` -> ``(batch, T, hidden)``.
-
-        ``attn_mask`` is a bool ``(batch, 1, T, S)`` (True = attend) over all ``S`` keys (cached + new).
-        """
-        batch, seq, _ = hidden_states.shape
-        mask = routing if self.has_experts else None
-        q = route_experts(hidden_states, self.q_proj, self.gen_q_proj, mask)
-        k = route_experts(hidden_states, self.k_proj, self.gen_k_proj, mask)
-        v = route_experts(hidden_states, self.v_proj, self.gen_v_proj, mask)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-
-        cos_b, sin_b = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos_b + rotate_half(q) * sin_b
-        k = k * cos_b + rotate_half(k) * sin_b
-
-        if kv_cache is not None:
-            k, v = kv_cache.write(self.layer_idx, k, v)
-        groups = self.num_heads // self.num_key_value_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.head_dim**-0.5)
-        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return route_experts(out, self.o_proj, self.gen_o_proj, mask)
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden_states (B, T, hidden)`` -> ``(B, T, hidden)``."""
+        routing = ctx.routing if self.has_experts else None
+        qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
+        q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_key_value_heads)
+        out = ctx.attention.forward(self.layer_idx, q, k, v)
+        return route_experts(out, self.o_proj, self.gen_o_proj, routing)
 
 
 class MammothDecoderLayer(nn.Module):
-    """Pre-norm decoder block: ``h += attn(norm(h)); h += mlp(norm(h))`` with expert routing."""
+    """Pre-norm decoder block with expert routing, residual stream carried separately:
+    ``h, r = norm(h, r); h = attn(h); h, r = norm(h, r); h = mlp(h)`` (the residual add fused into
+    each norm; the first layer starts with ``r = None``)."""
 
     def __init__(self, config: MammothARConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = MammothAttention(config, layer_idx)
         self.mlp = MammothMLP(config)
         self.gen_mlp = MammothMLP(config) if layer_idx in config.ffn_expert_layers else None
-        self.input_layernorm = MammothRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = MammothRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_mask: torch.Tensor,
-        routing: ExpertRouting | None,
-        kv_cache: KVCache | None,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attn_mask, routing, kv_cache)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = route_experts(self.post_attention_layernorm(hidden_states), self.mlp, self.gen_mlp, routing)
-        return residual + hidden_states
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, hidden)`` states and residual stream -> this layer's ``(mlp output, residual)``;
+        the layer's output is their sum (formed by the next norm)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states, kernels=ctx.ops)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, kernels=ctx.ops)
+        hidden_states = self.self_attn(hidden_states, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, kernels=ctx.ops)
+        routing = ctx.routing if self.gen_mlp is not None else None
+        hidden_states = route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops)
+        return hidden_states, residual
 
 
 class MammothTextModel(nn.Module):
@@ -355,17 +290,20 @@ class MammothTextModel(nn.Module):
             nn.Embedding(config.gen_vocab_size, config.hidden_size) if config.extra_gen_vocab else None
         )
         self.layers = nn.ModuleList(MammothDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = MammothRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MammothRotaryEmbedding(config)
 
-    def embed(self, input_ids: torch.Tensor, gen_token_mask: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
         """Embedding scatter: ids ``>= gen_vocab_start_index`` read ``gen_embed_tokens(id - start)``.
 
         ``input_ids (batch, T)`` must lie in ``[0, full_vocab_size)`` (checked by `forward`).
         """
         cfg = self.config
-        if self.gen_embed_tokens is None:
+        if self.gen_embed_tokens is None or routing.mode == "none":
             return self.embed_tokens(input_ids)
+        if routing.mode == "all":
+            return self.gen_embed_tokens(input_ids - cfg.gen_vocab_start_index)
+        gen_token_mask = routing.gen_token_mask
         base_ids = input_ids.masked_fill(gen_token_mask, 0)
         gen_ids = (input_ids - cfg.gen_vocab_start_index).clamp_min(0).masked_fill(~gen_token_mask, 0)
         base = self.embed_tokens(base_ids)
@@ -437,52 +375,17 @@ class MammothARForCausalLM(nn.Module):
         param = self.lm_head.weight
         return KVCache(self.config, batch_size, capacity, device=param.device, dtype=param.dtype)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``cat([lm_head(h), gen_head(h)], -1)`` as float32; ``h`` is ``(..., hidden)``."""
-        logits = self.lm_head(hidden_states)
-        if self.gen_head is not None:
-            logits = torch.cat([logits, self.gen_head(hidden_states)], dim=-1)
-        return logits.float()
-
-    @staticmethod
-    def _build_mask(
-        attention_mask: torch.Tensor | None,
-        batch: int,
-        seq: int,
-        past: int,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Bool ``(batch, 1, T, S)`` mask (True = attend), ``S = past + T``.
-
-        ``attention_mask`` may be ``None`` (causal), a key mask ``(batch, S)`` (1/True = real token,
-        combined with causality), or a ready ``(batch, 1, T, S)`` bool or additive float mask.
-        Every query may always attend to its own position, so a fully padded query row yields
-        finite values instead of NaN; such rows are padding and never read.
-        """
-        total = past + seq
-        q_pos = torch.arange(past, total, device=device)
-        k_pos = torch.arange(total, device=device)
-        causal = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1,1,T,S)
-        if attention_mask is None:
-            mask = causal.expand(batch, 1, seq, total)
-        elif attention_mask.dim() == 2:
-            if tuple(attention_mask.shape) != (batch, total):
-                raise ValueError(
-                    f"key attention_mask must be (batch, past+T) = {(batch, total)}, got {tuple(attention_mask.shape)}"
-                )
-            mask = causal & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-        elif attention_mask.dim() == 4:
-            if tuple(attention_mask.shape[-2:]) != (seq, total):
-                raise ValueError(
-                    f"4-D attention_mask must end in (T, S) = {(seq, total)}, got {tuple(attention_mask.shape)}"
-                )
-            full = attention_mask.to(device)
-            mask = full if full.dtype == torch.bool else full > torch.finfo(full.dtype).min / 2
-            mask = mask.expand(batch, 1, seq, total)
-        else:
-            raise ValueError(f"attention_mask must be 2-D or 4-D, got {attention_mask.dim()}-D")
-        diagonal = (k_pos[None, :] == q_pos[:, None])[None, None]
-        return mask | diagonal
+    def compute_logits(self, hidden_states: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Float32 logits of vocabulary ids ``[start, end)`` (default: all, base head then gen head)
+        for ``hidden_states (..., hidden)``; a range inside one head multiplies only those rows."""
+        base = self.config.vocab_size
+        end = self.config.full_vocab_size if end is None else end
+        if self.gen_head is None or end <= base:
+            return F.linear(hidden_states, self.lm_head.weight[start:end]).float()
+        if start >= base:
+            return F.linear(hidden_states, self.gen_head.weight[start - base : end - base]).float()
+        logits = torch.cat([self.lm_head(hidden_states), self.gen_head(hidden_states)], dim=-1)
+        return logits[..., start:end].float()
 
     def forward(
         self,
@@ -492,20 +395,32 @@ class MammothARForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         compute_logits: bool = True,
+        *,
+        attention: AttentionBackend | None = None,
+        routing: ExpertRouting | None = None,
+        ops: PointwiseOps = EAGER_OPS,
     ) -> ARForwardOutput:
-        """Run the decoder.
+        """Run the decoder (the one forward: prefill, the B=1 reference and the batched decode step).
 
         Args:
             input_ids: ``(batch, T)`` int64; ids ``>= gen_vocab_start_index`` are generation tokens
                 (generation embedding, experts in expert layers).
             position_ids: ``(batch, T)`` int64 RoPE positions (text-only M-RoPE = 1-D positions).
-            kv_cache: optional `KVCache`; new keys/values are appended after ``kv_cache.length``
-                and the length advances by ``T``. Without it the call is a full-sequence forward.
-            attention_mask: ``None`` (causal), a key mask ``(batch, kv_len + T)`` (True/1 = attend,
-                e.g. the AR-CFG unconditional row), or a bool/additive ``(batch, 1, T, kv_len + T)``.
+            kv_cache: optional `KVCache` for the default SDPA backend; new keys/values are appended
+                after ``kv_cache.length`` and the length advances by ``T``. Without it (and without
+                ``attention``) the call is a full-sequence forward.
+            attention_mask: SDPA backend only: ``None`` (causal), a key mask ``(batch, kv_len + T)``
+                (True/1 = attend, e.g. the AR-CFG unconditional row), or a bool/additive
+                ``(batch, 1, T, kv_len + T)``.
             output_hidden_states: also return every layer's input and the final state.
             compute_logits: compute float32 logits for every row (set False and call
                 `compute_logits` on selected rows to save work).
+            attention: an `stage_ar.attention` backend that owns the keys/values (the batched
+                decode step); replaces ``kv_cache``/``attention_mask``.
+            routing: the tokens' expert routing when the caller knows it (e.g.
+                `ExpertRouting.all_generation`); skips the id check and its host sync, so the call
+                can be captured in a CUDA graph.
+            ops: pointwise kernels (`stage_ar.layers.compiled_ops` on the CUDA decode step).
 
         Returns:
             `ARForwardOutput`.
@@ -518,33 +433,25 @@ class MammothARForCausalLM(nn.Module):
                 f"input_ids and position_ids must both be (batch, T); got {tuple(input_ids.shape)}, "
                 f"{tuple(position_ids.shape)}"
             )
-        batch, seq = input_ids.shape
-        past = 0
-        if kv_cache is not None:
-            if kv_cache.batch_size != batch:
-                raise ValueError(f"kv_cache batch {kv_cache.batch_size} != input batch {batch}")
-            if kv_cache.length + seq > kv_cache.capacity:
-                raise ValueError(f"kv_cache full: {kv_cache.length} + {seq} positions > capacity {kv_cache.capacity}")
-            past = kv_cache.length
-        lm = self.model.language_model
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty")
-        gen_token_mask = input_ids >= self.config.gen_vocab_start_index
-        # One host sync per forward: id range check and the generation-token count together.
-        id_min, id_max, n_gen = torch.stack([input_ids.min(), input_ids.max(), gen_token_mask.sum()]).tolist()
-        if id_min < 0 or id_max >= self.config.full_vocab_size:
-            raise ValueError(f"token id out of range [0, {self.config.full_vocab_size}): min {id_min}, max {id_max}")
-        routing = ExpertRouting.from_mask(gen_token_mask, n_gen)
-        hidden_states = lm.embed(input_ids, gen_token_mask)
-        attn_mask = self._build_mask(attention_mask, batch, seq, past, hidden_states.device)
+        batch, seq = input_ids.shape
+        lm = self.model.language_model
+        if routing is None:
+            routing = self._routing(input_ids)
+        hidden_states = lm.embed(input_ids, routing)
+        if attention is None:
+            attention = self._sdpa(kv_cache, attention_mask, batch, seq, hidden_states.device)
         cos, sin = lm.rotary_emb(position_ids, hidden_states.dtype)
+        ctx = ForwardContext(cos, sin, routing, attention, ops)
 
         all_hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
+        residual: torch.Tensor | None = None
         for layer in lm.layers:
             if all_hidden is not None:
-                all_hidden.append(hidden_states)
-            hidden_states = layer(hidden_states, cos, sin, attn_mask, routing, kv_cache)
-        hidden_states = lm.norm(hidden_states)
+                all_hidden.append(hidden_states if residual is None else residual + hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, ctx)
+        hidden_states, _ = lm.norm(hidden_states, residual, kernels=ops)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
         if kv_cache is not None:
@@ -554,3 +461,23 @@ class MammothARForCausalLM(nn.Module):
             logits=self.compute_logits(hidden_states) if compute_logits else None,
             all_hidden_states=tuple(all_hidden) if all_hidden is not None else None,
         )
+
+    def _routing(self, input_ids: torch.Tensor) -> ExpertRouting:
+        """Routing from the ids, with their range check (one host sync for both)."""
+        gen_token_mask = input_ids >= self.config.gen_vocab_start_index
+        id_min, id_max, n_gen = torch.stack([input_ids.min(), input_ids.max(), gen_token_mask.sum()]).tolist()
+        if id_min < 0 or id_max >= self.config.full_vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.full_vocab_size}): min {id_min}, max {id_max}")
+        return ExpertRouting.from_mask(gen_token_mask, n_gen)
+
+    def _sdpa(self, kv_cache: KVCache | None, attention_mask: torch.Tensor | None, batch: int, seq: int,
+              device: torch.device) -> SDPAAttention:
+        past = 0
+        if kv_cache is not None:
+            if kv_cache.batch_size != batch:
+                raise ValueError(f"kv_cache batch {kv_cache.batch_size} != input batch {batch}")
+            if kv_cache.length + seq > kv_cache.capacity:
+                raise ValueError(f"kv_cache full: {kv_cache.length} + {seq} positions > capacity {kv_cache.capacity}")
+            past = kv_cache.length
+        mask = build_attention_mask(attention_mask, batch, seq, past, device)
+        return SDPAAttention(kv_cache, mask, self.config.head_dim**-0.5)

@@ -15,13 +15,16 @@ device.
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["GridConstrainedSampler", "T2IGenerationConfig", "read_t2i_generation_config"]
+__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig",
+           "read_t2i_generation_config"]
 
 T2I_GENERATION_CONFIG_FILE = "t2i_generation_config.json"
 MIN_TOKENS_TO_KEEP = 3  # upstream generate_t2i: TopK/TopP warpers with min_tokens_to_keep=3
@@ -94,7 +97,7 @@ def read_t2i_generation_config(directory: str | Path) -> T2IGenerationConfig:
 
 
 class GridConstrainedSampler:
-    """Samples one request's grid tokens.
+    """One request's sampling parameters and seeded generator (the sampling itself is `GridSampler`).
 
     Args:
         ar_width, ar_height: grid size in tokens (image size // 16).
@@ -194,16 +197,10 @@ class GridConstrainedSampler:
         return generated_len % (self.ar_width + 1) == self.ar_width
 
     def sample(self, logits: torch.Tensor, generated_len: int, previous_ids: list[int] | None = None) -> int:
-        """Sample the token at index ``generated_len`` of the generated sequence.
-
-        Args:
-            logits: ``(vocab,)`` float logits of the full vocabulary (base + generation), any device.
-            generated_len: tokens generated before this one.
-            previous_ids: ids the repetition penalty looks at (prompt + generated), if enabled.
-
-        Returns:
-            The token id. EOL positions return EOL without drawing a random number; every other
-            position draws exactly one uniform from the generator when sampling (none when greedy).
+        """One token through `GridSampler` at batch size 1 (tests, tools): the token at index
+        ``generated_len`` of the generated sequence from full-vocabulary ``logits (vocab,)``;
+        ``previous_ids`` feed the repetition penalty. Draws one uniform from the generator unless
+        greedy or at an EOL position (none then).
 
         Raises:
             ValueError: ``logits`` is not 1-D or too narrow for the visual range.
@@ -212,45 +209,189 @@ class GridConstrainedSampler:
             raise ValueError(f"logits must be 1-D (vocab,), got shape {tuple(logits.shape)}")
         if logits.shape[0] < self.visual_token_end_id:
             raise ValueError(f"logits width {logits.shape[0]} < visual_token_end_id {self.visual_token_end_id}")
-        if self.is_eol_position(generated_len):
-            return self.eol_token_id
-        scores = logits.float()
-        if self.repetition_penalty != 1.0 and previous_ids:
-            scores = scores.clone()
-            seen = torch.tensor(sorted(set(previous_ids)), device=scores.device, dtype=torch.long)
-            seen = seen[seen < scores.shape[0]]
-            picked = scores[seen]
-            scores[seen] = torch.where(picked < 0, picked * self.repetition_penalty, picked / self.repetition_penalty)
-        # Restrict to the visual codes: only this slice can be sampled (the EOL id is outside it).
-        scores = scores[self.visual_token_start_id : self.visual_token_end_id]
-        if self.greedy:
-            return self.visual_token_start_id + int(torch.argmax(scores))
-        scores = scores / self.temperature
-        scores = self._top_k(scores)
-        scores = self._top_p(scores)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
-        cdf = torch.cumsum(probs, dim=0)
-        u = torch.rand((), generator=self.generator, dtype=torch.float64).item() * float(cdf[-1])
-        index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
-        index = min(index, scores.shape[0] - 1)
-        # Never land on a filtered (-inf) entry through rounding at the CDF's flat parts.
-        while probs[index] == 0 and index > 0:
-            index -= 1
-        return self.visual_token_start_id + index
+        sampler = GridSampler(self.eol_token_id, self.visual_token_start_id, self.visual_token_end_id, logits.device)
+        draw = not self.greedy and not self.is_eol_position(generated_len)
+        uniforms = torch.rand(1, generator=self.generator, dtype=torch.float64) if draw else torch.zeros(1)
+        state = SamplingState.for_request(self, sampler.vocab, 1, 0.0, previous_ids or [], uniforms, logits.device)
+        state.sample_idx.fill_(generated_len)
+        state.uniforms_base = generated_len
+        return int(sampler(logits[None, self.visual_token_start_id : self.visual_token_end_id].float(), state)[0])
 
-    def _top_k(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.top_k is None:
-            return scores
-        k = min(max(self.top_k, MIN_TOKENS_TO_KEEP), scores.shape[0])
-        kth = torch.topk(scores, k).values[-1]
-        return scores.masked_fill(scores < kth, float("-inf"))
 
-    def _top_p(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.top_p >= 1.0:
-            return scores
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1 - self.top_p)
-        remove_sorted[-MIN_TOKENS_TO_KEEP:] = False
-        remove = remove_sorted.scatter(0, order, remove_sorted)
-        return scores.masked_fill(remove, float("-inf"))
+@dataclass
+class SamplingState:
+    """Per-row sampling state of ``n`` rows on one device (a request's rows, or the runner's slots).
+
+    Row ``i`` samples with its own parameters; with AR-side CFG the conditional row has
+    ``has_partner`` and ``partner`` = its unconditional row, and every row takes the token of its
+    ``source`` row. ``uniforms[i, j - uniforms_base]`` is the uniform of sample ``j``; ``seen`` marks
+    visual codes for the repetition penalty. Integer tensors int64, scales float32.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p_cut: torch.Tensor  # 1 - top_p, computed in float64 on the host as upstream
+    use_top_p: torch.Tensor
+    penalty: torch.Tensor
+    cfg_scale: torch.Tensor
+    partner: torch.Tensor
+    has_partner: torch.Tensor
+    source: torch.Tensor
+    greedy: torch.Tensor
+    width: torch.Tensor
+    sample_idx: torch.Tensor
+    uniforms: torch.Tensor
+    seen: torch.Tensor
+    uniforms_base: int = 0
+
+    @classmethod
+    def allocate(cls, n: int, vocab: int, samples: int, device: torch.device | str | None) -> SamplingState:
+        """``n`` idle rows (each its own source) with room for ``samples`` uniforms per row."""
+        i64 = {"device": device, "dtype": torch.long}
+        f32 = {"device": device, "dtype": torch.float32}
+        b = {"device": device, "dtype": torch.bool}
+        return cls(
+            temperature=torch.ones(n, **f32), top_k=torch.full((n,), vocab, **i64), top_p_cut=torch.zeros(n, **f32),
+            use_top_p=torch.zeros(n, **b), penalty=torch.ones(n, **f32), cfg_scale=torch.ones(n, **f32),
+            partner=torch.arange(n, **i64), has_partner=torch.zeros(n, **b), source=torch.arange(n, **i64),
+            greedy=torch.zeros(n, **b), width=torch.ones(n, **i64), sample_idx=torch.zeros(n, **i64),
+            uniforms=torch.zeros(n, samples, device=device, dtype=torch.float64), seen=torch.zeros(n, vocab, **b),
+        )
+
+    @classmethod
+    def for_request(
+        cls, params: GridConstrainedSampler, vocab: int, rows: int, cfg_scale: float, seen_ids: list[int],
+        uniforms: torch.Tensor, device: torch.device | str | None,
+    ) -> SamplingState:
+        """One request's ``rows`` (2 with AR-side CFG: conditional, unconditional); ``uniforms`` the
+        request's uniform table (CPU float64), ``seen_ids`` the ids the repetition penalty starts from."""
+        state = cls.allocate(rows, vocab, uniforms.shape[0], device)
+        k = vocab if params.top_k is None else min(max(params.top_k, MIN_TOKENS_TO_KEEP), vocab)
+        state.temperature.fill_(params.temperature if not params.greedy else 1.0)
+        state.top_k.fill_(k)
+        state.top_p_cut.fill_(1.0 - params.top_p)
+        state.use_top_p.fill_(params.top_p < 1.0)
+        state.penalty.fill_(params.repetition_penalty)
+        state.cfg_scale.fill_(cfg_scale)
+        state.greedy.fill_(params.greedy)
+        state.width.fill_(params.ar_width)
+        state.uniforms.copy_(uniforms.to(torch.float64).expand(rows, -1))
+        if rows == 2:
+            state.partner[0], state.has_partner[0], state.source[1] = 1, True, 0
+        if params.repetition_penalty != 1.0 and seen_ids:
+            ids = torch.tensor(seen_ids, dtype=torch.long) - params.visual_token_start_id
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[ids[(ids >= 0) & (ids < vocab)]] = True
+            state.seen.copy_(mask.to(state.seen.device).expand(rows, -1))
+        return state
+
+    @property
+    def needs_sort(self) -> bool:
+        """Any row uses top-k or top-p (host sync; call at joins, not per step)."""
+        return bool(((self.top_k < self.seen.shape[1]) | self.use_top_p).any())
+
+    def copy_into(self, other: SamplingState, first: int) -> None:
+        """Write these rows into ``other``'s rows ``[first, first + n)`` (indices shifted)."""
+        n = self.temperature.shape[0]
+        span = slice(first, first + n)
+        for f in dataclasses.fields(self):
+            if f.name in ("uniforms", "uniforms_base"):
+                continue
+            src = getattr(self, f.name)
+            if f.name in ("partner", "source"):
+                src = src + first
+            getattr(other, f.name)[span] = src.to(getattr(other, f.name).device)
+        other.uniforms[span].zero_()
+        other.uniforms[span, : self.uniforms.shape[1]] = self.uniforms.to(other.uniforms.device)
+
+    def clear(self, first: int, count: int) -> None:
+        """Rows ``[first, first + count)`` back to idle (own source, no partner)."""
+        span = slice(first, first + count)
+        rows = torch.arange(first, first + count, device=self.partner.device)
+        self.has_partner[span] = False
+        self.partner[span] = rows
+        self.source[span] = rows
+
+
+class GridSampler(nn.Module):
+    """The one grid sampler: batched, on the logits' device, no host sync (CUDA-graph capturable).
+
+    Steps, per row (upstream ``generate_t2i`` order): AR-CFG mix with the partner row, repetition
+    penalty over ``seen``, temperature, top-k, top-p (both keep at least `MIN_TOKENS_TO_KEEP`),
+    float64 softmax, inverse-CDF draw with the row's uniform for its sample index (argmax when
+    greedy), then the grid constraint: EOL where ``sample_idx % (width + 1) == width``; every row
+    returns its ``source`` row's token.
+
+    Args:
+        eol_token_id, visual_token_start_id, visual_token_end_id: the grid vocabulary; logits are
+            the visual slice ``[start, end)`` only.
+        device: where the logits live (its index table is built there once).
+    """
+
+    def __init__(self, eol_token_id: int, visual_token_start_id: int, visual_token_end_id: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eol = int(eol_token_id)
+        self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
+        self.vocab = self.vend - self.vstart
+        self.register_buffer("vocab_index", torch.arange(self.vocab, device=device), persistent=False)
+
+    def mark_seen(self, state: SamplingState, fed: torch.Tensor, active: torch.Tensor) -> None:
+        """Record the fed tokens ``(b,)`` of ``active`` rows for the repetition penalty."""
+        b = fed.shape[0]
+        vis = fed - self.vstart
+        in_vis = active & (vis >= 0) & (vis < self.vocab)
+        rows = torch.arange(b, device=fed.device)
+        idx = vis.clamp(0, self.vocab - 1)
+        state.seen[rows, idx] = state.seen[rows, idx] | in_vis
+
+    def forward(self, logits: torch.Tensor, state: SamplingState, sort: bool = True) -> torch.Tensor:
+        """``logits (b, vocab)`` float32 of the visual slice -> token ids ``(b,)`` int64.
+
+        ``sort=False`` skips top-k/top-p (valid only when no row uses them: same tokens then)."""
+        b = logits.shape[0]
+        scores = self._cfg_mix(logits, state, b)
+        scores = self._repetition_penalty(scores, state, b)
+        greedy_idx = torch.argmax(scores, dim=-1)
+        scores = scores / state.temperature[:b, None]
+        if sort:
+            scores = self._top_k_top_p(scores, state, b)
+        index = self._draw(scores, state, b)
+        index = torch.where(state.greedy[:b], greedy_idx, index)
+        width, sidx = state.width[:b], state.sample_idx[:b]
+        tokens = torch.where(sidx % (width + 1) == width, torch.full_like(index, self.eol), index + self.vstart)
+        return tokens[state.source[:b]]
+
+    @staticmethod
+    def _cfg_mix(logits: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
+        uncond = logits[state.partner[:b]]
+        mixed = uncond + (logits - uncond) * state.cfg_scale[:b, None]
+        return torch.where(state.has_partner[:b, None], mixed, logits)
+
+    @staticmethod
+    def _repetition_penalty(scores: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
+        p = state.penalty[:b, None]
+        penalised = torch.where(scores < 0, scores * p, scores / p)
+        return torch.where(state.seen[:b] & (p != 1.0), penalised, scores)
+
+    def _top_k_top_p(self, s: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
+        desc = torch.sort(s, dim=-1, descending=True).values
+        kth = desc.gather(1, (state.top_k[:b] - 1)[:, None])
+        s = s.masked_fill(s < kth, float("-inf"))
+        asc, order = torch.sort(s, dim=-1, descending=False)
+        cumulative = torch.softmax(asc, dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= state.top_p_cut[:b, None]
+        keep_tail = self.vocab_index >= self.vocab - MIN_TOKENS_TO_KEEP
+        remove_sorted = remove_sorted & ~keep_tail[None, :] & state.use_top_p[:b, None]
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        return s.masked_fill(remove, float("-inf"))
+
+    def _draw(self, s: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
+        probs = torch.softmax(s, dim=-1, dtype=torch.float64)
+        cdf = torch.cumsum(probs, dim=-1)
+        col = (state.sample_idx[:b] - state.uniforms_base).clamp(0, state.uniforms.shape[1] - 1)
+        u = state.uniforms[:b].gather(1, col[:, None]) * cdf[:, -1:]
+        index = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab - 1)
+        # never land on a zero-probability entry: step back to the last positive one
+        positive = torch.where(probs > 0, self.vocab_index[None, :], 0)
+        return torch.cummax(positive, dim=-1).values.gather(1, index).squeeze(1)

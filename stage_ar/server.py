@@ -33,8 +33,9 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
 from mammoth_core.text import is_blank
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
-from stage_ar.engine import DecodeEngine, DecodeJob, EngineFull, EngineStopped, JobStats
-from stage_ar.generation import T2ISequence
+from stage_ar.engine import (
+    DecodeEngine, DecodeJob, EngineDeadlineExceeded, EngineFull, EngineStopped, JobStats, Role,
+)
 from stage_ar.loader import ARBundle, load_ar
 from stage_ar.sender import HiddenStateSender
 
@@ -59,6 +60,26 @@ AR_TOKENS_PER_SECOND = Histogram(
     "mammoth_ar_decode_tokens_per_second", "grid tokens decoded per second of decode, per request",
     buckets=(10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400),
 )
+
+
+PB_ROLES = {Role.CONDITION: pb.CONDITION, Role.NEGATIVE: pb.NEGATIVE}
+
+
+class ProtoRoleSink:
+    """The engine's `stage_ar.engine.RowSink` over a `HiddenStateSender`: engine roles become the
+    ``mammoth.v1`` roles here, the one place they meet."""
+
+    def __init__(self, sender: HiddenStateSender) -> None:
+        self.sender = sender
+
+    def put_rows(self, role: Role, hidden: Any, token_ids: list[int]) -> None:
+        self.sender.put_rows(PB_ROLES[role], hidden, token_ids)
+
+    def finish(self) -> None:
+        self.sender.finish()
+
+    def abort(self) -> None:
+        self.sender.abort()
 
 
 class ARServicer(pb_grpc.ARServicer):
@@ -221,9 +242,10 @@ class ARServicer(pb_grpc.ARServicer):
             top_k=s.top_k,
             top_p=s.top_p,
             ar_guidance_scale=request.ar_guidance_scale,
-            sink=sender,
+            sink=ProtoRoleSink(sender),
             on_progress=on_progress,
             on_done=on_done,
+            deadline=None if remaining is None else time.monotonic() + remaining,
             row_times=[] if self.settings.trace_dir else None,
         )
         try:
@@ -270,6 +292,9 @@ class ARServicer(pb_grpc.ARServicer):
                 elif kind == "sent" and send_task.done() and not decoded:
                     # The push ended before decoding finished: the DiT refused or went away.
                     break
+            if isinstance(decode_error, EngineDeadlineExceeded):
+                outcome = "deadline"
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(decode_error))
             if decode_error is not None:
                 outcome = "failed"
                 logger.error("decode failed: %s", decode_error)
@@ -367,26 +392,6 @@ def _push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def make_sequence_factory(bundle: ARBundle):
-    """The engine's `SequenceFactory`: a seeded sampler and a `T2ISequence` per job."""
-
-    def make(job: DecodeJob) -> T2ISequence:
-        sampler = bundle.make_sampler(
-            job.ar_width, job.ar_height, job.seed, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p
-        )
-        return T2ISequence(
-            bundle.model,
-            job.prompt_ids,
-            job.ar_width,
-            job.ar_height,
-            sampler,
-            negative_prompt_ids=job.negative_ids,
-            ar_guidance_scale=job.ar_guidance_scale,
-        )
-
-    return make
-
-
 async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     """Run the AR stage until SIGTERM/SIGINT, then drain.
 
@@ -410,12 +415,11 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     bundle = await asyncio.to_thread(
         load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype()
     )
-    gen = bundle.generation_config
     engine = DecodeEngine(
-        make_sequence_factory(bundle),
+        bundle.new_sequence,
         settings.max_running_sequences,
         model=bundle.model,
-        grid_ids=(gen.eol_token_id, gen.visual_token_start_id, gen.visual_token_end_id),
+        grid_ids=bundle.grid_ids,
         max_sequence_length=min(settings.max_sequence_length, bundle.model.config.max_position_embeddings),
     )
     engine.start()

@@ -1,7 +1,7 @@
 """Layers shared by the MammothModa2 DiT models (`transformer_mammoth.py`, `condition_refiner.py`).
 
-Only small, standard building blocks live here: an RMSNorm with Qwen2's numerics, the SwiGLU
-feed-forward of Lumina2, the real-valued interleaved rotary embedding and a masked attention helper.
+Only small, standard building blocks live here: the shared Qwen2 RMSNorm with a fused CUDA kernel,
+the SwiGLU feed-forward of Lumina2, the real-valued interleaved rotary embedding and a masked attention helper.
 Attribute names equal the upstream checkpoint keys (`weight`, `linear_1`, `linear_2`, `linear_3`).
 """
 
@@ -14,38 +14,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mammoth_core.norms import RMSNorm as Qwen2RMSNorm
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with Qwen2's numerics (upstream `Qwen2RMSNorm`).
 
-    The statistic is computed in float32, the normalised value is cast back to the input dtype and
-    only then multiplied by `weight` (so a bfloat16 input with bfloat16 weight stays bfloat16).
+class RMSNorm(Qwen2RMSNorm):
+    """The shared Qwen2-numerics `mammoth_core.norms.RMSNorm` (statistic in float32, normalised
+    value cast back to the input dtype, then the weight multiply), except on CUDA with a 16-bit
+    input and weight: there one fused `F.rms_norm` kernel (statistic in float32, one rounding of
+    ``x * rstd * weight`` instead of two), the DiT's own numerics on the GPU.
 
     Args:
         hidden_size: size of the last dimension.
         eps: added to the mean square before the reciprocal square root.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states (`torch.Tensor` of shape `(..., hidden_size)`) -> same shape and dtype.
-
-        On CUDA with a 16-bit input this is one fused `F.rms_norm` kernel (statistic in float32,
-        one rounding of `x * rstd * weight` instead of two); elsewhere the reference numerics.
-        """
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """hidden_states (`torch.Tensor` of shape `(..., hidden_size)`) -> same shape and dtype."""
         input_dtype = hidden_states.dtype
         if hidden_states.is_cuda and input_dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == input_dtype:
-            return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.eps)
-        x = hidden_states.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+            return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 def swiglu_inner_dim(inner_dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

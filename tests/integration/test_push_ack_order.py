@@ -23,7 +23,7 @@ from mammoth_core.settings import ARSettings, DiTSettings
 from stage_ar.engine import DecodeEngine
 from stage_ar.loader import load_ar
 from stage_ar.sender import HiddenStateSender
-from stage_ar.server import ARServicer, make_sequence_factory
+from stage_ar.server import ARServicer
 from stage_dit.loader import load_pipeline
 from stage_dit.receiver import SlotPool, add_dit_servicer
 from stage_dit.server import DiTServicer
@@ -74,7 +74,7 @@ async def _start_stages(checkpoint, cache_dir):
                              dit_allow_list=[f"127.0.0.1:{dit_port}"])
     bundle = await asyncio.to_thread(load_ar, str(checkpoint), str(cache_dir), "cpu", torch.float32)
     gen = bundle.generation_config
-    engine = DecodeEngine(make_sequence_factory(bundle), 2, model=bundle.model,
+    engine = DecodeEngine(bundle.new_sequence, 2, model=bundle.model,
                           grid_ids=(gen.eol_token_id, gen.visual_token_start_id, gen.visual_token_end_id),
                           max_sequence_length=ar_settings.max_sequence_length)
     engine.start()

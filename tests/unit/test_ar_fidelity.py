@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from stage_ar.configuration_mammoth_ar import MammothARConfig, parse_moe_type
-from stage_ar.modeling_mammoth_ar import KVCache, MammothARForCausalLM, strip_llm_prefix
+from stage_ar.kv_pool import KVCache
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
 
 from reference_fixture import REFERENCE_DIR as FIXTURE
 
@@ -176,7 +177,7 @@ def test_experts_act_only_in_their_layer(model, reference):
     unchanged and changes only generation rows after layer 3."""
     lm = model.model.language_model
     for i in (0, 1):
-        assert lm.layers[i].gen_mlp is None and lm.layers[i].self_attn.gen_q_proj is None
+        assert lm.layers[i].gen_mlp is None and lm.layers[i].self_attn.gen_qkv_proj is None
     for i in (2, 3):
         assert lm.layers[i].gen_mlp is not None and lm.layers[i].self_attn.gen_o_proj is not None
     ids = reference["ar_input_ids"]
@@ -196,3 +197,33 @@ def test_out_of_range_ids_are_rejected(model):
         model(torch.tensor([[812]]), torch.tensor([[0]]))
     with pytest.raises(ValueError):
         model(torch.tensor([[1, 2]]), torch.tensor([[0]]))
+
+
+def test_fused_projections_speak_checkpoint_names_without_a_copy(model, llm_config, tmp_path):
+    """q/k/v (and the generation experts' q/k/v, and gate/up) are one fused parameter each; the
+    state dict shows them under the checkpoint's names as views of it (no second copy in memory),
+    and the strict checkpoint loader fills the fused parameter through those views."""
+    from safetensors.torch import save_file
+
+    from mammoth_core.checkpoint import Checkpoint
+
+    attn = model.language_model.layers[2].self_attn
+    state = model.state_dict()
+    prefix = "model.language_model.layers.2."
+    assert not any(".qkv_proj." in k or ".gate_up_proj." in k for k in state)
+    for name, fused in (("self_attn.q_proj.weight", attn.qkv_proj.weight),
+                        ("self_attn.gen_v_proj.bias", attn.gen_qkv_proj.bias),
+                        ("mlp.up_proj.weight", model.language_model.layers[2].mlp.gate_up_proj.weight)):
+        view = state[prefix + name]
+        assert fused.untyped_storage().data_ptr() == view.untyped_storage().data_ptr(), name
+    stored = sum(v.numel() for v in state.values())
+    assert stored == sum(p.numel() for p in model.parameters())  # one copy of every weight
+
+    # through the real loader (mmap + copy into the state-dict views), on a meta-built model
+    save_file({f"llm_model.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"llm_config": llm_config}))
+    with torch.device("meta"):
+        fresh = MammothARForCausalLM.from_llm_config(llm_config)
+    Checkpoint(tmp_path).load_module(fresh, "llm_model.", device="cpu")
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), name

@@ -1,4 +1,4 @@
-"""Batched AR decode (`BatchedDecoder`, `DecodeEngine`) against the B=1 `T2ISequence` reference.
+"""Batched AR decode (`ARModelRunner`, `DecodeEngine`) against the B=1 `T2ISequence` reference.
 
 CPU, float32, the reference fixture's tiny model. Staggered requests with different grid sizes and
 sampling settings (top-k, top-p, greedy, repetition penalty, AR-side CFG) share one batch; every
@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
-from mammoth_core.pb import mammoth_pb2 as pb
-from stage_ar.batch_engine import BatchedDecoder
-from stage_ar.engine import DecodeEngine, DecodeJob, EngineCancelled
+from stage_ar.engine import DecodeEngine, DecodeJob, EngineCancelled, Role
 from stage_ar.generation import T2ISequence
-from stage_ar.kv_pool import KVPool, PoolFull
+from stage_ar.kv_pool import KVPool
+from stage_ar.layers import PointwiseOps
+from stage_ar.runner import ARModelRunner
+from stage_ar.scheduler import SlotAllocator
 from stage_ar.sampling import GridConstrainedSampler
 from stage_ar.tokenization_mammoth import MammothTokenizer
 
@@ -59,18 +60,21 @@ def references(model, tokenizer):
 
 
 def run_staggered(model, tok, **options):
-    """Drive a `BatchedDecoder` directly: request i joins before step SPECS[i][5]."""
-    decoder = BatchedDecoder(model, 8, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
+    """Drive an `ARModelRunner` directly: request i joins before step SPECS[i][5]."""
+    decoder = ARModelRunner(model, 8, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
                              "visual_token_end_id"), grid_ids(tok))), **options)
+    slots = SlotAllocator(decoder.num_slots)
     rows: dict[int, list[torch.Tensor]] = {}
     seqs: dict[int, T2ISequence] = {}
+    firsts: dict[int, int] = {}
     batch_sizes = []
     step = 0
     while step == 0 or decoder.active_count or len(seqs) < len(SPECS):
         for i, spec in enumerate(SPECS):
             if spec[5] == step:
                 seqs[i] = seq = make_seq(model, tok, i)
-                first = decoder.reserve(seq)
+                firsts[i] = first = slots.alloc(seq.cache_batch)
+                seq.attach_kv_cache(decoder.kv_view(first, seq.cache_batch))
                 rows[i] = [seq.prefill().hidden]
                 decoder.activate(i, seq, first)
         batch_sizes.append(decoder.active_count)
@@ -82,7 +86,9 @@ def run_staggered(model, tok, **options):
         for e in pending.entries:
             seqs[e.key].record_external_step(fed[e.slot], sampled[e.slot])
             rows[e.key].append(pending.hidden[e.slot : e.slot + 1])
-    assert decoder.pool.free_slots == decoder.num_slots  # every slot came back
+            if e.finished:
+                slots.free(firsts[e.key], seqs[e.key].cache_batch)
+    assert slots.free_slots == decoder.num_slots and decoder.active_count == 0  # every slot came back
     assert max(batch_sizes) >= 4  # the requests really shared steps
     return {i: (torch.cat(rows[i]), seqs[i]) for i in seqs}
 
@@ -122,27 +128,29 @@ def test_length_buckets_and_sortless_sampler_match_too(model, tokenizer, referen
     for i, (hidden, seq) in got.items():
         assert seq.prompt_ids + seq.generated_ids == references[i][1], f"request {i}"
         torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
-    dec = BatchedDecoder(model, 2, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
+    dec = ARModelRunner(model, 2, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
                          "visual_token_end_id"), grid_ids(tokenizer))), exact_rows=False, length_bucket=16)
     assert dec.length_buckets == (16, 32, 48, 64, 80, 96) and not dec.compile  # CPU default: no compile
     seq = make_seq(model, tokenizer, 0)
-    first = dec.reserve(seq)
+    seq.attach_kv_cache(dec.kv_view(0, 1))
     seq.prefill()
-    dec.activate(0, seq, first)
-    b, length, sort = dec._shape()  # noqa: SLF001
+    dec.activate(0, seq, 0)
+    b, length, sort = dec.next_shape()
     assert b == 1 and length >= seq.prompt_len + 1 and length - 16 < seq.prompt_len + 1
     assert sort == (seq.sampler.top_k is not None or seq.sampler.top_p < 1.0)
 
 
 def test_compile_failure_falls_back_to_eager(model, tokenizer, references, monkeypatch, caplog):
     """A compiled helper that fails (as an Inductor/Triton error would) leaves a working decoder."""
-    import stage_ar.batch_engine as batch_engine
+    import stage_ar.runner as runner_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated compilation failure")
 
-    monkeypatch.setattr(batch_engine, "_COMPILED_KERNELS", dict.fromkeys(batch_engine._EAGER_KERNELS, broken))
-    with caplog.at_level("WARNING", logger="stage_ar.batch_engine"):
+    broken_ops = PointwiseOps(**dict.fromkeys(("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul",
+                                               "masked_softmax"), broken), compiled=True)
+    monkeypatch.setattr(runner_module, "compiled_ops", lambda: broken_ops)
+    with caplog.at_level("WARNING", logger="stage_ar.runner"):
         got = run_staggered(model, tokenizer, exact_rows=False, compile=True)
     assert "using eager kernels" in caplog.text
     for i, (hidden, seq) in got.items():
@@ -150,16 +158,9 @@ def test_compile_failure_falls_back_to_eager(model, tokenizer, references, monke
         torch.testing.assert_close(hidden, references[i][0], atol=2e-5, rtol=0)
 
 
-def test_pool_allocation_and_views(model):
+def test_pool_views(model):
     pool = KVPool(model.config, 4, 10, dtype=torch.float32)
-    assert pool.capacity == 16 and pool.free_slots == 4
-    a = pool.alloc(1)
-    b = pool.alloc(2)
-    assert (a, b) == (0, 1) and pool.high_water == 3
-    with pytest.raises(PoolFull):
-        pool.alloc(2)
-    pool.free(a)
-    assert pool.alloc(1) == 0  # lowest free first
+    assert pool.capacity == 16
     view = pool.view(1, 2)
     assert view.batch_size == 2 and view.capacity == 16 and view.length == 0
     k = torch.randn(2, model.config.num_key_value_heads, 3, model.config.head_dim)
@@ -178,7 +179,7 @@ class RecordingSink:
         self.job: DecodeJob | None = None
 
     def put_rows(self, role, hidden, token_ids):
-        assert role == pb.CONDITION
+        assert role is Role.CONDITION
         self.rows.append(hidden.clone())
         self.ids.extend(int(t) for t in token_ids)
         if self.cancel_after is not None and len(self.ids) >= self.cancel_after and self.job is not None:
@@ -197,7 +198,7 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
 
     engine = DecodeEngine(factory, 5, model=model, grid_ids=grid_ids(tokenizer), max_sequence_length=CAPACITY)
     engine.start()
-    assert engine.ready.wait(30) and engine.decoder is not None
+    assert engine.ready.wait(30)
     done: dict[str, tuple[BaseException | None, object]] = {}
     finished = threading.Event()
 
@@ -228,6 +229,8 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
         while len(done) < 5 and time.monotonic() < deadline:
             finished.wait(0.05)
         assert len(done) == 5, done
+        while not all(sinks[i].finished for i in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # on_done comes first, then the sink is finished
         for i in range(4):
             exc, stats = done[jobs[i].request_id]
             assert exc is None and sinks[i].finished and not sinks[i].aborted
@@ -239,8 +242,11 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
         assert isinstance(exc, EngineCancelled) and cancelled_sink.aborted and not cancelled_sink.finished
         assert len(cancelled_sink.ids) < len(references[1][1])
         assert engine.running == 0
-        assert engine.decoder.pool.free_slots == engine.decoder.num_slots  # the cancelled slot came back
-        assert engine.decoder.active_count == 0
+        deadline_slots = time.monotonic() + 5
+        while engine.scheduler.slots.free_slots != engine.runner.num_slots and time.monotonic() < deadline_slots:
+            time.sleep(0.01)
+        assert engine.scheduler.slots.free_slots == engine.runner.num_slots  # the cancelled slot came back
+        assert engine.runner.active_count == 0
         # the freed slots serve a new request correctly
         again = RecordingSink()
         job = submit(5, again)
@@ -253,13 +259,15 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
 
 
 def test_too_long_request_fails_cleanly(model, tokenizer):
-    decoder = BatchedDecoder(model, 2, 16, eol_token_id=tokenizer.eol_id,
-                             visual_token_start_id=tokenizer.visual_token_start_id,
-                             visual_token_end_id=tokenizer.visual_token_end_id)
+    engine = DecodeEngine(lambda job: make_seq(model, tokenizer, 0), 1, model=model, grid_ids=grid_ids(tokenizer),
+                          max_sequence_length=16)
     seq = make_seq(model, tokenizer, 0)
+    job = DecodeJob(request_id="long", epoch=0, prompt_ids=seq.prompt_ids, negative_ids=None, ar_width=3,
+                    ar_height=2, seed=0, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0, sink=RecordingSink(),
+                    on_progress=lambda a, b: None, on_done=lambda exc, stats: None)
     with pytest.raises(ValueError, match="positions"):
-        decoder.reserve(seq)
-    assert decoder.pool.free_slots == 2
+        engine.submit(job)
+    assert engine.running == 0 and engine.scheduler.slots.free_slots == 2
 
 
 class BlockingSink(RecordingSink):
@@ -321,3 +329,26 @@ def test_cancelled_job_frees_its_admission_at_once(model, tokenizer, references)
         first_sink.release.set()
         engine.stop()
 
+
+def test_deadline_aborts_the_job_and_inline_run_raises(model, tokenizer):
+    """A job whose deadline has passed is aborted at the next schedule (its sink aborted, on_done
+    told why); `run_job` (the in-process path) raises that error."""
+    from stage_ar.engine import CollectingSink, EngineDeadlineExceeded
+
+    engine = DecodeEngine(lambda job: make_seq(model, tokenizer, 0), 1, model=model, grid_ids=grid_ids(tokenizer),
+                          max_sequence_length=CAPACITY)
+    sink, outcomes = CollectingSink(), []
+    job = DecodeJob(request_id="late", epoch=0, prompt_ids=make_seq(model, tokenizer, 0).prompt_ids, negative_ids=None,
+                    ar_width=3, ar_height=2, seed=0, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0, sink=sink,
+                    on_progress=lambda a, b: None, on_done=lambda exc, stats: outcomes.append(exc),
+                    deadline=time.monotonic() - 1.0)
+    with pytest.raises(EngineDeadlineExceeded):
+        engine.run_job(job)
+    assert isinstance(outcomes[0], EngineDeadlineExceeded) and sink.aborted and not sink.finished
+    assert engine.running == 0 and engine.scheduler.slots.free_slots == engine.runner.num_slots
+    ok = CollectingSink()  # the same engine serves the next job
+    engine.run_job(DecodeJob(request_id="ok", epoch=0, prompt_ids=job.prompt_ids, negative_ids=None, ar_width=3,
+                             ar_height=2, seed=0, temperature=0, top_k=0, top_p=0, ar_guidance_scale=0, sink=ok,
+                             on_progress=lambda a, b: None, on_done=lambda exc, stats: None))
+    hidden, ids = make_seq(model, tokenizer, 0).run()
+    assert ok.finished and ok.token_ids[Role.CONDITION] == ids and torch.equal(ok.hidden(), hidden)

@@ -121,8 +121,6 @@ def test_kernel_failure_falls_back_to_the_gemm_path(da, request, monkeypatch, ca
     decoder on the GEMM attention path, same tokens."""
     from test_batch_engine import make_seq, run_staggered
 
-    import stage_ar.batch_engine as batch_engine
-
     if not da.INTERPRETED:
         pytest.skip("needs the interpreter (the fixture model runs on the CPU)")
     model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
@@ -130,8 +128,8 @@ def test_kernel_failure_falls_back_to_the_gemm_path(da, request, monkeypatch, ca
     def broken(*args, **kwargs):
         raise RuntimeError("simulated Triton build failure")
 
-    monkeypatch.setattr(batch_engine, "decode_attention", broken)
-    with caplog.at_level("WARNING", logger="stage_ar.batch_engine"):
+    monkeypatch.setattr(da, "decode_attention", broken)
+    with caplog.at_level("WARNING", logger="stage_ar.runner"):
         got = run_staggered(model, tokenizer, exact_rows=False, fused_attention=True)
     assert "using the GEMM attention path" in caplog.text
     for i, (_hidden, seq) in got.items():

@@ -1,0 +1,98 @@
+"""The AR model's pointwise building blocks, each defined once: RoPE of a fused q/k/v block, SwiGLU
+of a fused gate/up block, the decode softmax; the Qwen2 RMSNorm (residual add fused in) is the
+shared `mammoth_core.norms.RMSNorm`.
+
+`PointwiseOps` bundles them so one model forward can run them eagerly (prefill, the B=1 reference,
+CPU) or as `torch.compile`d kernels (the CUDA decode step, `compiled_ops`) without a second copy of
+the arithmetic: the compiled ops are these very functions, compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from mammoth_core.norms import RMSNorm, add_rms_norm, rms_norm
+
+__all__ = [
+    "EAGER_OPS", "PointwiseOps", "RMSNorm", "add_rms_norm", "compiled_ops", "masked_softmax", "rms_norm",
+    "rope_qkv", "rotate_half", "silu_and_mul",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dim: ``[x1, x2] -> [-x2, x1]`` (Qwen/Llama RoPE layout)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """Split a fused q/k/v block ``(B, T, (heads + 2 kv_heads) * d)`` and rotate q and k.
+
+    ``cos``/``sin``: ``(B, T, d)``. Returns q ``(B, T, heads, d)``, k and v ``(B, T, kv_heads, d)``
+    (v a view of ``qkv``).
+    """
+    b, t, _ = qkv.shape
+    d = cos.shape[-1]
+    q_out, kv_out = heads * d, kv_heads * d
+    q = qkv[..., :q_out].view(b, t, heads, d)
+    k = qkv[..., q_out : q_out + kv_out].view(b, t, kv_heads, d)
+    v = qkv[..., q_out + kv_out :].view(b, t, kv_heads, d)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q, k, v
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of a fused ``[gate | up]`` block ``(..., 2 I)``: ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def masked_softmax(scores: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Tensor:
+    """``softmax(scores * scale + bias)`` in float32, cast back to the scores' dtype."""
+    return torch.softmax(scores.float() * scale + bias, dim=-1).to(scores.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PointwiseOps:
+    """The pointwise functions one forward uses (eager or compiled versions of the ones above)."""
+
+    rms_norm: Callable = rms_norm
+    add_rms_norm: Callable = add_rms_norm
+    rope_qkv: Callable = rope_qkv
+    silu_and_mul: Callable = silu_and_mul
+    masked_softmax: Callable = masked_softmax
+    compiled: bool = False
+
+
+EAGER_OPS = PointwiseOps()
+_COMPILED: PointwiseOps | None = None
+
+
+def compiled_ops() -> PointwiseOps:
+    """`torch.compile`d `PointwiseOps` (built once per process, shared by runners).
+
+    Inductor default mode (no CUDA graphs of its own: the runner captures the whole step), split
+    reductions requested off. Inductor still generates per-shape kernels, so in bucket mode a row's
+    reduction order may depend on the batch bucket; ``pad_to_max_bucket`` (one shape) stays
+    batch-invariant.
+    """
+    global _COMPILED  # noqa: PLW0603 - one compile cache per process
+    if _COMPILED is None:
+        try:
+            opts: dict[str, Any] | None = {"split_reductions": False}
+            torch.compile(silu_and_mul, options=opts)  # validates the option names
+        except Exception:  # noqa: BLE001 - an Inductor without that option
+            opts = None
+        names = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul", "masked_softmax")
+        _COMPILED = PointwiseOps(**{n: torch.compile(getattr(EAGER_OPS, n), options=opts) for n in names},
+                                 compiled=True)
+    return _COMPILED
