@@ -344,7 +344,11 @@ class DecodeEngine:
             raise errors[0]
 
     def step(self) -> None:
-        """One turn: schedule -> prefill joins -> launch a step -> collect the previous -> emit."""
+        """One turn: schedule -> prefill joins -> launch a step -> collect the previous -> emit.
+
+        The first turn captures the runner's CUDA graphs before anything is admitted (`_prepare`),
+        so driving the engine inline (`step`, `run_until_idle`) and by its thread behave the same."""
+        self._prepare()
         out = self.scheduler.schedule()
         for request in out.aborted:
             self._emit(self._leave(request.payload, request.abort_reason))

@@ -227,7 +227,15 @@ class ARModelRunner:
 
     def capture(self) -> None:
         """Compile (if on) and capture one CUDA graph per (batch bucket, key-length bucket, sampler
-        variant); no-op without ``cuda_graphs``. Call with no request active."""
+        variant); no-op without ``cuda_graphs`` or when already captured.
+
+        Raises:
+            RuntimeError: a request is active. Warm-up and capture run real steps over every slot;
+                an active request's cache position, next token and sample index would advance
+                (found on the H200: a lazily captured engine fed the wrong token after capture).
+        """
+        if self._slots:
+            raise RuntimeError(f"capture() with {len(self._slots)} active request(s) would advance their state")
         if not self.cuda_graphs or self._graphs:
             return
         torch.cuda.synchronize(self.device)

@@ -352,3 +352,61 @@ def test_deadline_aborts_the_job_and_inline_run_raises(model, tokenizer):
                              on_progress=lambda a, b: None, on_done=lambda exc, stats: None))
     hidden, ids = make_seq(model, tokenizer, 0).run()
     assert ok.finished and ok.token_ids[Role.CONDITION] == ids and torch.equal(ok.hidden(), hidden)
+
+
+def test_capture_refuses_while_a_request_is_active(model, tokenizer):
+    """Warm-up and capture run real steps over every slot: with a request active they would advance
+    its cache position, next token and sample index. On the H200 an engine driven inline captured
+    lazily after its first step and then fed a token the sequence never sampled; capture must refuse."""
+    dec = ARModelRunner(model, 2, CAPACITY, **dict(zip(("eol_token_id", "visual_token_start_id",
+                         "visual_token_end_id"), grid_ids(tokenizer))), exact_rows=False)
+    seq = make_seq(model, tokenizer, 0)
+    seq.attach_kv_cache(dec.kv_view(0, 1))
+    seq.prefill()
+    dec.activate(0, seq, 0)
+    with pytest.raises(RuntimeError, match="active request"):
+        dec.capture()
+
+
+def _inline_job(model, tokenizer, i: int, key: str):
+    from stage_ar.engine import CollectingSink
+
+    w, h = SPECS[i][:2]
+    sink, outcome = CollectingSink(), {}
+    job = DecodeJob(request_id=key, epoch=0, prompt_ids=make_seq(model, tokenizer, i).prompt_ids, negative_ids=None,
+                    ar_width=w, ar_height=h, seed=i, temperature=0, top_k=0, top_p=0,
+                    ar_guidance_scale=SPECS[i][4], sink=sink, on_progress=lambda a, b: None,
+                    on_done=lambda exc, stats: outcome.setdefault("error", exc))
+    return job, sink, outcome
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and the padded GPU path")
+def test_inline_engine_on_cuda_alone_equals_batched(model, tokenizer):
+    """The benchmark's check on the real GPU path (graphs, compile, Triton attention, padded mode):
+    a request driven inline (`step` first, as `benchmarks/ar_decode.py` does) finishes without a
+    bookkeeping error, and its rows are bit-identical alone and inside a staggered batch."""
+    import copy
+
+    gpu_model = copy.deepcopy(model).to("cuda")
+
+    def factory(job: DecodeJob) -> T2ISequence:
+        return make_seq(gpu_model, tokenizer, job.seed)
+
+    def run(joins: dict[int, list]) -> None:
+        engine = DecodeEngine(factory, 8, model=gpu_model, grid_ids=grid_ids(tokenizer),
+                              max_sequence_length=CAPACITY, batch_invariant=True, kv_slots=8)
+        for step in range(max(joins) + 1):
+            for job, _, _ in joins.get(step, []):
+                engine.submit(job)
+            engine.step()
+        engine.run_until_idle()
+
+    alone = _inline_job(gpu_model, tokenizer, 0, "alone")
+    run({0: [alone]})
+    target = _inline_job(gpu_model, tokenizer, 0, "target")
+    others = [_inline_job(gpu_model, tokenizer, i, f"o{i}") for i in range(1, len(SPECS))]
+    run({0: others[:2], 2: [target] + others[2:3], 4: others[3:]})
+    for _, sink, outcome in [alone, target, *others]:
+        assert outcome["error"] is None and sink.finished
+    assert alone[1].token_ids[Role.CONDITION] == target[1].token_ids[Role.CONDITION]
+    assert torch.equal(alone[1].hidden(), target[1].hidden())
