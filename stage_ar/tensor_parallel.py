@@ -28,45 +28,17 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from mammoth_core.distributed import GroupRank
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 
 __all__ = ["RankARConfig", "TensorParallel", "shard_ar_model_"]
 
 
-@dataclass(frozen=True)
-class TensorParallel:
-    """One rank's place in a tensor-parallel group.
-
-    Attributes:
-        rank: this process's rank in ``group`` (``0 <= rank < world_size``).
-        world_size: ranks sharing one model (the tensor-parallel size).
-        group: the ``torch.distributed`` group; ``None`` = the default (world) group.
-    """
-
-    rank: int
-    world_size: int
-    group: dist.ProcessGroup | None = None
-
-    @classmethod
-    def from_group(cls, group: dist.ProcessGroup | None = None) -> TensorParallel:
-        """This process's place in ``group`` (default: the world group, which must be initialised).
-
-        Raises:
-            RuntimeError: ``torch.distributed`` is not initialised.
-        """
-        if not dist.is_initialized():
-            raise RuntimeError("tensor parallelism needs torch.distributed.init_process_group() first")
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
-
-    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group in place and return it (no-op for a single rank)."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        return tensor
+#: This rank's place in the tensor-parallel group (`mammoth_core.distributed.GroupRank`).
+TensorParallel = GroupRank
 
 
 @dataclass

@@ -50,6 +50,9 @@ class MammothAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(num_heads * self.head_dim, dim, bias=False), nn.Identity()])
         self.norm_q = RMSNorm(self.head_dim, eps=qk_norm_eps)
         self.norm_k = RMSNorm(self.head_dim, eps=qk_norm_eps)
+        #: ``(query, key, value, key_mask, key_lengths) -> (B, S, heads * head_dim)``; the
+        #: sequence-parallel mode (`stage_dit.parallel`) swaps in its all-to-all attention.
+        self.attention_backend = masked_attention
 
     def forward(
         self,
@@ -77,7 +80,7 @@ class MammothAttention(nn.Module):
         value = self.to_v(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
         query = apply_rotary_emb_complex(query, rotary_emb).to(dtype)
         key = apply_rotary_emb_complex(key, rotary_emb).to(dtype)
-        out = masked_attention(query, key, value, attention_mask, key_lengths).to(dtype)
+        out = self.attention_backend(query, key, value, attention_mask, key_lengths).to(dtype)
         return self.to_out[0](out)
 
 
