@@ -29,7 +29,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.full_size import ceilings, count, peak_gib, random_init_, reset_peak, timed_cuda  # noqa: E402
+from benchmarks.full_size import ceilings, count, peak_gib, random_preview_dit_pipeline, reset_peak, timed_cuda  # noqa: E402
 from mammoth_core.make_checkpoint import preview_config  # noqa: E402
 
 
@@ -82,15 +82,8 @@ def main() -> int:
     flops_rate = res["ceilings"]["bf16_flops_per_s"]
     print(f"GPU {res['gpu']}, torch {res['torch']}, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s", flush=True)
 
-    from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
-
     config, _ = preview_config()
-    torch.set_default_dtype(torch.bfloat16)
-    dit = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
-    torch.set_default_dtype(torch.float32)
-    for i, m in enumerate(dit.named_modules_by_prefix().values()):
-        random_init_(m, 2 + i)
-    pipe = MammothDiTPipeline(dit, config, device="cuda", dtype=torch.bfloat16)
+    pipe = random_preview_dit_pipeline(config)
     dc = config["gen_dit_config"]
     n_dit = count(pipe.transformer)
     hidden_llm = config["llm_config"]["hidden_size"]

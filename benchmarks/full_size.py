@@ -109,6 +109,21 @@ def random_preview_modules(config: dict, dit: bool = True):
     return ar, modules
 
 
+def random_preview_dit_pipeline(config: dict):
+    """A `MammothDiTPipeline` on CUDA in bf16 from ``config`` (a MammothModa2 ``config.json`` dict),
+    weights from `random_init_` (seed 2 + i for the i-th DiT module, as `random_preview_modules`)."""
+    from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        dit = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for i, m in enumerate(dit.named_modules_by_prefix().values()):
+        random_init_(m, 2 + i)
+    return MammothDiTPipeline(dit, config, device="cuda", dtype=torch.bfloat16)
+
+
 def hf_generate_ms_per_token(lc: dict, prompt: list[int], n_new: int, init_seed: int | None = None) -> float:
     """ms/token of Hugging Face ``Qwen2ForCausalLM.generate`` (eager, greedy, batch 1) at the AR's
     dimensions (``lc``: the ``llm_config``), bf16 on CUDA: one 8-token warm-up, then ``n_new``

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ar_decode import time_variant  # noqa: E402
-from full_size import ceilings, random_init_, random_preview_modules, timed_cuda  # noqa: E402
+from full_size import ceilings, random_preview_dit_pipeline, random_preview_modules, timed_cuda  # noqa: E402
 
 from mammoth_core.distributed import GroupRank  # noqa: E402
 from mammoth_core.make_checkpoint import preview_config  # noqa: E402
@@ -72,14 +72,7 @@ def ar_section(config: dict, res: dict, steps: int) -> None:
 
 @torch.inference_mode()
 def dit_section(config: dict, res: dict, size: int, repeat: int) -> None:
-    from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
-
-    torch.set_default_dtype(torch.bfloat16)
-    dit = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
-    torch.set_default_dtype(torch.float32)
-    for i, m in enumerate(dit.named_modules_by_prefix().values()):
-        random_init_(m, 2 + i)
-    pipe = MammothDiTPipeline(dit, config, device="cuda", dtype=torch.bfloat16)
+    pipe = random_preview_dit_pipeline(config)
     hidden = config["llm_config"]["hidden_size"]
     cond = torch.randn(128, hidden, device="cuda", dtype=torch.bfloat16)
     latents = pipe.prepare_latents(width=size, height=size, seed=0)
