@@ -33,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
-from stage_ar.sender import HiddenStateSender, StagingPool  # noqa: E402
+from stage_ar.sender import HiddenStateSender  # noqa: E402
+from stage_ar.staging import StagingPool  # noqa: E402
 from stage_dit.receiver import SlotPool  # noqa: E402
 
 

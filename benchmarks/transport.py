@@ -355,7 +355,7 @@ def table(results: list[dict], args, command: str) -> str:
         "CRC-32C on both ends (hardware CRC via google-crc32c), one framing copy from staging into "
         "the message bytes (grpcio's Python API takes only `bytes`), and the receiver's copy into "
         "the slot (PushConditions messages arrive as raw bytes; the payload is sliced out without a "
-        "copy, `wire.split_chunk`); plus per message ~0.15 ms of Python on each side. Per-process "
+        "copy, `chunk_stream.split_chunk`); plus per message ~0.15 ms of Python on each side. Per-process "
         "accounting of a 29 MiB push (separate run, 20 pushes each): bare gRPC costs the sender 35 "
         "ms and the receiver 18 ms of CPU; the stream 54-60 ms and 42-44 ms: ~45 ms more, on two "
         "cores that already run bare gRPC at full use. Tried, with the numbers unchanged: framing on "

@@ -37,12 +37,12 @@ import torch
 
 from mammoth_core import transport_metrics as metrics
 from mammoth_core import wire
+from mammoth_core.chunk_stream import frame_chunk, push_conditions_callable
 from mammoth_core.cuda_events import wait_event
 from mammoth_core.pb import mammoth_pb2 as pb
+from stage_ar.staging import StagingPool, copy_stream, default_staging_pool
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STAGING_BLOCKS = 64
 # Labelled counters of the per-message hot path, resolved once.
 _CHUNKS_SENT = metrics.CHUNKS.labels(side="send")
 _BYTES_SENT = metrics.BYTES.labels(side="send")
@@ -51,115 +51,6 @@ _ROWS_SENT = metrics.ROWS.labels(side="send")
 
 class SenderAborted(Exception):
     """`HiddenStateSender.abort` was called; the stream was cancelled."""
-
-
-class StagingPool:
-    """A fixed set of host staging blocks of ``block_bytes`` each (pinned when ``pin``).
-
-    Thread-safe. `acquire` never blocks: it returns None when the pool is exhausted (the caller then
-    falls back to pageable memory).
-    """
-
-    def __init__(self, block_bytes: int, blocks: int, pin: bool):
-        self.block_bytes = int(block_bytes)
-        self.pinned = bool(pin)
-        self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        for _ in range(blocks):
-            try:
-                block = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=pin)
-                block.zero_()  # fault the pages in now, not on the decode thread's hot path
-                self._free.append(block)
-            except RuntimeError:  # pinned memory exhausted: a smaller pool
-                logger.warning("pinned staging pool: allocated %d of %d blocks", len(self._free), blocks)
-                break
-        self.capacity = len(self._free)
-
-    def acquire(self) -> torch.Tensor | None:
-        """A free block (``uint8`` tensor of ``block_bytes``), or None when exhausted."""
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def release(self, block: torch.Tensor) -> None:
-        """Return a block (only after any copy into it has completed)."""
-        with self._lock:
-            self._free.append(block)
-
-    @property
-    def available(self) -> int:
-        """Free blocks now."""
-        with self._lock:
-            return len(self._free)
-
-
-_default_pools: dict[tuple[bool, int], StagingPool] = {}
-_default_lock = threading.Lock()
-_copy_streams: dict[int, "torch.cuda.Stream"] = {}
-
-
-def default_staging_pool(block_bytes: int, pin: bool, blocks: int = DEFAULT_STAGING_BLOCKS) -> StagingPool:
-    """The process-wide staging pool for ``block_bytes`` blocks (created on first use)."""
-    with _default_lock:
-        key = (pin, block_bytes)
-        if key not in _default_pools:
-            _default_pools[key] = StagingPool(block_bytes, blocks, pin)
-        return _default_pools[key]
-
-
-def copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The process-wide side stream for device->host copies on ``device``."""
-    with _default_lock:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _copy_streams:
-            _copy_streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))
-        return _copy_streams[index]
-
-
-_DATA_TAG = bytes([(4 << 3) | 2])  # HiddenStateChunk.data: field 4, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def frame_chunk(msg: pb.HiddenStateChunk, payload) -> bytes:
-    """Serialise ``msg`` with ``payload`` (bytes-like) as its ``data`` field in one copy.
-
-    Protobuf parsers accept fields in any order, so the bytes equal ``msg`` with ``data=payload``
-    for every reader; this only avoids building and serialising a message holding the payload
-    (two extra copies of every row).
-    """
-    return b"".join((msg.SerializeToString(), _DATA_TAG, _varint(len(payload)), payload))
-
-
-def _push_callable(target: Any) -> tuple[Any, bool]:
-    """``DiT.PushConditions`` for ``target`` and whether it takes pre-serialised bytes.
-
-    From a `grpc.aio.Channel` (or a DiT stub whose multi-callable exposes its channel) the call
-    sends our framed bytes as they are; otherwise (any other stub) each message is parsed back into
-    a `HiddenStateChunk` first (correct, one more copy).
-    """
-    channel = target
-    if hasattr(target, "PushConditions"):
-        channel = getattr(target.PushConditions, "_python_channel", None)
-        if not isinstance(channel, grpc.aio.Channel):
-            return target.PushConditions, False
-    return (
-        channel.stream_unary(
-            "/mammoth.v1.DiT/PushConditions",
-            request_serializer=None,
-            response_deserializer=pb.PushConditionsResponse.FromString,
-        ),
-        True,
-    )
 
 
 @dataclass
@@ -184,7 +75,8 @@ class HiddenStateSender:
     """Stream one request's hidden-state rows to its DiT slot.
 
     Args:
-        target: a `grpc.aio.Channel` to the DiT holding the slot (or a ``DiTStub`` on one).
+        channel: a `grpc.aio.Channel` to the DiT holding the slot (the push writes the framed
+            bytes of `mammoth_core.chunk_stream.frame_chunk` on it as they are).
         request_id, epoch: identity of this attempt (a retry uses ``epoch + 1``).
         reservation_token: the DiT's `Reserved.reservation_token`.
         hidden_size: row width ``H``.
@@ -205,7 +97,7 @@ class HiddenStateSender:
 
     def __init__(
         self,
-        target: Any,
+        channel: grpc.aio.Channel,
         request_id: str,
         epoch: int,
         reservation_token: str,
@@ -226,7 +118,7 @@ class HiddenStateSender:
             self._proto_dtype = wire.dtype_to_proto(dtype)
         except wire.WireError as exc:
             raise ValueError(exc.message) from None
-        self._push, self._raw = _push_callable(target)
+        self._push = push_conditions_callable(channel)
         self.request_id = request_id
         self.epoch = int(epoch)
         self.token = reservation_token
@@ -437,8 +329,7 @@ class HiddenStateSender:
         try:
             if self._aborted:
                 raise SenderAborted(f"request {self.request_id} aborted before sending")
-            requests = self._messages() if self._raw else self._parsed(self._messages())
-            self._call = self._push(requests, metadata=self._call_metadata, timeout=self._timeout)
+            self._call = self._push(self._messages(), metadata=self._call_metadata, timeout=self._timeout)
             try:
                 response = await self._call
             except asyncio.CancelledError:
@@ -466,11 +357,6 @@ class HiddenStateSender:
                 self._open = {pb.CONDITION: None, pb.NEGATIVE: None}
             for block in leftovers:
                 await self._release_block(block)
-
-    @staticmethod
-    async def _parsed(raw_messages):
-        async for raw in raw_messages:
-            yield pb.HiddenStateChunk.FromString(raw)
 
     async def _release_block(self, block: _Block) -> None:
         # A block with a device->host copy in flight goes back only after that copy completed.

@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 import torch
 
+from mammoth_core import chunk_stream
 from mammoth_core import transport_metrics as metrics
 from mammoth_core import wire
 from mammoth_core.cuda_events import wait_event
@@ -318,7 +319,7 @@ class Slot:
     def accept(self, chunk: pb.HiddenStateChunk, data: bytes | memoryview | None = None) -> ChunkResult:
         """Validate one chunk and, if valid, stage its rows (synchronous part of a push).
 
-        ``data`` is the payload when it was split off the message (`wire.split_chunk`: a zero-copy
+        ``data`` is the payload when it was split off the message (`chunk_stream.split_chunk`: a zero-copy
         view); None reads ``chunk.data``.
 
         Rules, in order: slot reserved and not yet complete (FAILED_PRECONDITION); header present,
@@ -651,20 +652,16 @@ class SlotPool:
 def add_dit_servicer(servicer, server) -> None:
     """Register a ``mammoth.v1.DiT`` servicer on a `grpc.aio.Server`, like the generated
     ``add_DiTServicer_to_server``, except that ``PushConditions`` receives each message as raw
-    ``bytes``: the servicer splits it with `mammoth_core.wire.split_chunk`, so the payload reaches
-    the slot as a view of gRPC's buffer instead of through two more copies (protobuf's parse and
-    the ``data`` field read)."""
+    ``bytes`` (`mammoth_core.chunk_stream.push_conditions_handler`): the servicer splits it with
+    `mammoth_core.chunk_stream.split_chunk`, so the payload reaches the slot as a view of gRPC's
+    buffer instead of through two more copies (protobuf's parse and the ``data`` field read)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate,
             request_deserializer=pb.DiTGenerateRequest.FromString,
             response_serializer=pb.DiTGenerateResponse.SerializeToString,
         ),
-        "PushConditions": grpc.stream_unary_rpc_method_handler(
-            servicer.PushConditions,
-            request_deserializer=None,
-            response_serializer=pb.PushConditionsResponse.SerializeToString,
-        ),
+        chunk_stream.PUSH_METHOD_NAME: chunk_stream.push_conditions_handler(servicer.PushConditions),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mammoth.v1.DiT", handlers),))
-    server.add_registered_method_handlers("mammoth.v1.DiT", handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(chunk_stream.DIT_SERVICE, handlers),))
+    server.add_registered_method_handlers(chunk_stream.DIT_SERVICE, handlers)

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 import grpc
 from prometheus_client import Counter, Histogram
 
-from mammoth_core import drain, grpc_common, limits, tracing, wire
+from mammoth_core import chunk_stream, drain, grpc_common, limits, tracing
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
@@ -410,7 +410,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             async for chunk in request_iterator:
                 data = None
                 if isinstance(chunk, bytes):  # registered by add_dit_servicer: payload not copied
-                    chunk, data = wire.split_chunk(chunk)
+                    chunk, data = chunk_stream.split_chunk(chunk)
                 if token is None:
                     token = chunk.reservation_token
                     request_id_var.set(chunk.header.request_id or None)

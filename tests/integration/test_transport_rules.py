@@ -26,7 +26,8 @@ from pipeline_harness import metric_samples
 from mammoth_core import grpc_common, wire
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
-from stage_ar.sender import HiddenStateSender, StagingPool
+from stage_ar.sender import HiddenStateSender
+from stage_ar.staging import StagingPool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HIDDEN = 64  # the tiny checkpoint's llm_config.hidden_size

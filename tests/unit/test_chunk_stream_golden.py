@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from mammoth_core.pb import mammoth_pb2 as pb
-from stage_ar.sender import HiddenStateSender, StagingPool
+from stage_ar.sender import HiddenStateSender
+from stage_ar.staging import StagingPool
 
 GOLDEN = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "chunk_stream_golden.json"
 HIDDEN = 8

@@ -1,4 +1,4 @@
-"""`wire.split_chunk` (the receiver's zero-copy parse) agrees with protobuf on every message and
+"""`chunk_stream.split_chunk` (the receiver's zero-copy parse) agrees with protobuf on every message and
 answers INVALID_ARGUMENT, never another exception, on malformed bytes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mammoth_core import wire
 from mammoth_core.pb import mammoth_pb2 as pb
-from stage_ar.sender import frame_chunk
+from mammoth_core.chunk_stream import frame_chunk, split_chunk
 
 
 def _reference(raw: bytes) -> tuple[pb.HiddenStateChunk, bytes]:
@@ -47,7 +47,7 @@ def test_split_equals_protobuf(msg, payload, layout):
         raw = msg.SerializeToString()
     else:  # a repeated singular field: the last one wins
         raw = frame_chunk(msg, b"first") + frame_chunk(pb.HiddenStateChunk(), payload)
-    head, data = wire.split_chunk(raw)
+    head, data = split_chunk(raw)
     ref_head, ref_data = _reference(raw)
     assert head == ref_head
     assert bytes(data) == ref_data
@@ -59,7 +59,7 @@ def test_split_equals_protobuf(msg, payload, layout):
 @given(st.binary(max_size=200))
 def test_split_never_crashes_on_garbage(raw):
     try:
-        head, data = wire.split_chunk(raw)
+        head, data = split_chunk(raw)
     except wire.WireError as err:
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT
         return
@@ -70,5 +70,5 @@ def test_split_never_crashes_on_garbage(raw):
 @pytest.mark.parametrize("raw", [b"\x00", b"\x22\x10abc", b"\x0b", b"\xff" * 12, b"\x12\x03\xff\xff\xff", b"\x09\x01"])
 def test_split_rejects_malformed(raw):
     with pytest.raises(wire.WireError) as info:
-        wire.split_chunk(raw)
+        split_chunk(raw)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
