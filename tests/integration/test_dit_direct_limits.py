@@ -19,7 +19,7 @@ from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import DiTSettings
 from stage_dit.loader import load_pipeline
-from stage_dit.receiver import SlotPool, add_dit_servicer
+from stage_dit.receiver import SlotPool, SlotState, add_dit_servicer
 from stage_dit.server import DiTServicer
 
 
@@ -56,7 +56,7 @@ async def test_direct_call_outside_the_limits_is_refused(dit, width, height, ste
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call.read()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
-    assert all(slot.state != "reserved" for slot in pool.slots)
+    assert all(slot.state is not SlotState.RESERVED for slot in pool.slots)
 
 
 async def test_the_largest_documented_size_reserves_a_slot(dit):

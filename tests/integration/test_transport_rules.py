@@ -350,7 +350,9 @@ async def test_producer_death_deadline_and_consumer_cancel_retire_the_slot(dit):
         # Producer death: a real AR-like process pushes 8 rows and is killed with SIGKILL. The DiT
         # retires the slot once no newer epoch began within the producer grace (1 s by default),
         # long before the call's deadline, and says why (ABORTED).
-        call, token = await reserve(stub, "dies", timeout=10.0)
+        # The call's deadline leaves room for the producer's start (importing torch alone takes
+        # over 10 s on a loaded 2-core CI host); the ABORTED must come long before it.
+        call, token = await reserve(stub, "dies", timeout=60.0)
         producer = subprocess.Popen([sys.executable, "-c", PRODUCER, dit.address, token],
                                     cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                     stdout=subprocess.PIPE, text=True)
