@@ -20,7 +20,6 @@ resident on the device.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import pathlib
 import threading
@@ -36,6 +35,7 @@ from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
 from mammoth_core.refusals import refusal_trailers
+from mammoth_core.request_trace import write_request_trace
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.runtime import start_metrics_server, write_ready_file
@@ -122,15 +122,18 @@ class DiTServicer(pb_grpc.DiTServicer):
         self.progress_interval_s = progress_interval_s
         self.producer_grace_s = producer_grace_s
         self.draining = False
-        workers = len(pool.slots) if pool is not None else 4
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dit-pipeline")
+        self._workers = len(pool.slots) if pool is not None else 4
+        self._executor = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="dit-pipeline")
         self._image_encoder = None
 
     def set_model(self, pipeline: Any, pool: SlotPool) -> None:
         """Attach the loaded pipeline and its slot pool (Generate starts being served)."""
         self.pool = pool
         self.pipeline = pipeline
-        self._executor._max_workers = max(self._executor._max_workers, len(pool.slots))
+        if len(pool.slots) > self._workers:  # one pipeline thread per slot
+            idle, self._workers = self._executor, len(pool.slots)
+            self._executor = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="dit-pipeline")
+            idle.shutdown(wait=False)
 
     def start_drain(self) -> None:
         """Refuse new reservations; reserved slots finish their work."""
@@ -289,7 +292,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             tracing.end_span(span, error=None if outcome == "completed" else outcome)
 
     def _write_trace(self, request_id: str, slot, conds) -> None:
-        """``<trace_dir>/<request_id>.e<epoch>.dit.json``: when each chunk arrived, and the totals."""
+        """The ``dit`` request trace (`mammoth_core.request_trace`): when each chunk arrived, and the totals."""
         if not self.trace_dir:
             return
         epoch = slot.chunk_log[-1][0] if slot.chunk_log else 0
@@ -298,9 +301,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             for e, q, r, o, n, t in slot.chunk_log
             if e == epoch
         ]
-        trace = {
-            "request_id": request_id,
-            "epoch": epoch,
+        write_request_trace(self.trace_dir, "dit", request_id, epoch, {
             "condition_rows": int(conds.hidden.shape[0]),
             "negative_rows": 0 if conds.negative is None else int(conds.negative.shape[0]),
             # the transfer tail's phases: AR framed the last chunk -> DiT handler got it -> resident
@@ -308,9 +309,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             "last_received_unix_ms": slot.timings.last_received_unix_ms,
             "resident_unix_ms": slot.timings.resident_unix_ms,
             "chunks": chunks,
-        }
-        path = pathlib.Path(self.trace_dir) / f"{request_id}.e{epoch}.dit.json"
-        path.write_text(json.dumps(trace))
+        })
 
     def _producer_gone(self, slot, now: float) -> bool:
         """The slot's producer stream broke ``producer_grace_s`` ago and no newer epoch began."""
