@@ -96,23 +96,11 @@ class HiddenStateSender:
     """
 
     def __init__(
-        self,
-        channel: grpc.aio.Channel,
-        request_id: str,
-        epoch: int,
-        reservation_token: str,
-        hidden_size: int,
-        dtype: torch.dtype,
-        answer_start_index: int,
-        expected_rows: int,
-        expected_negative_rows: int,
-        chunk_rows: int,
-        max_message_bytes: int,
-        metadata: Sequence[tuple[str, str]] = (),
-        timeout: float | None = None,
-        *,
-        answer_boundary: str = "prompt_length",
-        staging: StagingPool | None = None,
+        self, channel: grpc.aio.Channel, request_id: str, epoch: int, reservation_token: str,
+        hidden_size: int, dtype: torch.dtype, answer_start_index: int, expected_rows: int,
+        expected_negative_rows: int, chunk_rows: int, max_message_bytes: int,
+        metadata: Sequence[tuple[str, str]] = (), timeout: float | None = None, *,
+        answer_boundary: str = "prompt_length", staging: StagingPool | None = None,
     ):
         try:
             self._proto_dtype = wire.dtype_to_proto(dtype)
@@ -129,19 +117,14 @@ class HiddenStateSender:
         self.block_bytes = self.rows_per_chunk * self.hidden_size * self.itemsize
         self.expected = {pb.CONDITION: int(expected_rows), pb.NEGATIVE: int(expected_negative_rows)}
         self._metadata_msg = pb.StreamMetadata(
-            protocol_major=wire.PROTOCOL_MAJOR,
-            protocol_minor=wire.PROTOCOL_MINOR,
-            hidden_size=self.hidden_size,
-            dtype=self._proto_dtype,
-            answer_start_index=int(answer_start_index),
-            expected_rows=int(expected_rows),
-            expected_negative_rows=int(expected_negative_rows),
+            protocol_major=wire.PROTOCOL_MAJOR, protocol_minor=wire.PROTOCOL_MINOR,
+            hidden_size=self.hidden_size, dtype=self._proto_dtype, answer_start_index=int(answer_start_index),
+            expected_rows=int(expected_rows), expected_negative_rows=int(expected_negative_rows),
             answer_boundary=answer_boundary,
         )
         self._call_metadata = tuple(metadata)
         self._timeout = timeout
         self._staging = staging
-
         self._lock = threading.Lock()
         self._open: dict[int, _Block | None] = {pb.CONDITION: None, pb.NEGATIVE: None}
         self._ready: collections.deque[_Block] = collections.deque()

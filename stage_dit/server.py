@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import grpc
-from prometheus_client import Counter, Histogram
 
 from mammoth_core import chunk_stream, drain, grpc_common, limits, tracing
 from mammoth_core import transport_metrics as metrics
@@ -42,6 +41,7 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
 from stage_dit.conditions import compute_answer_start_index
+from stage_dit.metrics import DIT_DENOISE, DIT_ENCODE, DIT_REQUESTS, DIT_STEP, DIT_STEPS, DIT_VAE
 from stage_dit.receiver import SlotPool, add_dit_servicer
 
 logger = logging.getLogger(__name__)
@@ -49,19 +49,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "mammoth.v1.DiT"
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
-_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
-DIT_REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)",
-                       ["outcome"])
-DIT_DENOISE = Histogram("mammoth_dit_denoise_seconds",
-                        "condition preparation + every denoising step, per image", buckets=_SECONDS)
-DIT_STEP = Histogram("mammoth_dit_step_seconds", "one denoising step (both CFG branches)",
-                     buckets=_SECONDS)
-DIT_VAE = Histogram("mammoth_dit_vae_seconds", "VAE decode per image", buckets=_SECONDS)
-DIT_ENCODE = Histogram("mammoth_dit_encode_seconds", "image encoding (PNG/JPEG/WebP) per image",
-                       buckets=_SECONDS)
-DIT_STEPS = Counter("mammoth_dit_steps_total", "denoising steps run")
-for _outcome in metrics.SLOT_OUTCOMES:
-    DIT_REQUESTS.labels(_outcome)
 
 
 class _StopRequested(Exception):
