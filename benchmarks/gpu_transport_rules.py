@@ -44,14 +44,13 @@ async def transfer(hidden: torch.Tensor, ids: list[int], pool: SlotPool, *, stag
     slot = await pool.reserve("gpu-rules")
     sender = HiddenStateSender(_NoChannel(), "gpu-rules", 0, slot.token, hidden.shape[1], hidden.dtype,
                                0, hidden.shape[0], 0, chunk_rows, 64 << 20, staging=staging)
-    sender._loop, sender._wake = asyncio.get_running_loop(), asyncio.Event()
     t0 = time.perf_counter()
     step = put_rows or hidden.shape[0]
     for i in range(0, hidden.shape[0], step):
         sender.put_rows(pb.CONDITION, hidden[i : i + step], ids[i : i + step])
     put_s = time.perf_counter() - t0
     sender.finish()
-    async for raw in sender._messages():
+    async for raw in sender.framed_messages():
         result = slot.accept(pb.HiddenStateChunk.FromString(raw))
         if result.complete:
             await slot.finish()
@@ -104,10 +103,9 @@ async def main(out: pathlib.Path | None) -> int:
     slot2 = await pool.reserve("inflight")
     sender2 = HiddenStateSender(_NoChannel(), "inflight", 0, slot2.token, H, torch.bfloat16, 0, 8000, 0,
                                 8000, 1 << 30)
-    sender2._loop, sender2._wake = asyncio.get_running_loop(), asyncio.Event()
     sender2.put_rows(pb.CONDITION, big, list(range(8000)))
     sender2.finish()
-    async for raw in sender2._messages():
+    async for raw in sender2.framed_messages():
         slot2.accept(pb.HiddenStateChunk.FromString(raw))
     in_flight = slot2._last_event is not None and not slot2._last_event.query()
     slot2.release("cancelled")

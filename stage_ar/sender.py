@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import numpy as np
@@ -294,6 +294,14 @@ class HiddenStateSender:
             self._wake.set()
 
     # -- event loop --------------------------------------------------------------------------
+
+    async def framed_messages(self) -> AsyncIterator[bytes]:
+        """The stream's messages as framed bytes, in order, without a call: for in-process transfers
+        (the GPU transport probe feeds a `stage_dit.slots.Slot` with them). Use instead of `run`."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        async for raw in self._messages():
+            yield raw
 
     async def run(self) -> pb.PushConditionsResponse:
         """Drive ``DiT.PushConditions`` until `finish` has been sent and the DiT answered.

@@ -108,7 +108,7 @@ class SlotPool:
                 raise WireError(grpc.StatusCode.UNAVAILABLE, "DiT is draining; no new reservations")
         slot = self._free.pop()
         self._idle.clear()
-        slot._open(request_id, params)
+        slot.open(request_id, params)
         self._by_token[slot.token] = slot
         metrics.RESERVATIONS.labels(result="reserved").inc()
         metrics.SLOTS_IN_USE.set(self.in_use)
@@ -137,10 +137,12 @@ class SlotPool:
             if not fut.done():
                 fut.set_result(None)
 
-    def _forget_token(self, slot: Slot) -> None:
+    def forget_token(self, slot: Slot) -> None:
+        """``slot``'s token dies (called by `Slot.release`): further pushes answer NOT_FOUND."""
         self._by_token.pop(slot.token, None)
 
-    def _give_back(self, slot: Slot) -> None:
+    def give_back(self, slot: Slot) -> None:
+        """``slot`` is FREE again (called by `Slot` once its last copy completed)."""
         self._free.append(slot)
         metrics.SLOTS_IN_USE.set(self.in_use)
         if not self.in_use:

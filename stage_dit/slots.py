@@ -166,7 +166,8 @@ class Slot:
         self._changed = asyncio.Event()
         self._final_chunks = 0
 
-    def _open(self, request_id: str, params: pb.ImageParams | None) -> None:
+    def open(self, request_id: str, params: pb.ImageParams | None) -> None:
+        """FREE -> RESERVED for ``request_id`` with a fresh token (called by `SlotPool.reserve`)."""
         self._reset_reservation()
         self.state = SlotState.RESERVED
         self.request_id = request_id
@@ -245,7 +246,7 @@ class Slot:
         self.state = SlotState.RELEASING
         self.outcome = outcome
         metrics.SLOT_OUTCOMES_TOTAL.labels(outcome=outcome).inc()
-        self.pool._forget_token(self)
+        self.pool.forget_token(self)
         self._notify()
         event = self._last_event
         if event is None or event.query():
@@ -262,7 +263,7 @@ class Slot:
         self._last_event = None
         self._epoch = None
         self.state = SlotState.FREE
-        self.pool._give_back(self)
+        self.pool.give_back(self)
 
     # -- chunks ------------------------------------------------------------------------------
 
