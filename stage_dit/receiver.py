@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import AsyncIterator
 
 import grpc
 import torch
 
-from mammoth_core import chunk_stream
+from mammoth_core import chunk_stream, tracing, wire
 from mammoth_core import transport_metrics as metrics
-from mammoth_core import wire
+from mammoth_core.logging import request_id_var
 from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.refusals import refusal_trailers
 from mammoth_core.wire import WireError
 from stage_dit.chunk_validator import ChunkValidator
 from stage_dit.slots import ChunkResult, Slot, SlotConditions, SlotState, SlotTimings
 
-__all__ = ["ChunkResult", "Slot", "SlotConditions", "SlotPool", "SlotState", "SlotTimings", "add_dit_servicer"]
+__all__ = ["ChunkResult", "Slot", "SlotConditions", "SlotPool", "SlotState", "SlotTimings", "add_dit_servicer",
+           "receive_push"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +154,65 @@ class SlotPool:
             if not fut.done():
                 fut.set_result(None)
                 break
+
+
+async def receive_push(pool: SlotPool, request_iterator: AsyncIterator[bytes | pb.HiddenStateChunk],
+                       context: grpc.aio.ServicerContext) -> pb.PushConditionsResponse:
+    """``DiT.PushConditions``: every chunk of the stream into the slot its token names.
+
+    Messages arrive as raw bytes (registered by `add_dit_servicer`; split without copying the
+    payload) or as parsed chunks. The stream is acknowledged only once the final chunk was accepted
+    and the conditions are resident on the device (`Slot.finish`).
+
+    A violation aborts the call with the rule's status (`stage_dit.chunk_validator`; NOT_FOUND for
+    an unknown token; FAILED_PRECONDITION with the refusal reason CONDITIONS_COMPLETE in the
+    trailers once the conditions are complete, `mammoth_core.refusals`); a stream that ends or
+    breaks before its `StreamEnd` marks the slot's producer lost (the consumer retires the slot
+    unless an AR retry begins within the producer grace).
+    """
+    token: str | None = None
+    slot: Slot | None = None
+    response: pb.PushConditionsResponse | None = None
+    span = tracing.start_span("mammoth.v1.DiT/PushConditions",
+                              tracing.extract(context.invocation_metadata()), kind="SERVER")
+    try:
+        async for chunk in request_iterator:
+            data = None
+            if isinstance(chunk, bytes):  # registered by add_dit_servicer: payload not copied
+                chunk, data = chunk_stream.split_chunk(chunk)
+            if token is None:
+                token = chunk.reservation_token
+                request_id_var.set(chunk.header.request_id or None)
+            elif chunk.reservation_token != token:
+                raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "reservation token changed mid-stream")
+            slot = pool.lookup(token)
+            if slot.accept(chunk, data).complete:
+                await slot.finish()  # H2D-complete before the acknowledgement
+                # Counted now: once complete, the consumer may release the slot (and reset its
+                # counters) before the client half-closes the stream.
+                response = pb.PushConditionsResponse(
+                    rows_accepted=slot.rows_received(pb.CONDITION),
+                    negative_rows_accepted=slot.rows_received(pb.NEGATIVE),
+                    chunks_accepted=slot.chunks_accepted)
+        if response is None:
+            raise WireError(grpc.StatusCode.DATA_LOSS, "stream closed before its StreamEnd")
+        metrics.STREAMS.labels(side="receive", result="ok").inc()
+        return response
+    except WireError as err:
+        metrics.REJECTED.labels(code=err.code.name).inc()
+        metrics.STREAMS.labels(side="receive", result="rejected").inc()
+        if slot is not None and err.code == grpc.StatusCode.DATA_LOSS:
+            slot.mark_producer_lost(token)
+        await context.abort(err.code, err.message, trailing_metadata=refusal_trailers(err.reason))
+    except asyncio.CancelledError:
+        metrics.STREAMS.labels(side="receive", result="lost").inc()
+        if slot is not None:
+            slot.mark_producer_lost(token)
+        raise
+    finally:
+        if span is not None:
+            span.set_attribute("mammoth.request_id", request_id_var.get() or "")
+            tracing.end_span(span, error=None if response is not None else "incomplete")
 
 
 def add_dit_servicer(servicer, server) -> None:

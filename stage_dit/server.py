@@ -9,12 +9,10 @@ message per step, then DECODING, then the final `Image`. The slot
 lives exactly as long as this stream: it is released in ``finally`` (after the worker thread has
 stopped reading it), so closing or cancelling the stream makes any further push fail.
 
-``PushConditions`` (AR -> DiT, client stream): every chunk goes through `Slot.accept`; a violation
-aborts the call with the rule's status (INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION for an
-unsupported protocol major, NOT_FOUND for an unknown token; a push to a slot whose conditions are
-already complete gets FAILED_PRECONDITION with the refusal reason CONDITIONS_COMPLETE in its
-trailers, `mammoth_core.refusals`). The stream is acknowledged only when the conditions are
-resident on the device.
+``PushConditions`` (AR -> DiT, client stream) is the transport's `stage_dit.receiver.receive_push`:
+every chunk goes through `Slot.accept` (the rules of `stage_dit.chunk_validator`); a violation aborts
+the call with the rule's status; the stream is acknowledged only when the conditions are resident
+on the device.
 """
 
 from __future__ import annotations
@@ -29,11 +27,9 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from mammoth_core import chunk_stream, drain, grpc_common, limits, tracing
-from mammoth_core import transport_metrics as metrics
+from mammoth_core import drain, grpc_common, limits, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
-from mammoth_core.refusals import refusal_trailers
 from mammoth_core.request_trace import write_request_trace
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
@@ -42,7 +38,7 @@ from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
 from stage_dit.conditions import compute_answer_start_index
 from stage_dit.metrics import DIT_DENOISE, DIT_ENCODE, DIT_REQUESTS, DIT_STEP, DIT_STEPS, DIT_VAE
-from stage_dit.receiver import SlotPool, add_dit_servicer
+from stage_dit.receiver import SlotPool, add_dit_servicer, receive_push
 
 logger = logging.getLogger(__name__)
 
@@ -387,52 +383,7 @@ class DiTServicer(pb_grpc.DiTServicer):
     ) -> pb.PushConditionsResponse:
         if self.pool is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
-        token: str | None = None
-        slot = None
-        complete = False
-        span = tracing.start_span("mammoth.v1.DiT/PushConditions",
-                                  tracing.extract(context.invocation_metadata()), kind="SERVER")
-        try:
-            async for chunk in request_iterator:
-                data = None
-                if isinstance(chunk, bytes):  # registered by add_dit_servicer: payload not copied
-                    chunk, data = chunk_stream.split_chunk(chunk)
-                if token is None:
-                    token = chunk.reservation_token
-                    request_id_var.set(chunk.header.request_id or None)
-                elif chunk.reservation_token != token:
-                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "reservation token changed mid-stream")
-                slot = self.pool.lookup(token)
-                result = slot.accept(chunk, data)
-                if result.complete:
-                    await slot.finish()  # H2D-complete before the acknowledgement
-                    complete = True
-                    # Counted now: once complete, the consumer may release the slot (and reset
-                    # its counters) before the client half-closes the stream.
-                    response = pb.PushConditionsResponse(
-                        rows_accepted=slot.rows_received(pb.CONDITION),
-                        negative_rows_accepted=slot.rows_received(pb.NEGATIVE),
-                        chunks_accepted=slot.chunks_accepted,
-                    )
-            if not complete:
-                raise WireError(grpc.StatusCode.DATA_LOSS, "stream closed before its StreamEnd")
-            metrics.STREAMS.labels(side="receive", result="ok").inc()
-            return response
-        except WireError as err:
-            metrics.REJECTED.labels(code=err.code.name).inc()
-            metrics.STREAMS.labels(side="receive", result="rejected").inc()
-            if slot is not None and token is not None and err.code == grpc.StatusCode.DATA_LOSS:
-                slot.mark_producer_lost(token)
-            await context.abort(err.code, err.message, trailing_metadata=refusal_trailers(err.reason))
-        except asyncio.CancelledError:
-            metrics.STREAMS.labels(side="receive", result="lost").inc()
-            if slot is not None and token is not None:
-                slot.mark_producer_lost(token)
-            raise
-        finally:
-            if span is not None:
-                span.set_attribute("mammoth.request_id", request_id_var.get() or "")
-                tracing.end_span(span, error=None if complete else "incomplete")
+        return await receive_push(self.pool, request_iterator, context)
 
 
 def _record_model_spans(span, timings: pb.DiTTimings, end_ns: int) -> None:
