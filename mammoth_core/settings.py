@@ -234,6 +234,12 @@ class StageSettings(BaseSettings):
         return getattr(torch, self.dtype)
 
 
+#: ``ar.weights_dtype`` values (the one list: `stage_ar.linear` and the CRD's ``ar.weightsDtype`` use it).
+AR_WEIGHTS_DTYPES = ("auto", "fp8")
+#: ``ar.linear_backend`` values (`stage_ar.linear.select_backend`).
+AR_LINEAR_BACKENDS = ("auto", "torch", "gemv")
+
+
 @dataclass
 class ARSettings(StageSettings):
     """AR stage settings (``mammoth ar``)."""
@@ -254,6 +260,23 @@ class ARSettings(StageSettings):
     )
     max_dit_channels: int = field(
         default=64, metadata=_doc("open channels to DiT pods kept, at most (least recently used closed)")
+    )
+    weights_dtype: str = field(
+        default="auto",
+        metadata=_doc(
+            "AR weight format: auto (the model dtype) or fp8 (the projections and MLPs a visual token "
+            "reads converted at load to E4M3 with one scale per output channel; activations and KV "
+            "stay in dtype; docs/PERFORMANCE.md, FP8 weights, for the measured deviation)",
+            choices=AR_WEIGHTS_DTYPES,
+        ),
+    )
+    linear_backend: str = field(
+        default="auto",
+        metadata=_doc(
+            "AR linear layers: auto (Triton GEMV for <= 16 rows on CUDA, cuBLAS above; torch on CPU), "
+            "torch (torch matmul / cuBLAS only) or gemv",
+            choices=AR_LINEAR_BACKENDS,
+        ),
     )
     section: typing.ClassVar[str] = "ar"
 

@@ -12,6 +12,7 @@ import torch
 from mammoth_core.check_checkpoint import verify_checkpoint
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from stage_ar.generation import T2ISequence
+from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_ar.sampling import GridConstrainedSampler, T2IGenerationConfig, read_t2i_generation_config
 from stage_ar.tokenization_mammoth import MammothTokenizer
@@ -71,12 +72,25 @@ class ARBundle:
         return g.eol_token_id, g.visual_token_start_id, g.visual_token_end_id
 
 
-def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype) -> ARBundle:
+def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *, weights_dtype: str = "auto",
+            linear_backend: str = "auto") -> ARBundle:
     """Build the AR from ``config.json`` and load ``llm_model.*`` (vision tower skipped) strictly.
+
+    Args:
+        checkpoint, cache_dir: the checkpoint folder or URI (`resolve_checkpoint`).
+        device, dtype: where and in which dtype the model lives (activations and KV in ``dtype``).
+        weights_dtype: ``"auto"`` (the model dtype) or ``"fp8"``: after loading, the weights a
+            visual token reads (`MammothARForCausalLM.visual_token_linears`) are converted to E4M3
+            with per-output-channel scales (`stage_ar.linear`); the rest stays in ``dtype``.
+        linear_backend: `stage_ar.linear.BACKENDS` (``"auto"``: Triton GEMV on CUDA, torch on CPU).
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
+        ValueError: an unknown ``weights_dtype`` or ``linear_backend``.
     """
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
+    backend = select_backend(linear_backend, device)
     t0 = time.perf_counter()
     path = resolve_checkpoint(checkpoint, cache_dir)
     verify_checkpoint(path)  # every tensor checked (headers only) before any weight is read
@@ -86,7 +100,12 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype) ->
     model.to(dtype=dtype)
     ckpt.load_module(model, AR_PREFIX, device=device, dtype=dtype)
     model.eval().requires_grad_(False)
+    if weights_dtype == "fp8":
+        saved = quantize_fp8_(model.visual_token_linears())
+        logger.info("AR visual-token weights converted to FP8 E4M3 (%.2f GB less)", saved / 1e9)
+    set_linear_backend(model, backend)
     tokenizer = MammothTokenizer.from_pretrained(path)
     gen = read_t2i_generation_config(path)
-    logger.info("AR loaded from %s on %s/%s in %.1f s", path, device, dtype, time.perf_counter() - t0)
+    logger.info("AR loaded from %s on %s/%s (weights %s, linear backend %s) in %.1f s", path, device, dtype,
+                weights_dtype, backend.name, time.perf_counter() - t0)
     return ARBundle(model, tokenizer, gen, ckpt.config, torch.device(device), dtype)

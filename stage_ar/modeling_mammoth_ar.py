@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
+from stage_ar.linear import TORCH_LINEAR, MammothLinear
 
 __all__ = [
     "ARForwardOutput",
@@ -58,7 +58,6 @@ def build_key_mask(key_starts: list[int], length: int, device: torch.device | st
     (the AR-CFG unconditional row keeps only its last prompt tokens)."""
     starts = torch.tensor(key_starts, dtype=torch.long, device=device)
     return torch.arange(length, device=device)[None, :] >= starts[:, None]
-
 
 
 #: Fused parameters and the checkpoint tensors stacked into them, in order:
@@ -100,8 +99,8 @@ class MammothMLP(nn.Module):
     def __init__(self, config: MammothARConfig) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_up_proj = MammothLinear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = MammothLinear(inter, config.hidden_size, bias=False)
         _stack_hooks(self, "gate_up_proj", STACKED_PARAMS["gate_up_proj"], (inter, inter))
 
     def forward(self, x: torch.Tensor, ops: PointwiseOps = EAGER_OPS) -> torch.Tensor:
@@ -231,12 +230,12 @@ class MammothAttention(nn.Module):
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_key_value_heads * self.head_dim
         sizes = (q_out, kv_out, kv_out)
-        self.qkv_proj = nn.Linear(hidden, sum(sizes), bias=True)
-        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        self.qkv_proj = MammothLinear(hidden, sum(sizes), bias=True)
+        self.o_proj = MammothLinear(q_out, hidden, bias=False)
         _stack_hooks(self, "qkv_proj", STACKED_PARAMS["qkv_proj"], sizes)
         self.has_experts = layer_idx in config.attention_expert_layers
-        self.gen_qkv_proj = nn.Linear(hidden, sum(sizes), bias=True) if self.has_experts else None
-        self.gen_o_proj = nn.Linear(q_out, hidden, bias=False) if self.has_experts else None
+        self.gen_qkv_proj = MammothLinear(hidden, sum(sizes), bias=True) if self.has_experts else None
+        self.gen_o_proj = MammothLinear(q_out, hidden, bias=False) if self.has_experts else None
         if self.has_experts:
             _stack_hooks(self, "gen_qkv_proj", STACKED_PARAMS["gen_qkv_proj"], sizes)
 
@@ -348,14 +347,16 @@ class MammothARForCausalLM(nn.Module):
 
     _no_split_modules = ("MammothDecoderLayer",)
     _tied_weights_keys: tuple[str, ...] = ()
+    #: how every `MammothLinear` multiplies (`stage_ar.linear.set_linear_backend` changes it)
+    linear_backend = TORCH_LINEAR
 
     def __init__(self, config: MammothARConfig) -> None:
         super().__init__()
         self.config = config
         self.model = _MammothModelWrapper(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = MammothLinear(config.hidden_size, config.vocab_size, bias=False)
         self.gen_head = (
-            nn.Linear(config.hidden_size, config.gen_vocab_size, bias=False) if config.extra_gen_vocab else None
+            MammothLinear(config.hidden_size, config.gen_vocab_size, bias=False) if config.extra_gen_vocab else None
         )
 
     @classmethod
@@ -370,6 +371,17 @@ class MammothARForCausalLM(nn.Module):
     def language_model(self) -> MammothTextModel:
         return self.model.language_model
 
+    def visual_token_linears(self) -> list[MammothLinear]:
+        """The projections and MLP weights a generation (visual) token reads, layer by layer: the
+        ``gen_*`` experts where a layer has them, the shared ones elsewhere (FP8 converts these)."""
+        out: list[MammothLinear] = []
+        for layer in self.language_model.layers:
+            attn = layer.self_attn
+            out += [attn.gen_qkv_proj, attn.gen_o_proj] if attn.has_experts else [attn.qkv_proj, attn.o_proj]
+            mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
+            out += [mlp.gate_up_proj, mlp.down_proj]
+        return out
+
     def new_kv_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A `KVCache` on this model's device and in its dtype."""
         param = self.lm_head.weight
@@ -381,9 +393,9 @@ class MammothARForCausalLM(nn.Module):
         base = self.config.vocab_size
         end = self.config.full_vocab_size if end is None else end
         if self.gen_head is None or end <= base:
-            return F.linear(hidden_states, self.lm_head.weight[start:end]).float()
+            return self.lm_head.forward_rows(hidden_states, start, end).float()
         if start >= base:
-            return F.linear(hidden_states, self.gen_head.weight[start - base : end - base]).float()
+            return self.gen_head.forward_rows(hidden_states, start - base, end - base).float()
         logits = torch.cat([self.lm_head(hidden_states), self.gen_head(hidden_states)], dim=-1)
         return logits[..., start:end].float()
 

@@ -216,7 +216,8 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()
     bundle = await asyncio.to_thread(
-        load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype()
+        load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype(),
+        weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
     )
     engine = DecodeEngine(
         bundle.new_sequence,

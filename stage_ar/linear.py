@@ -1,0 +1,179 @@
+"""The AR forward's linear layers and their backends (how ``x @ weight.T + bias`` is computed), chosen
+at load; and the optional FP8 weight format of the layers a visual token reads.
+
+`MammothLinear` is ``nn.Linear`` (same parameters, same checkpoint names) whose ``forward`` calls its
+``backend``. Its weight is in the model dtype, or, after `MammothLinear.quantize_fp8`, E4M3 codes
+with a float32 ``weight_scale (out_features,)`` buffer (`stage_ar.fp8`: ``weight ≈ codes * scale``
+per output row). Backends:
+
+* `TorchLinear` (``"torch"``): ``F.linear`` (cuBLAS on CUDA, the CPU's matmul). FP8 codes are
+  widened to the activation dtype per call (exact: every E4M3 value is a bfloat16), multiplied in
+  that dtype, then scaled per output in float32 and the bias added, rounded once more.
+* `GemvLinear` (``"gemv"``): `stage_ar.gemv.gemv` (Triton weight streaming, scale and bias in its
+  epilogue) for at most `GemvLinear.max_rows` (16) activation rows, `TorchLinear` above (prefill).
+
+Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
+up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
+(the kernel pads to one 16-row tile; see `stage_ar.gemv`), so a row's bits do not depend on how many
+other rows share the call. Calls above 16 rows go to cuBLAS, whose kernel choice depends on M; the
+runner's ``pad_to_max_bucket`` gives those one shape.
+
+`select_backend` is the one place the choice is made: ``"auto"`` is `GemvLinear` on CUDA with triton
+and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpreter explicitly).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
+from stage_ar import gemv as gemv_kernels
+from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+
+__all__ = [
+    "BACKENDS", "GemvLinear", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
+    "quantize_fp8_", "select_backend", "set_linear_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``linear_backend`` setting values; ``weights_dtype`` values (the model dtype, or E4M3 with
+#: per-output-channel scales). Defined with the settings.
+BACKENDS, WEIGHTS_DTYPES = AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
+
+
+class TorchLinear:
+    """``F.linear``; FP8 weights widened per call, scaled per output row in float32."""
+
+    name = "torch"
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None) -> torch.Tensor:
+        """``x (..., K)`` -> ``(..., N)`` in ``x.dtype``; ``weight (N, K)`` in ``x.dtype`` or E4M3 with
+        ``weight_scale (N,)`` float32; ``bias (N,)`` or None."""
+        if weight_scale is None:
+            return F.linear(x, weight, bias)
+        y = F.linear(x, weight.to(x.dtype)).float() * weight_scale
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+TORCH_LINEAR = TorchLinear()
+
+
+class GemvLinear:
+    """`stage_ar.gemv.gemv` for calls of at most ``max_rows`` rows, `TorchLinear` above.
+
+    Args:
+        config: a fixed `stage_ar.gemv.GemvConfig` (None: autotuned on CUDA, the interpreter's launch on CPU).
+    """
+
+    name = "gemv"
+    max_rows = gemv_kernels.MAX_ROWS
+
+    def __init__(self, config: gemv_kernels.GemvConfig | None = None) -> None:
+        self.config = config
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None) -> torch.Tensor:
+        """As `TorchLinear.__call__`; the kernel's numerics are `stage_ar.gemv_reference.gemv_reference`."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not 1 <= rows <= self.max_rows or not weight.is_contiguous():
+            return TORCH_LINEAR(x, weight, bias, weight_scale)
+        flat = x.reshape(rows, k)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        out = gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def select_backend(name: str, device: torch.device | str) -> TorchLinear | GemvLinear:
+    """The linear backend for ``name`` (`BACKENDS`) on ``device``.
+
+    ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where
+    the kernel cannot run (no triton; CPU without the interpreter) falls back to `TorchLinear` with
+    a logged warning.
+
+    Raises:
+        ValueError: ``name`` is not one of `BACKENDS`.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"linear backend must be one of {BACKENDS}, got {name!r}")
+    device = torch.device(device)
+    usable = gemv_kernels.available(device)
+    if name == "auto":
+        name = "gemv" if usable and device.type == "cuda" else "torch"
+    if name == "gemv" and not usable:
+        logger.warning("GEMV kernels cannot run on %s (needs CUDA and triton); using torch matmul", device)
+        name = "torch"
+    return GemvLinear() if name == "gemv" else TORCH_LINEAR
+
+
+class MammothLinear(nn.Linear):
+    """``nn.Linear`` whose product goes through a pluggable backend (`TorchLinear` by default).
+
+    Attributes:
+        backend: the callable computing ``backend(x, weight, bias, weight_scale)``.
+        weight_scale: None, or after `quantize_fp8` the ``(out_features,)`` float32 row scales
+            (a buffer: in the state dict as ``<name>.weight_scale``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
+        super().__init__(in_features, out_features, bias=bias, **kwargs)
+        self.backend = TORCH_LINEAR
+        self.register_buffer("weight_scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., in_features)`` -> ``(..., out_features)`` in ``x.dtype``."""
+        return self.backend(x, self.weight, self.bias, self.weight_scale)
+
+    def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Only output rows ``[start, end)`` (e.g. the head's visual codes): ``(..., end - start)``."""
+        bias = None if self.bias is None else self.bias[start:end]
+        scale = None if self.weight_scale is None else self.weight_scale[start:end]
+        return self.backend(x, self.weight[start:end], bias, scale)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the weight holds E4M3 codes (with ``weight_scale``)."""
+        return self.weight.dtype == FP8_DTYPE
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Replace the weight by its E4M3 codes and ``weight_scale`` (`stage_ar.fp8`), in place on
+        the weight's device; the model-dtype weight is released. The bias keeps its dtype. No-op when
+        already FP8."""
+        if self.is_fp8:
+            return
+        codes, scale = quantize_fp8_per_channel(self.weight)
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", weights=fp8_e4m3 per-row scale" if self.is_fp8 else "")
+
+
+def set_linear_backend(model: nn.Module, backend: TorchLinear | GemvLinear) -> None:
+    """Route every `MammothLinear` of ``model`` through ``backend``; ``model.linear_backend`` records it."""
+    model.linear_backend = backend
+    for module in model.modules():
+        if isinstance(module, MammothLinear):
+            module.backend = backend
+
+
+def quantize_fp8_(linears: Iterable[MammothLinear]) -> int:
+    """`MammothLinear.quantize_fp8` on each of ``linears`` (one at a time, so the peak is one
+    layer's float32 temporary); returns the model-dtype bytes released minus the FP8 bytes kept."""
+    saved = 0
+    for linear in linears:
+        before = linear.weight.numel() * linear.weight.element_size()
+        linear.quantize_fp8()
+        saved += before - linear.weight.numel() - linear.weight_scale.numel() * 4
+    return saved

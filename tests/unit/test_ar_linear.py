@@ -1,0 +1,146 @@
+"""The AR forward's linear backends (`stage_ar.linear`): the Triton GEMV kernels wired into the one
+forward, against the upstream reference fixture and the torch backend, and batch invariance.
+
+On CPU the kernels run in Triton's interpreter (`tests/conftest.py`), float32 (numpy has no
+bfloat16); the GPU machine runs the same tests compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reference_fixture import REFERENCE_DIR as FIXTURE
+
+pytest.importorskip("triton")
+
+from stage_ar import gemv as gemv_kernels  # noqa: E402
+from stage_ar.linear import (  # noqa: E402
+    TORCH_LINEAR, GemvLinear, MammothLinear, TorchLinear, select_backend, set_linear_backend,
+)
+
+ATOL = 1e-4  # the fixture's tolerance (test_ar_fidelity)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURE / "tiny_outputs.safetensors")
+
+
+@pytest.fixture
+def gemv_model(model):
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    set_linear_backend(model, GemvLinear())
+    yield model
+    set_linear_backend(model, TORCH_LINEAR)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the real kernel's launches (it still runs)."""
+    calls = []
+    real = gemv_kernels.gemv
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", counting)
+    return calls
+
+
+def _decode_all(model, ids: torch.Tensor, prefill: int):
+    """Prefill ``prefill`` tokens into a KV cache, then one token per forward; logits and rows."""
+    cache = model.new_kv_cache(1, ids.shape[1])
+    with torch.no_grad():
+        first = model(ids[:, :prefill], torch.arange(prefill)[None], kv_cache=cache)
+        rows, logits = [first.last_hidden_state], [first.logits]
+        for t in range(prefill, ids.shape[1]):
+            step = model(ids[:, t : t + 1], torch.tensor([[t]]), kv_cache=cache)
+            rows.append(step.last_hidden_state)
+            logits.append(step.logits)
+    return torch.cat(rows, 1)[0], torch.cat(logits, 1)[0]
+
+
+def test_gemv_backend_forward_matches_the_reference_fixture(gemv_model, reference, kernel_calls):
+    """The fixture's 32 ids (20 text, 12 generation: both experts) through the GEMV kernels: a
+    16-token prefill (16 rows) and 16 single-token steps, every projection and both heads in the kernel."""
+    rows, logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
+    layers = gemv_model.config.num_hidden_layers
+    # prefill: 4 projections per layer per expert group present (text + generation tokens in layers 2, 3), 2 heads
+    assert len(kernel_calls) >= 17 * (4 * layers + 2) and max(kernel_calls) <= 16
+    torch.testing.assert_close(logits, reference["ar_logits"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows, reference["ar_last_hidden_states"], atol=ATOL, rtol=0)
+
+    set_linear_backend(gemv_model, TORCH_LINEAR)
+    torch_rows, torch_logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
+    torch.testing.assert_close(logits, torch_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
+
+
+def _decode_together(model, tok, specs: list[int]) -> dict[int, torch.Tensor]:
+    """Requests ``specs`` (test_batch_engine's SPECS, all joining at once) through one batched
+    `ARModelRunner` step loop as served on CUDA: one generation token per slot, the split-KV Triton
+    attention (batch-invariant), projections through the model's linear backend; rows per request."""
+    from test_batch_engine import grid_ids, make_seq
+
+    from stage_ar.runner import ARModelRunner
+
+    runner = ARModelRunner(model, 8, 96, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
+                           grid_ids(tok))), exact_rows=False, fused_attention=True, compile=False)
+    rows, first = {}, 0
+    for i in specs:
+        seq = make_seq(model, tok, i)
+        seq.attach_kv_cache(runner.kv_view(first, seq.cache_batch))
+        seq.prefill()
+        runner.activate(i, seq, first)
+        rows[i], first = [], first + seq.cache_batch
+    while (pending := runner.launch()) is not None:
+        runner.collect(pending)
+        for e in pending.entries:
+            rows[e.key].append(pending.hidden[e.slot])
+    return {i: torch.stack(r) for i, r in rows.items()}
+
+
+def test_gemv_backend_rows_do_not_depend_on_the_batch(gemv_model, tokenizer):
+    """A request decoded inside a batch (bucket 4: 4 rows per projection call) gives the bits it
+    gives decoded alone (bucket 2: its two AR-CFG rows): the kernel's per-row reduction order is
+    fixed, whatever M. The torch backend fails this on CPU (measured 2026-12-01: the CPU matmul's
+    order depends on M). The CPU's SDPA is not batch-invariant either, hence the runner's Triton
+    attention, as served on CUDA. About 2 minutes in the interpreter on a loaded 2-core machine."""
+    together = _decode_together(gemv_model, tokenizer, [0, 2, 3])
+    alone = _decode_together(gemv_model, tokenizer, [2])[2]
+    assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
+
+
+def test_more_than_16_rows_go_to_torch_and_fp8_matches_the_kernel(kernel_calls):
+    """Calls above 16 rows take `TorchLinear`; an FP8 layer gives the same result through either."""
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    g = torch.Generator().manual_seed(1)
+    layer = MammothLinear(96, 40, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=g) / 10)
+        layer.bias.copy_(torch.randn(40, generator=g))
+    layer.quantize_fp8()
+    assert layer.is_fp8 and layer.weight_scale.shape == (40,) and layer.bias.dtype == torch.float32
+    x = torch.randn(2, 12, 96, generator=g)
+    layer.backend = GemvLinear()
+    big = layer(x)  # 24 rows
+    assert kernel_calls == []
+    small = layer(x[:1])  # 12 rows
+    assert kernel_calls == [12]
+    layer.backend = TorchLinear()
+    torch.testing.assert_close(small, layer(x[:1]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(big[:1], small, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_selection():
+    assert select_backend("torch", "cpu") is TORCH_LINEAR
+    assert select_backend("auto", "cpu") is TORCH_LINEAR  # CPU serving: torch matmul
+    with pytest.raises(ValueError, match="linear backend"):
+        select_backend("cutlass", "cpu")
+    expected = GemvLinear if gemv_kernels.available(torch.device("cpu")) else TorchLinear
+    assert isinstance(select_backend("gemv", "cpu"), expected)
