@@ -49,6 +49,7 @@ from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
 from stage_ar.generation import T2ISequence
 from stage_ar.kv_pool import KVCache, KVPool
 from stage_ar.layers import EAGER_OPS, compiled_ops
+from stage_ar.linear import TORCH_LINEAR, set_linear_backend
 from stage_ar.modeling_mammoth_ar import ExpertRouting, MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridSampler, SamplingState
 
@@ -203,7 +204,8 @@ class ARModelRunner:
 
     def _run_step(self, b: int, length: int, sort: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_step_impl`, falling back (logged) to the GEMM attention path if the fused attention
-        kernel fails, then to the eager helpers if a compiled one fails (Triton needs a C compiler
+        kernel fails, then to torch matmul if a GEMV linear kernel fails, then to the eager helpers if a
+        compiled one fails (Triton needs a C compiler
         and Python headers at run time to build its launchers; an image without them lands here).
 
         A retry is safe: the first compiled or Triton call precedes every state write except the KV
@@ -217,6 +219,9 @@ class ARModelRunner:
                     logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
                                    type(exc).__name__, exc)
                     self.fused_attention = False
+                elif self.model.linear_backend is not TORCH_LINEAR:
+                    logger.warning("GEMV linear kernels failed (%s: %s); using torch matmul", type(exc).__name__, exc)
+                    set_linear_backend(self.model, TORCH_LINEAR)
                 elif self._ops.compiled:
                     logger.warning("torch.compile of the decode step failed (%s: %s); using eager kernels",
                                    type(exc).__name__, exc)

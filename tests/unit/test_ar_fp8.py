@@ -1,0 +1,117 @@
+"""FP8 (E4M3, per-output-channel scales) AR weights: numerics on the upstream reference fixture, which
+weights convert, and the load path (``weights_dtype="fp8"``, ``mammoth ar --weights-dtype fp8``).
+
+Deviation measured on the fixture (CPU, 2026-12-01; the fixture's tiny random model, hidden 64, so
+each output sums only 64 to 128 rounded weights: a pessimistic case), max abs over the 32 positions
+(logits |max| 4.0, last hidden |max| 3.35), and the relative L2 error of the last hidden state:
+
+| model vs the fp32 reference | logits | last hidden | all hidden | relative |
+| --- | ---: | ---: | ---: | ---: |
+| bf16 weights and activations | 0.101 | 0.089 | 0.089 | 0.016 |
+| FP8 weights, fp32 activations | 0.472 | 0.643 | 0.643 | 0.099 |
+| FP8 weights, bf16 activations | 0.608 | 0.499 | 0.661 | 0.103 |
+
+The thresholds below are these numbers with about 25 % headroom (docs/PERFORMANCE.md, FP8 weights).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reference_fixture import REFERENCE_DIR as FIXTURE
+from stage_ar.linear import MammothLinear, quantize_fp8_
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, strip_llm_prefix
+
+#: (activation dtype, FP8 weights) -> max abs error bounds (logits, last hidden, all hidden, relative L2)
+BOUNDS = {
+    (torch.bfloat16, False): (0.13, 0.12, 0.12, 0.02),
+    (torch.float32, True): (0.6, 0.8, 0.8, 0.125),
+    (torch.bfloat16, True): (0.76, 0.63, 0.83, 0.13),
+}
+
+
+def _model(dtype: torch.dtype, fp8: bool) -> MammothARForCausalLM:
+    cfg = json.loads((FIXTURE / "tiny_config_save_pretrained.json").read_text())["llm_config"]
+    m = MammothARForCausalLM.from_llm_config(cfg)
+    m.load_state_dict(strip_llm_prefix(load_file(FIXTURE / "tiny_reference.safetensors")), strict=True)
+    m.eval().to(dtype)
+    if fp8:
+        quantize_fp8_(m.visual_token_linears())
+    return m
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    return load_file(FIXTURE / "tiny_outputs.safetensors")
+
+
+@pytest.mark.parametrize(("dtype", "fp8"), list(BOUNDS), ids=["bf16", "fp8-fp32act", "fp8-bf16act"])
+def test_deviation_from_the_fp32_reference_is_within_the_recorded_bounds(reference, dtype, fp8):
+    ids = reference["ar_input_ids"]
+    with torch.no_grad():
+        out = _model(dtype, fp8)(ids, torch.arange(ids.shape[1])[None], output_hidden_states=True)
+    logits, last = out.logits[0].float(), out.last_hidden_state[0].float()
+    every = torch.stack(out.all_hidden_states)[:, 0].float()
+    errors = (
+        (logits - reference["ar_logits"]).abs().max().item(),
+        (last - reference["ar_last_hidden_states"]).abs().max().item(),
+        (every - reference["ar_hidden_states_all"]).abs().max().item(),
+        ((last - reference["ar_last_hidden_states"]).norm() / reference["ar_last_hidden_states"].norm()).item(),
+    )
+    bounds = BOUNDS[(dtype, fp8)]
+    assert all(e <= b for e, b in zip(errors, bounds)), f"errors {errors} over bounds {bounds}"
+    if fp8:  # the conversion really changed the numbers (more than bf16 rounding does)
+        assert errors[3] > BOUNDS[(torch.bfloat16, False)][3]
+
+
+def test_only_the_visual_token_path_converts():
+    """Expert layers (2, 3): the generation experts convert, the text experts stay; other layers
+    convert their shared projections; embeddings, norms and heads stay in the model dtype."""
+    m = _model(torch.float32, True)
+    fp8 = {name for name, mod in m.named_modules() if isinstance(mod, MammothLinear) and mod.is_fp8}
+    layer = "model.language_model.layers"
+    want = set()
+    for i in range(4):
+        prefix = f"{layer}.{i}.self_attn.gen_" if i >= 2 else f"{layer}.{i}.self_attn."
+        mlp = f"{layer}.{i}.gen_mlp" if i >= 2 else f"{layer}.{i}.mlp"
+        want |= {prefix + "qkv_proj", prefix + "o_proj", mlp + ".gate_up_proj", mlp + ".down_proj"}
+    assert fp8 == want
+    state = m.state_dict()
+    assert state[f"{layer}.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn  # checkpoint names still
+    assert state[f"{layer}.2.self_attn.q_proj.weight"].dtype == torch.float32
+    assert state[f"{layer}.0.self_attn.qkv_proj.weight_scale"].shape == (64 + 2 * 32,)
+    assert m.lm_head.weight.dtype == m.gen_head.weight.dtype == torch.float32
+
+
+def test_load_ar_with_fp8_weights_decodes(tiny_checkpoint, tmp_path):
+    """``load_ar(..., weights_dtype="fp8")`` converts at load, and the engine decodes a request with it."""
+    from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
+    from stage_ar.loader import load_ar
+
+    bundle = load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="fp8")
+    assert all(lin.is_fp8 for lin in bundle.model.visual_token_linears())
+    engine = DecodeEngine(bundle.new_sequence, 2, model=bundle.model, grid_ids=bundle.grid_ids,
+                          max_sequence_length=256)
+    sink = CollectingSink()
+    prompt = bundle.tokenizer.encode_t2i_prompt("a red house", 3, 2)
+    engine.run_job(DecodeJob("fp8", 0, prompt, None, 3, 2, 7, 1.0, 0, 0.0, 0.0, sink, lambda a, b: None,
+                             lambda exc, stats: None))
+    ids = sink.token_ids[Role.CONDITION][len(prompt):]
+    assert sink.finished and len(ids) == 2 * 4
+    with pytest.raises(ValueError, match="weights_dtype"):
+        load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="int4")
+
+
+def test_the_flag_reaches_the_settings():
+    from mammoth_core.cli import build_parser
+    from mammoth_core.settings import ARSettings, SettingsError
+
+    args = build_parser().parse_args(["ar", "--weights-dtype", "fp8", "--linear-backend", "torch"])
+    assert (args.weights_dtype, args.linear_backend) == ("fp8", "torch")
+    with pytest.raises((SettingsError, SystemExit)):
+        build_parser().parse_args(["ar", "--weights-dtype", "int8"])
+    assert ARSettings().weights_dtype == "auto"
