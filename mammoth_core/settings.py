@@ -286,6 +286,10 @@ class ARSettings(StageSettings):
             raise SettingsError("max_running_sequences must be >= 1")
         if self.max_dit_channels < 1:
             raise SettingsError("max_dit_channels must be >= 1")
+        if self.weights_dtype not in AR_WEIGHTS_DTYPES:
+            raise SettingsError(f"weights_dtype must be one of {', '.join(AR_WEIGHTS_DTYPES)}")
+        if self.linear_backend not in AR_LINEAR_BACKENDS:
+            raise SettingsError(f"linear_backend must be one of {', '.join(AR_LINEAR_BACKENDS)}")
 
 
 @dataclass

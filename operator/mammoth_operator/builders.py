@@ -202,6 +202,7 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "port": STAGE_PORTS["ar"][0],
         "metrics_port": STAGE_PORTS["ar"][1],
         "max_running_sequences": spec.ar.capacity,
+        "weights_dtype": spec.ar.weights_dtype,
         # The AR pushes only to pods behind the DiT's headless Service (stage_ar/dit_targets.py).
         "dit_allow_list": [backend_address(spec, "dit")],
     }

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mammoth_core import limits
+from mammoth_core.settings import AR_WEIGHTS_DTYPES
 
 #: The model source URI grammar; the same regular expression as the CRD's CEL rule on ``spec.model``.
 MODEL_SOURCE_RE = re.compile(
@@ -130,6 +131,8 @@ class Stage:
     disruption: Disruption
     autoscaling: Autoscaling
     placement: Placement
+    #: AR only: ``weightsDtype`` (the AR setting ``weights_dtype``); "auto" for the DiT.
+    weights_dtype: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +216,7 @@ DEFAULTS: dict[str, Any] = {
     "ar.autoscaling.metric.name": "mammoth_ar_running_sequences",
     "dit.autoscaling.metric.name": "mammoth_dit_slots_in_use",
     "ar.maxRunningSequences": 8,
+    "ar.weightsDtype": "auto",
     "dit.slots": 4,
     "imagePullPolicy": "IfNotPresent",
     "gateway.replicas": 1,
@@ -468,8 +472,10 @@ def _stage(r: _Reader, component: str, default_image: str) -> Stage:
     )
     if autoscaling.min_replicas > autoscaling.max_replicas:
         raise InvalidSpec(f"{a.path}.minReplicas", "autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+    weights_dtype = "auto"
     if component == "ar":
         capacity = r.int("maxRunningSequences", DEFAULTS["ar.maxRunningSequences"], 1, 1024)
+        weights_dtype = r.str("weightsDtype", DEFAULTS["ar.weightsDtype"], AR_WEIGHTS_DTYPES)
     else:
         capacity = r.int("slots", DEFAULTS["dit.slots"], 1, 64)
     return Stage(
@@ -482,6 +488,7 @@ def _stage(r: _Reader, component: str, default_image: str) -> Stage:
         disruption=_disruption(r.sub("podDisruptionBudget")),
         autoscaling=autoscaling,
         placement=_placement(r, default_image),
+        weights_dtype=weights_dtype,
     )
 
 

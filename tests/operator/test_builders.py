@@ -241,3 +241,17 @@ def test_every_key_the_operator_writes_is_read_by_a_component(tmp_path):
         path = tmp_path / f"{variant}.yaml"
         path.write_text(builders.render_config(spec))
         assert unknown_config_keys(path) == [], variant
+
+
+def test_ar_weights_dtype_reaches_the_ar_settings(tmp_path):
+    """``spec.ar.weightsDtype: fp8`` lands in the AR's section of the config file the AR container
+    reads (``mammoth ar --config``), and the AR settings built from that file say fp8; the default is auto."""
+    from mammoth_core.settings import ARSettings, resolve_settings
+    from mammoth_operator.spec import InvalidSpec
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(builders.render_config(pipeline(ar={"weightsDtype": "fp8"})))
+    assert resolve_settings(ARSettings, config_file=str(path), env={}).weights_dtype == "fp8"
+    assert builders.component_settings(VARIANTS["builtin"], "ar")["weights_dtype"] == "auto"
+    with pytest.raises(InvalidSpec, match="weightsDtype"):
+        pipeline(ar={"weightsDtype": "int4"})

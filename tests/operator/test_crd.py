@@ -92,7 +92,7 @@ def _crd_default(schema: dict[str, Any], dotted: str) -> Any:
     ("requestDefaults.arGrid", "requestDefaults.arGrid"),
     ("runtime.device", "runtime.device"), ("runtime.dtype", "runtime.dtype"),
     ("logging.format", "logging.format"), ("logging.level", "logging.level"),
-    ("networkPolicy.enabled", "networkPolicy.enabled"),
+    ("networkPolicy.enabled", "networkPolicy.enabled"), ("ar.weightsDtype", "ar.weightsDtype"),
 ])
 def test_operator_defaults_equal_crd_defaults(crd, key, crd_path):
     assert DEFAULTS[key] == _crd_default(openapi_schema(crd), crd_path)

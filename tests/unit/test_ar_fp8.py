@@ -108,10 +108,12 @@ def test_load_ar_with_fp8_weights_decodes(tiny_checkpoint, tmp_path):
 
 def test_the_flag_reaches_the_settings():
     from mammoth_core.cli import build_parser
-    from mammoth_core.settings import ARSettings, SettingsError
+    from mammoth_core.settings import ARSettings, SettingsError, resolve_settings
 
     args = build_parser().parse_args(["ar", "--weights-dtype", "fp8", "--linear-backend", "torch"])
     assert (args.weights_dtype, args.linear_backend) == ("fp8", "torch")
     with pytest.raises((SettingsError, SystemExit)):
         build_parser().parse_args(["ar", "--weights-dtype", "int8"])
     assert ARSettings().weights_dtype == "auto"
+    with pytest.raises(SettingsError, match="weights_dtype"):
+        resolve_settings(ARSettings, env={"MAMMOTH_WEIGHTS_DTYPE": "int8"})
