@@ -209,6 +209,9 @@ class DecodeEngine:
             ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ...).
         kv_slots: KV-pool slots (default ``2 * max_running_sequences``: room for AR-side CFG on
             every request).
+        warm_up: before `ready` is set, decode `stage_ar.warmup.warmup_jobs` through this loop
+            (default: on CUDA), so the first real request is not the cold one; ``warmup_s`` and
+            ``warmup_jobs`` record it, and the step counters start from zero after it.
     """
 
     def __init__(
@@ -223,6 +226,7 @@ class DecodeEngine:
         batch_invariant: bool = True,
         decoder_options: dict[str, Any] | None = None,
         kv_slots: int | None = None,
+        warm_up: bool | None = None,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
@@ -240,6 +244,9 @@ class DecodeEngine:
         self._runs: dict[DecodeJob, _Running] = {}  # by job (identity); touched by the engine thread
         self.steps_total = 0
         self.ready = threading.Event()
+        self._warm_up = self.runner.on_cuda if warm_up is None else bool(warm_up)
+        self.warmup_s: float | None = None  # seconds, and jobs finished, of the warm-up
+        self.warmup_jobs = 0
 
     # -- control (any thread) -----------------------------------------------------------------
 
@@ -309,10 +316,15 @@ class DecodeEngine:
         except Exception:  # noqa: BLE001 - keep serving, slower
             logger.exception("capturing CUDA graphs failed; decoding without graphs")
             self.runner.cuda_graphs = False
+        if self._warm_up:
+            from stage_ar.warmup import run_warmup  # it builds this module's jobs
+
+            self.warmup_s, self.warmup_jobs = run_warmup(self)
+            self.steps_total = self.runner.steps_launched = 0
         r = self.runner
-        logger.info("AR runner: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s (%.1f s)",
-                    r.num_slots, r.capacity, r.pool.nbytes / 2**30, r.exact_rows, r.cuda_graphs,
-                    time.perf_counter() - t0)
+        logger.info("AR runner: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s, "
+                    "warm-up %s s (%.1f s in all)", r.num_slots, r.capacity, r.pool.nbytes / 2**30, r.exact_rows,
+                    r.cuda_graphs, None if self.warmup_s is None else round(self.warmup_s, 2), time.perf_counter() - t0)
         self.ready.set()
 
     def _loop(self) -> None:
@@ -328,6 +340,10 @@ class DecodeEngine:
     def run_until_idle(self) -> None:
         """Run the loop in the calling thread until no job is left (in-process runs, benchmarks)."""
         self._prepare()
+        self.step_until_idle()
+
+    def step_until_idle(self) -> None:
+        """`step` in the calling thread until no job is left (no graph capture, no warm-up)."""
         while self.scheduler.num_admitted or self.runner.active_count or self._pending is not None:
             self.step()
         self._flush()

@@ -1,0 +1,71 @@
+"""Dummy requests the AR engine decodes before it reports ready, so the first real request runs as
+fast as the tenth (issue 17, "served = benchmarked").
+
+What a cold first request would otherwise pay, and what each job here exercises through the engine's
+own loop (`stage_ar.engine.DecodeEngine`: schedule -> prefill -> launch -> collect -> emit):
+
+* prefill: cuBLAS handles and heuristics, the SDPA kernels, and the GEMV kernels' autotuning for
+  every row bucket a short prefill can hit (1, 2, 4, 8, 16 rows: `stage_ar.gemv` tunes once per
+  bucket, with a device sync) — prompts of 1, 2, 4, 8 and 16 tokens, then a 64-token prompt with
+  AR-side CFG and a negative prompt (two cache rows, the negative rows, cuBLAS above 16 rows);
+* decode: `ARModelRunner.activate`, graph replay (the graphs themselves were captured before, one
+  per bucket), the one-step-late readback, the sampler with and without top-k/top-p sorts, `leave`.
+
+Each job's grid is 1 x 1 (two tokens: one code, one EOL). The jobs run one at a time (admission is
+never exceeded) and their rows go to a discarding sink; their KV slots are simply reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob
+
+__all__ = ["PROMPT_LENGTHS", "run_warmup", "warmup_jobs"]
+
+logger = logging.getLogger(__name__)
+
+#: Prompt lengths without CFG (1 row per token), then the CFG + negative prompt job's length.
+PROMPT_LENGTHS = (1, 2, 4, 8, 16)
+CFG_PROMPT_LENGTH = 64
+
+
+def _prompt(length: int, vocab_size: int) -> list[int]:
+    return [(7 + 13 * i) % vocab_size for i in range(length)]
+
+
+def warmup_jobs(vocab_size: int, max_sequence_length: int) -> list[DecodeJob]:
+    """The warm-up `DecodeJob`s (request ids ``warmup-N``), text ids below ``vocab_size``, each
+    fitting ``max_sequence_length`` positions (longer ones are left out)."""
+    specs = [(n, 0.0, False) for n in PROMPT_LENGTHS] + [(CFG_PROMPT_LENGTH, 2.0, True), (8, 0.0, False)]
+    jobs = []
+    for i, (length, scale, negative) in enumerate(specs):
+        if length + 2 > max_sequence_length:
+            continue
+        top_k = 8 if i == len(specs) - 1 else 0  # the last one takes the sorted sampler variant
+        jobs.append(DecodeJob(
+            request_id=f"warmup-{i}", epoch=0, prompt_ids=_prompt(length, vocab_size),
+            negative_ids=_prompt(length // 2, vocab_size) if negative else None, ar_width=1, ar_height=1,
+            seed=i, temperature=1.0, top_k=top_k, top_p=0.0, ar_guidance_scale=scale, sink=CollectingSink(),
+            on_progress=lambda done, total: None, on_done=lambda exc, stats: None,
+        ))
+    return jobs
+
+
+def run_warmup(engine: DecodeEngine) -> tuple[float, int]:
+    """Decode `warmup_jobs` through ``engine``'s loop in the calling thread, one at a time (called by
+    the engine before it reports ready). A failure is logged, not raised: serving goes on, colder.
+
+    Returns:
+        ``(seconds spent, jobs that finished)``.
+    """
+    t0 = time.perf_counter()
+    jobs = warmup_jobs(int(engine.runner.model.config.vocab_size), engine.max_sequence_length)
+    try:
+        for job in jobs:
+            engine.submit(job)
+            engine.step_until_idle()
+    except Exception:  # noqa: BLE001 - warm-up only saves time
+        logger.exception("AR warm-up failed; the first request may be slower")
+    return time.perf_counter() - t0, sum(job.sink.finished for job in jobs)
