@@ -58,6 +58,8 @@ MAX_ROWS = 16
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``).
+FP8_COMPUTES = ("activation", "float16")
 
 
 def available(device: torch.device) -> bool:
@@ -188,6 +190,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+        F16_DOT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed.
@@ -206,6 +209,8 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
+            if F16_DOT:  # FP8 codes -> float16 is one hardware conversion per pair (sm_89+)
+                x_t = x_t.to(tl.float16)
             acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE)
             if SWIGLU:
                 acc_up = _w_dot(w_ptr, offs_n + N, n_mask, k, K, x_t, acc_up, EVEN_K, EVEN_N, IEEE)
@@ -264,7 +269,7 @@ if triton is not None:
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in TUNED_CONFIGS],
-        key=["M_BUCKET", "N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL"],
+        key=["M_BUCKET", "N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "F16_DOT"],
         prune_configs_by={"early_config_prune": _prune},
         do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
     )(_kernel)
@@ -282,6 +287,7 @@ def gemv(
     swiglu: bool = False,
     config: GemvConfig | None = None,
     norm_in_prologue: bool = False,
+    fp8_compute: str = "activation",
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -303,6 +309,11 @@ def gemv(
         norm_in_prologue: apply the norm inside the GEMV (every program normalises every tile:
             measured slower on the H200, 2026-12-01: +4 us qkv, +17 us gate_up) instead of
             `rms_norm_rows` first (the default). Same numerics, other summation order.
+        fp8_compute: FP8 weights only: ``"activation"`` widens the codes to ``x.dtype`` (exact) and
+            multiplies in it; ``"float16"`` widens codes and activations to float16 (the hardware's
+            one-instruction E4M3 -> float16 conversion) and multiplies there: the same products (codes
+            and bfloat16 activations are exact in float16) while every ``|x| <= 65504``; beyond
+            that float16 overflows, hence opt-in (`FP8_COMPUTES`).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -313,6 +324,10 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    if fp8_compute not in FP8_COMPUTES:
+        raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
+    if fp8_compute == "float16" and x.dtype == torch.float32:
+        raise ValueError("fp8_compute='float16' takes 16-bit activations (float32 ones would be rounded)")
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     if norm_weight is not None and not norm_in_prologue:
@@ -331,6 +346,7 @@ def gemv(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+        F16_DOT=fp8_compute == "float16" and weight.dtype == FP8_DTYPE,
     )
     if config is None and not INTERPRETED:
         _tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
@@ -372,7 +388,7 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
-                  norm_in_prologue: bool = False) -> None:
+                  norm_in_prologue: bool = False, fp8_compute: str = "activation") -> None:
     """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
 
     Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
@@ -396,6 +412,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,
+        F16_DOT=fp8 and fp8_compute == "float16",
     )
 
 

@@ -72,13 +72,15 @@ class GemvLinear:
 
     Args:
         config: a fixed `stage_ar.gemv.GemvConfig` (None: autotuned on CUDA, the interpreter's launch on CPU).
+        fp8_compute: FP8 weights: `stage_ar.gemv.gemv`'s ``fp8_compute`` (``"float16"``: the faster
+            conversion, same products while activations stay within float16's range; opt-in).
     """
 
     name = "gemv"
     max_rows = gemv_kernels.MAX_ROWS
 
-    def __init__(self, config: gemv_kernels.GemvConfig | None = None) -> None:
-        self.config = config
+    def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str = "activation") -> None:
+        self.config, self.fp8_compute = config, fp8_compute
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None) -> torch.Tensor:
@@ -90,7 +92,8 @@ class GemvLinear:
         flat = x.reshape(rows, k)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
-        out = gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config)
+        out = gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
+                                fp8_compute=self.fp8_compute if weight_scale is not None else "activation")
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -143,6 +143,33 @@ def test_tuned_parameters_do_not_change_bits(gemv, variant):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "norm_swiglu", "residual"])
+def test_fp8_float16_compute_gives_the_same_bits(gemv, variant):
+    """``fp8_compute="float16"`` (codes and activations widened to float16) forms the same products as
+    widening to the activation dtype: same bits, bfloat16 on a GPU (float16 in the interpreter, where
+    both modes are one path, so only the reference is checked there); float32 activations are refused."""
+    from stage_ar.gemv_reference import gemv_reference
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    x, weight, kwargs = make_inputs(variant, dtype, fp8=True, seed=8)
+    config = gemv.GemvConfig(16, 4, 3)
+    fast = gemv.gemv(x, weight, config=config, fp8_compute="float16", **kwargs)
+    assert torch.equal(fast, gemv.gemv(x, weight, config=config, **kwargs))
+    want = gemv_reference(x, weight, **kwargs).float()
+    torch.testing.assert_close(fast.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(gemv.gemv(x[2:3], weight, config=config, fp8_compute="float16", **_one_row(kwargs, 2))[0],
+                       fast[2])
+    x32, w32, kw32 = make_inputs("plain", torch.float32, fp8=True)
+    with pytest.raises(ValueError, match="fp8_compute"):
+        gemv.gemv(x32, w32, fp8_compute="float16", **kw32)
+    with pytest.raises(ValueError, match="fp8_compute"):
+        gemv.gemv(x, weight, fp8_compute="e5m2", **kwargs)
+
+
+def _one_row(kwargs, i):
+    return kwargs | ({"residual": kwargs["residual"][i : i + 1]} if "residual" in kwargs else {})
+
+
 def test_bad_inputs_are_refused_with_clear_errors(gemv):
     x, weight, _ = make_inputs("plain", torch.float16)
     w8, scale = _fp8(weight)
