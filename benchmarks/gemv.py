@@ -7,7 +7,11 @@ with autotuning):
 
 Sections (each printed as it finishes; ``gemv.json`` in --out is rewritten after every one, so a
 crash or the time budget keeps what finished; a failing variant records its error and the rest go on;
-run order: precompile, 1, timings at M = 1 and 16, 2, the other timings, 4, 5):
+run order: precompile, 1, 0, timings at M = 1 and 16, 2, the other timings, 4, 5):
+0. variants side by side (`benchmarks/gemv_variants.py`, first, within ``--variants-budget-s``): one
+   plain linear per shape at M = 1 and 16 by cuBLAS bf16, our GEMV bf16, our FP8 GEMV (bf16 or
+   float16 widening, 256- or 512-column K tiles), the torch dequantise-then-cuBLAS FP8 path and
+   ``torch._scaled_mm`` (FP8 x FP8); per visual token against the bf16 and FP8 floors;
 1. ceiling: device-to-device copy bandwidth of a 2 GiB buffer (bytes read + written);
 2. correctness at every shape in its fused form (the way a decoder layer uses it) and plain, bf16
    and FP8 weights: vs `stage_ar.gemv_reference` at M = 1 and 16 (max abs error, and how many
@@ -321,6 +325,10 @@ def precompile_jobs(table: dict) -> list[tuple]:
     """Every (shape, form, candidate config) autotuning will compile, as `stage_ar.gemv.compile_ahead` arguments."""
     jobs = []
     for name, shape in table.items():
+        for c in G.TUNED_CONFIGS:  # section 0's float16-compute FP8 launch (plain)
+            if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
+                jobs.append((f"{name}/fp8-f16/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
+                             {"fp8_compute": "float16"}))
         for form in ("plain", "fused", "fp8"):
             flags = {} if form == "plain" else dict(shape["fused"])
             w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16
@@ -370,7 +378,9 @@ def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--budget-s", type=float, default=225.0, help="start no new timing after this")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="start no new timing after this")
+    parser.add_argument("--variants-budget-s", type=float, default=110.0,
+                        help="section 0 starts no new timing after this (from the start)")
     parser.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes compiling the candidates ahead of autotuning (0: none)")
@@ -409,6 +419,11 @@ def main() -> None:
         copies = max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * 2)))
         sets[name] = make_weights(shape, copies, seed=i)
     res["weight_copies"] = {name: len(s) for name, s in sets.items()}
+    sys.modules.setdefault("gemv", sys.modules[__name__])  # section 0 uses this module's helpers and DEVICE
+    import gemv_variants
+
+    res["variants"] = gemv_variants.run(table, sets, bandwidth, min(deadline, t0 + args.variants_budget_s), save)
+    save("variants")
     res["timings"] = timings = {name: {} for name in table}
     for ms_list in ((1, 16), None, (2, 4, 8)):  # the ends first, then the checks, then the middle
         if ms_list is None:
