@@ -19,9 +19,18 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    graph replay alone (CUDA events), a kernel profile of the mid-image batch-1 step, peak GPU memory
    (weights alone, after the engine's capture, after each run); at batch 1 also the GEMM + softmax
    attention path and padded mode; eager graphs with ``--eager``;
-5. the per-token HBM floor (bytes one step must read / measured copy bandwidth);
-6. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
+5. the per-token HBM floor (bytes one step must read / measured copy bandwidth), bf16 and FP8;
+6. FP8 weights (`stage_ar.linear`: the visual-token projections and MLPs converted in place, E4M3
+   per output channel): batch 1 and 8 with the default GEMV widening, batch 1 with float16 compute;
+7. served: a real ``mammoth ar`` process on a Preview-size random checkpoint (`benchmarks/ar_served.py`,
+   written once to --ckpt-dir), 10 requests of a 32x32 grid one after another: ms/token, first
+   vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``; ``--skip-served``);
+8. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
    dimensions as the baseline.
+
+The timings of 4 use the linear backend the AR serves with (`stage_ar.linear.select_backend`
+``"auto"``: the Triton GEMV kernels for <= 16 rows); ``compiled_cublas`` is batch 1 with torch matmul
+(cuBLAS). One run (without ``--eager``) is meant to stay under 8 minutes on the H200.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules
 from mammoth_core.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
+from stage_ar.linear import TORCH_LINEAR, GemvLinear, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM  # noqa: E402
 from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
 
@@ -253,13 +263,30 @@ def timings(model, res: dict, steps: int, save=None, eager: bool = False) -> Non
     """The default runner (compiled graphs, fused split-KV attention; buckets) at batch 1, image
     start and mid-image, and 2/4/8 concurrent; at batch 1 the GEMM + softmax attention path and
     padded mode (the engine default); eager graphs (``compile=False``) with ``eager``."""
+    served_backend = select_backend("auto", "cuda")
+    res["linear_backend"] = served_backend.name
     time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
-    time_variant(model, res, "compiled_gemm_attention", {"fused_attention": False}, (1,), steps, mid_image=True,
-                 save=save)
     time_variant(model, res, "compiled_pad8", {"pad_to_max_bucket": True}, (1,), steps, mid_image=True,
                  save=save)
+    set_linear_backend(model, TORCH_LINEAR)
+    time_variant(model, res, "compiled_cublas", {}, (1,), steps, save=save)
+    set_linear_backend(model, served_backend)
     if eager:
+        time_variant(model, res, "compiled_gemm_attention", {"fused_attention": False}, (1,), steps,
+                     mid_image=True, save=save)
         time_variant(model, res, "eager", {"compile": False}, (1, 2, 4, 8), steps, mid_image=True, save=save)
+
+
+def fp8_timings(model, res: dict, steps: int, save=None) -> None:
+    """Section 6: the visual-token weights converted to FP8 in place, then timed (the model stays FP8)."""
+    quantize_fp8_(model.visual_token_linears())
+    torch.cuda.empty_cache()
+    res["floor_fp8"] = fb = floor_bytes(model, MID)
+    res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
+    set_linear_backend(model, select_backend("auto", "cuda"))
+    time_variant(model, res, "fp8", {}, (1, 8), steps, mid_image=True, save=save)
+    set_linear_backend(model, GemvLinear(fp8_compute="float16"))
+    time_variant(model, res, "fp8_f16", {}, (1,), steps, save=save)
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
@@ -271,7 +298,8 @@ def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
         projs = [a.gen_qkv_proj, a.gen_o_proj] if a.has_experts else [a.qkv_proj, a.o_proj]
         mlp = layer.gen_mlp if layer.gen_mlp is not None else layer.mlp
         mods = projs + [mlp, layer.input_layernorm, layer.post_attention_layernorm]
-        total += sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+        tensors = [t for m in mods for t in (*m.parameters(), *m.buffers())]  # FP8: codes + row scales
+        total += sum(t.numel() * t.element_size() for t in tensors)
     total += lm.norm.weight.numel() * lm.norm.weight.element_size()
     h = model.config.hidden_size
     head = (VEND - VSTART + 1) * h * 2
@@ -286,67 +314,35 @@ def hf_baseline(lc: dict, res: dict) -> None:
     print(f"HF transformers generate (eager, greedy): {res['hf_ms_per_token']:.2f} ms/token", flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--skip-correctness", action="store_true")
-    parser.add_argument("--eager", action="store_true", help="also time eager graphs (compile=False)")
-    args = parser.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "command": "PYTHONPATH=. python benchmarks/ar_decode.py --out $OUT",
-    }
-    print(f"GPU {res['gpu']}, torch {res['torch']}", flush=True)
-    res["ceilings"] = ceilings()
-    print("ceilings", res["ceilings"], flush=True)
-    config, _ = preview_config()
-    lc = config["llm_config"]
-    torch.cuda.reset_peak_memory_stats()
-    model, _ = random_preview_modules(config, dit=False)
-    model.eval().requires_grad_(False)
-    res["weights_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    def save() -> None:
-        (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
+def served(res: dict, args, save) -> None:
+    """Section 7 (`benchmarks/ar_served.py`): bf16, and FP8 with ``--served-fp8``."""
+    import ar_served
 
+    try:
+        checkpoint = ar_served.preview_checkpoint(pathlib.Path(args.ckpt_dir))
+        for dtype in ("auto", "fp8") if args.served_fp8 else ("auto",):
+            key = "served" if dtype == "auto" else "served_fp8"
+            res[key] = ar_served.run(checkpoint, requests=10, grid=32, extra=["--weights-dtype", dtype])
+            print(key, json.dumps({k: v for k, v in res[key].items() if k not in ("requests", "ar_log_tail")}),
+                  flush=True)
+            save()
+    except Exception:  # noqa: BLE001 - keep the other sections
+        res.setdefault("errors", []).append(traceback.format_exc())
+        print(traceback.format_exc(), flush=True)
+
+
+def print_summary(res: dict) -> None:
+    """The side-by-side table (markdown) of everything measured."""
     bw = res["ceilings"]["hbm_bytes_per_s"]
-    mid = len(PROMPT) + 64 * 65 // 2
-    fb = floor_bytes(model, mid)
-    res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
-    save()
-    for section in (
-        lambda: timings(model, res, args.steps, save, eager=args.eager),
-        (lambda: correctness(model, res)) if not args.skip_correctness else None,
-    ):
-        if section is None:
-            continue
-        try:
-            section()
-        except Exception:  # noqa: BLE001 - keep the other sections
-            res.setdefault("errors", []).append(traceback.format_exc())
-            print(traceback.format_exc(), flush=True)
-        save()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    if not args.skip_hf:
-        try:
-            hf_baseline(lc, res)
-        except Exception:  # noqa: BLE001
-            res["hf_error"] = traceback.format_exc()
-            print(res["hf_error"], flush=True)
-    (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
-
     t = res.get("timings", {})
     floor = res["floor"]["ms_per_token"]
     print("\n| quantity | value |\n| --- | --- |")
     print(f"| copy bandwidth (read+write) | {bw / 1e12:.2f} TB/s |")
     print(f"| bf16 matmul 8192^3 | {res['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |")
-    print(f"| floor per token (B=1, pos {mid}) | {floor:.3f} ms ({res['floor']['total'] / 1e9:.2f} GB) |")
+    print(f"| floor per token (B=1, pos {MID}), bf16 | {floor:.3f} ms ({res['floor']['total'] / 1e9:.2f} GB) |")
+    if "floor_fp8" in res:
+        print(f"| floor per token, FP8 weights | {res['floor_fp8']['ms_per_token']:.3f} ms "
+              f"({res['floor_fp8']['total'] / 1e9:.2f} GB) |")
     print(f"| GPU memory: weights / after capture / peak | {res['weights_gib']:.2f} / "
           f"{t.get('compiled_engine_peak_gib', float('nan')):.2f} / "
           f"{max([v['peak_gib'] for v in t.values() if isinstance(v, dict)] or [float('nan')]):.2f} GiB |")
@@ -365,6 +361,86 @@ def main() -> int:
                   f"(target >= 6) |")
     if "compiled_prefill_ms" in t:
         print(f"| prefill 63 tokens | {t['compiled_prefill_ms']:.1f} ms |")
+    if "fp8_B1" in t:
+        print(f"| FP8 B=1 | {t['fp8_B1']['ms_per_step']:.3f} ms/token (target <= 2.1; "
+              f"{t['fp8_B1']['ms_per_step'] / res['floor_fp8']['ms_per_token']:.2f} x FP8 floor) |")
+    if "fp8_B8" in t and "fp8_B1" in t:
+        print(f"| FP8 B=8 tok/s / B=1 tok/s | {t['fp8_B8']['tokens_per_s'] / t['fp8_B1']['tokens_per_s']:.2f} x "
+              f"(target >= 7) |")
+    for key in ("served", "served_fp8"):
+        if key in res:
+            v = res[key]
+            ref = t.get("compiled_pad8_B1" if key == "served" else "fp8_B1", {}).get("ms_per_step", float("nan"))
+            print(f"| {key}: mammoth ar, 32x32 grid, 10 requests | {v['ms_per_token_median']:.3f} ms/token "
+                  f"({v['ms_per_token_median'] / ref:.3f} x the benchmark's B=1, target <= 1.05); first "
+                  f"{v['first_wall_ms']:.0f} ms vs tenth {v['last_wall_ms']:.0f} ms ({v['first_over_last']:.2f} x, "
+                  f"target <= 1.10); ready after {v['ready_s']:.0f} s |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time eager graphs (compile=False) and the GEMM attention path")
+    parser.add_argument("--skip-served", action="store_true", help="skip section 7 (a real mammoth ar process)")
+    parser.add_argument("--served-fp8", action="store_true", help="section 7 also with --weights-dtype fp8")
+    parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt", help="section 7's checkpoint")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "command": "PYTHONPATH=. python benchmarks/ar_decode.py --out $OUT",
+    }
+    print(f"GPU {res['gpu']}, torch {res['torch']}", flush=True)
+    res["ceilings"] = ceilings()
+    print("ceilings", res["ceilings"], flush=True)
+    config, _ = preview_config()
+    lc = config["llm_config"]
+    torch.cuda.reset_peak_memory_stats()
+    model, _ = random_preview_modules(config, dit=False)
+    model.eval().requires_grad_(False)
+    set_linear_backend(model, select_backend("auto", "cuda"))  # as `load_ar` does for the served AR
+    res["weights_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    def save() -> None:
+        (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
+
+    bw = res["ceilings"]["hbm_bytes_per_s"]
+    mid = len(PROMPT) + 64 * 65 // 2
+    fb = floor_bytes(model, mid)
+    res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
+    save()
+    for section in (
+        lambda: timings(model, res, args.steps, save, eager=args.eager),
+        (lambda: correctness(model, res)) if not args.skip_correctness else None,
+        lambda: fp8_timings(model, res, args.steps, save),
+    ):
+        if section is None:
+            continue
+        try:
+            section()
+        except Exception:  # noqa: BLE001 - keep the other sections
+            res.setdefault("errors", []).append(traceback.format_exc())
+            print(traceback.format_exc(), flush=True)
+        save()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_served:
+        served(res, args, save)
+    if not args.skip_hf:
+        try:
+            hf_baseline(lc, res)
+        except Exception:  # noqa: BLE001
+            res["hf_error"] = traceback.format_exc()
+            print(res["hf_error"], flush=True)
+    (out / "ar_decode.json").write_text(json.dumps(res, indent=2, default=str))
+
+    print_summary(res)
     return 0
 
 
