@@ -277,10 +277,34 @@ def timings(model, res: dict, steps: int, save=None, eager: bool = False) -> Non
         time_variant(model, res, "eager", {"compile": False}, (1, 2, 4, 8), steps, mid_image=True, save=save)
 
 
-def fp8_timings(model, res: dict, steps: int, save=None) -> None:
-    """Section 6: the visual-token weights converted to FP8 in place, then timed (the model stays FP8)."""
+def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over ``ids``: float32 last hidden states ``(T, H)`` and the argmax visual code per position."""
+    x = torch.tensor(ids, device="cuda")[None]
+    with torch.inference_mode():
+        h = model(x, torch.arange(x.shape[1], device="cuda")[None], compute_logits=False).last_hidden_state[0]
+        return h.float(), model.compute_logits(h, VSTART, VEND).argmax(-1)
+
+
+def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID) -> None:
+    """Section 6: a greedy bf16 ``grid`` x ``grid`` image, then the visual-token weights converted to
+    FP8 in place; the same ids forced through both (relative hidden-state error and argmax agreement
+    over the image's positions), then timed (the model stays FP8)."""
+    engine = make_engine(model, 8, len(PROMPT) + grid * (grid + 1) + 1)
+    sink = drive(engine, {0: [job("fp8-ref", grid, grid, 0, temperature=0.0)]})["fp8-ref"]
+    del engine
+    ids = sink.token_ids[Role.CONDITION]
+    h16, a16 = _teacher_forced(model, ids)
     quantize_fp8_(model.visual_token_linears())
     torch.cuda.empty_cache()
+    h8, a8 = _teacher_forced(model, ids)
+    n = len(PROMPT)
+    res["fp8_vs_bf16"] = {
+        "grid": grid, "positions": len(ids) - n,
+        "rel_hidden_error": float((h8[n:] - h16[n:]).norm() / h16[n:].norm()),
+        "max_abs_hidden_error": float((h8[n:] - h16[n:]).abs().max()),
+        "argmax_agreement": float((a8[n - 1 : -1] == a16[n - 1 : -1]).float().mean()),
+    }
+    print("FP8 vs bf16 weights (teacher-forced over a greedy bf16 image):", res["fp8_vs_bf16"], flush=True)
     res["floor_fp8"] = fb = floor_bytes(model, MID)
     res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
     set_linear_backend(model, select_backend("auto", "cuda"))
@@ -364,6 +388,10 @@ def print_summary(res: dict) -> None:
     if "fp8_B1" in t:
         print(f"| FP8 B=1 | {t['fp8_B1']['ms_per_step']:.3f} ms/token (target <= 2.1; "
               f"{t['fp8_B1']['ms_per_step'] / res['floor_fp8']['ms_per_token']:.2f} x FP8 floor) |")
+    if "fp8_vs_bf16" in res:
+        d = res["fp8_vs_bf16"]
+        print(f"| FP8 vs bf16, {d['grid']}x{d['grid']} grid forced | relative hidden error {d['rel_hidden_error']:.4f}, "
+              f"argmax agreement {d['argmax_agreement']:.4f} |")
     if "fp8_B8" in t and "fp8_B1" in t:
         print(f"| FP8 B=8 tok/s / B=1 tok/s | {t['fp8_B8']['tokens_per_s'] / t['fp8_B1']['tokens_per_s']:.2f} x "
               f"(target >= 7) |")
