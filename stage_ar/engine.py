@@ -209,9 +209,8 @@ class DecodeEngine:
             ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ...).
         kv_slots: KV-pool slots (default ``2 * max_running_sequences``: room for AR-side CFG on
             every request).
-        warm_up: before `ready` is set, decode `stage_ar.warmup.warmup_jobs` through this loop
-            (default: on CUDA), so the first real request is not the cold one; ``warmup_s`` and
-            ``warmup_jobs`` record it, and the step counters start from zero after it.
+        warm_up: decode `stage_ar.warmup.warmup_jobs` before `ready` (default: on CUDA; skipped if jobs
+            wait at the first step): ``warmup_s``, ``warmup_jobs``; step counters restart after it.
     """
 
     def __init__(
@@ -246,7 +245,7 @@ class DecodeEngine:
         self.ready = threading.Event()
         self._warm_up = self.runner.on_cuda if warm_up is None else bool(warm_up)
         self.warmup_s: float | None = None  # seconds, and jobs finished, of the warm-up
-        self.warmup_jobs = 0
+        self.warmup_jobs, self._prepared = 0, False
 
     # -- control (any thread) -----------------------------------------------------------------
 
@@ -306,17 +305,18 @@ class DecodeEngine:
     # -- engine thread ------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        """Capture the runner's CUDA graphs (no-op on CPU); decoding continues without graphs if
-        capture fails."""
-        if self.ready.is_set():
+        """Once: capture the runner's CUDA graphs (no-op on CPU; decoding continues without graphs if
+        capture fails), then the warm-up when on and no job is waiting yet, then set `ready`."""
+        if self._prepared:
             return
+        self._prepared = True  # the warm-up's own steps come back here
         t0 = time.perf_counter()
         try:
             self.runner.capture()
         except Exception:  # noqa: BLE001 - keep serving, slower
             logger.exception("capturing CUDA graphs failed; decoding without graphs")
             self.runner.cuda_graphs = False
-        if self._warm_up:
+        if self._warm_up and not self.scheduler.num_admitted:
             from stage_ar.warmup import run_warmup  # it builds this module's jobs
 
             self.warmup_s, self.warmup_jobs = run_warmup(self)

@@ -61,3 +61,18 @@ def test_warm_up_is_off_by_default_on_cpu_and_jobs_fit_short_pools(model, tokeni
     short = warmup_jobs(model.config.vocab_size, 12)  # only the prompts that fit 12 positions
     assert [len(j.prompt_ids) for j in short] == [1, 2, 4, 8, 8]
     assert all(max(j.prompt_ids) < model.config.vocab_size for j in warmup_jobs(model.config.vocab_size, 96))
+
+
+def test_a_job_waiting_at_the_first_step_skips_the_warm_up(model, tokenizer):
+    """Driven inline with a job submitted before the first step (benchmarks do), the engine does not
+    warm up in front of it (nor inside it): the job decodes as on a cold engine."""
+    engine = _engine(model, tokenizer, warm_up=True)
+    job, sink = _real_job(tokenizer)
+    engine.submit(job)
+    engine.step()
+    engine.run_until_idle()
+    assert engine.ready.is_set() and engine.warmup_s is None and sink.finished
+    cold = _engine(model, tokenizer, warm_up=False)
+    cold_job, cold_sink = _real_job(tokenizer)
+    cold.run_job(cold_job)
+    assert sink.token_ids[Role.CONDITION] == cold_sink.token_ids[Role.CONDITION]
