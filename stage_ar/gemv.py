@@ -324,16 +324,26 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
-    if fp8_compute not in FP8_COMPUTES:
-        raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
-    if fp8_compute == "float16" and x.dtype == torch.float32:
-        raise ValueError("fp8_compute='float16' takes 16-bit activations (float32 ones would be rounded)")
+    _check_fp8_compute(fp8_compute, x)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     if norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
-    m, k = x.shape
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out)
+    return out
+
+
+def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
+    if fp8_compute not in FP8_COMPUTES:
+        raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
+    if fp8_compute == "float16" and x.dtype == torch.float32:
+        raise ValueError("fp8_compute='float16' takes 16-bit activations (float32 ones would be rounded)")
+
+
+def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out) -> None:
+    """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`)."""
+    (m, k), n = x.shape, out.shape[1]
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
@@ -354,7 +364,6 @@ def gemv(
         c = config or INTERPRETER_CONFIG
         grid = (triton.cdiv(n, c.block_n),)
         _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
-    return out
 
 
 #: Columns per chunk of `rms_norm_rows` (fixed: it sets the sum-of-squares order).
