@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from stage_ar import decode_attention as triton_decode
 from stage_ar.layers import EAGER_OPS, PointwiseOps
 
-__all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDecodeAttention", "build_attention_mask"]
+__all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDecodeAttention", "WindowGEMMAttention",
+           "build_attention_mask"]
 
 
 class AttentionBackend(Protocol):
@@ -144,3 +145,47 @@ class TritonDecodeAttention(_SlotDecode):
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
                                              self.pos, self.key_start, self.length, self.scale)
         return out.view(b, 1, heads * d)
+
+
+class WindowGEMMAttention:
+    """``T`` query positions per row (a Jacobi window): row ``i`` lives in pool slot ``slots[i]``,
+    writes its keys/values at positions ``pos[i] + t`` and query ``t`` attends to key positions
+    ``[key_start[i], pos[i] + t]`` (causal inside the window), ``pos[i] + T <= length``. Two batched
+    GEMMs and a float32 softmax, as `GEMMDecodeAttention` (the decode backends' multi-query path on
+    every device; the split-KV Triton kernel takes one query per row).
+
+    Args:
+        key, value: pool tensors ``(layers, slots, kv_heads, capacity, d)``.
+        slots, pos, key_start: ``(R,)`` int64 on the pool's device.
+        window: ``T``.
+        length: key positions read (``max(pos) + T`` at least).
+        scale: softmax scale.
+    """
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                 key_start: torch.Tensor, window: int, length: int, scale: float,
+                 ops: PointwiseOps = EAGER_OPS) -> None:
+        self.key, self.value, self.slots, self.scale, self.ops = key, value, slots, scale, ops
+        self.length = length
+        offsets = torch.arange(window, device=pos.device)
+        self.positions = pos[:, None] + offsets[None, :]  # (R, T)
+        k_idx = torch.arange(length, device=pos.device)
+        valid = (k_idx[None, None, :] >= key_start[:, None, None]) & (k_idx[None, None, :] <= self.positions[..., None])
+        # additive float32 bias (0 / -inf), (R, 1, 1, T, length), shared by every layer
+        self.bias = torch.zeros(valid.shape, device=pos.device, dtype=torch.float32).masked_fill(
+            ~valid, float("-inf"))[:, None, None]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r, t, heads, d = q.shape
+        kv_heads = k.shape[2]
+        key_l, value_l = self.key[layer], self.value[layer]
+        slot_idx = self.slots[:, None].expand(r, t)
+        key_l[slot_idx, :, self.positions] = k
+        value_l[slot_idx, :, self.positions] = v
+        keys = key_l[self.slots, :, : self.length]  # (R, KV, L, d)
+        values = value_l[self.slots, :, : self.length]
+        qg = q.permute(0, 2, 1, 3).reshape(r, kv_heads, heads // kv_heads, t, d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)[:, :, None])  # (R, KV, G, T, L)
+        probs = self.ops.masked_softmax(scores, self.scale, self.bias)
+        out = torch.matmul(probs, values[:, :, None])  # (R, KV, G, T, d)
+        return out.reshape(r, heads, t, d).permute(0, 2, 1, 3).reshape(r, t, heads * d)

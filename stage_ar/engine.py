@@ -31,7 +31,9 @@ from typing import Any, Callable, Protocol, Union
 
 import torch
 
+from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from stage_ar.generation import T2ISequence, cache_rows, grid_tokens
+from stage_ar.jacobi import WindowResult
 from stage_ar.runner import ARModelRunner, PendingStep
 from stage_ar.scheduler import (
     ARScheduler,
@@ -124,6 +126,7 @@ class DecodeJob:
         deadline: `time.monotonic()` seconds after which the job is aborted, or None.
         row_times: when a list, the engine appends ``(CONDITION rows produced so far, unix ms)``
             after every hand-off to the sink (request traces; see the ``trace_dir`` setting).
+        decoding: sequential (default) or speculative Jacobi windows (`DecodingOptions`).
     """
 
     request_id: str
@@ -142,6 +145,7 @@ class DecodeJob:
     on_done: Callable[[BaseException | None, JobStats], None]
     deadline: float | None = None
     row_times: list[tuple[int, float]] | None = None
+    decoding: DecodingOptions = SEQUENTIAL
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     cancel_callbacks: list[Callable[[], None]] = dataclasses.field(default_factory=list, repr=False)
 
@@ -378,8 +382,10 @@ class DecodeEngine:
                 logger.exception("batched decode step failed")
                 for request in self.scheduler.running:
                     self._emit(self._leave(request.payload, exc))
+        windows = self._speculate()
         self._flush()
         self._pending = launched
+        self._emit(windows)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None
@@ -428,6 +434,37 @@ class DecodeEngine:
             out.append(RowsReady(run.job, Role.CONDITION, row, [fed[entry.slot]]))
             if run.seq.finished:
                 out.append(SequenceDone(run.job, None))
+        return out
+
+    def _speculate(self) -> list[EngineOutput]:
+        """One Jacobi turn (`ARModelRunner.speculate`): the final tokens of each window as rows."""
+        try:
+            results = self.runner.speculate()
+        except Exception as exc:  # noqa: BLE001 - a broken verification fails its requests
+            logger.exception("Jacobi verification step failed")
+            return [out for request in self.scheduler.running if request.payload.seq is not None
+                    and request.payload.seq.decoding.jacobi for out in self._leave(request.payload, exc)]
+        out: list[EngineOutput] = []
+        for result in results:
+            out.extend(self._window_outputs(result))
+        return out
+
+    def _window_outputs(self, result: WindowResult) -> list[EngineOutput]:
+        run: _Running = result.key
+        if run.closed:
+            return []
+        if result.finished:
+            run.slot = None  # the verifier already let it go
+        try:
+            samples = result.fed[1:] + [result.next_token]
+            for fed, sampled in zip(result.fed, samples):
+                run.seq.record_external_step(fed, sampled)
+        except Exception as exc:  # noqa: BLE001 - fails this job only
+            logger.exception("Jacobi bookkeeping failed for %s", run.job.request_id)
+            return [SequenceDone(run.job, exc)]
+        out: list[EngineOutput] = [RowsReady(run.job, Role.CONDITION, result.hidden, list(result.fed))]
+        if run.seq.finished:
+            out.append(SequenceDone(run.job, None))
         return out
 
     def _leave(self, run: _Running, error: BaseException | None) -> list[EngineOutput]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from stage_ar.kv_pool import KVCache
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridConstrainedSampler, GridSampler, SamplingState
@@ -75,6 +76,8 @@ class T2ISequence:
         device, dtype: where and in which dtype to run; default: the model's.
         negative_prompt_ids: optional negative prompt, for `negative_rows`.
         ar_guidance_scale: AR-side CFG scale; active only when ``> 1``.
+        decoding: how the batched engine decodes the grid (`DecodingOptions`; `step`/`run`, the B=1
+            reference, are always sequential).
 
     Raises:
         ValueError: empty prompt, grid mismatch with the sampler, a model/dtype mismatch, or a
@@ -93,6 +96,7 @@ class T2ISequence:
         dtype: torch.dtype | None = None,
         negative_prompt_ids: list[int] | None = None,
         ar_guidance_scale: float = 0.0,
+        decoding: DecodingOptions = SEQUENTIAL,
     ) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -112,6 +116,7 @@ class T2ISequence:
         self.ar_height = ar_height
         self.sampler = sampler
         self.ar_guidance_scale = float(ar_guidance_scale)
+        self.decoding = decoding
         self.cfg = cache_rows(self.ar_guidance_scale) == 2
 
         self.prompt_len = len(self.prompt_ids)

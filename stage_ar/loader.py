@@ -63,7 +63,8 @@ class ARBundle:
         sampler = self.make_sampler(
             job.ar_width, job.ar_height, job.seed, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p)
         return T2ISequence(self.model, job.prompt_ids, job.ar_width, job.ar_height, sampler,
-                           negative_prompt_ids=job.negative_ids, ar_guidance_scale=job.ar_guidance_scale)
+                           negative_prompt_ids=job.negative_ids, ar_guidance_scale=job.ar_guidance_scale,
+                           decoding=job.decoding)
 
     @property
     def grid_ids(self) -> tuple[int, int, int]:

@@ -47,6 +47,7 @@ import torch
 
 from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
 from stage_ar.generation import T2ISequence
+from stage_ar.jacobi import JacobiVerifier, WindowResult
 from stage_ar.kv_pool import KVCache, KVPool
 from stage_ar.layers import EAGER_OPS, compiled_ops
 from stage_ar.linear import TORCH_LINEAR, set_linear_backend
@@ -195,6 +196,7 @@ class ARModelRunner:
         # by (batch bucket, key length, sorted sampler)
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
+        self.jacobi = JacobiVerifier(self)  # the ``jacobi`` sequences' windows (stage_ar.jacobi)
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -276,8 +278,8 @@ class ARModelRunner:
 
     @property
     def active_count(self) -> int:
-        """Requests decoding now."""
-        return len(self._slots)
+        """Requests decoding now (sequential and Jacobi)."""
+        return len(self._slots) + len(self.jacobi)
 
     def kv_view(self, first: int, count: int) -> KVCache:
         """A `KVCache` over pool slots ``[first, first + count)`` (length 0) for a prefill."""
@@ -291,6 +293,10 @@ class ARModelRunner:
         """
         if seq.finished or seq.next_token is None:
             raise ValueError("activate() needs a prefilled, unfinished sequence")
+        if seq.decoding.jacobi:
+            self.active[first : first + seq.cache_batch] = False
+            self.jacobi.activate(key, seq, first)
+            return
         count = seq.cache_batch
         g0 = len(seq.generated_ids)
         ints = torch.tensor([seq.next_token, seq.prompt_len + g0], dtype=torch.long)
@@ -310,6 +316,8 @@ class ARModelRunner:
 
         With ``key``, only when that request still holds the slot (no-op otherwise).
         """
+        if first in self.jacobi:
+            return self.jacobi.deactivate(first, key)
         st = self._slots.get(first)
         if st is None or (key is not None and st.key is not key):
             return None
@@ -368,6 +376,10 @@ class ARModelRunner:
             if done:
                 self.deactivate(first)
         return PendingStep(entries, hidden, ids_host, event)
+
+    def speculate(self) -> list[WindowResult]:
+        """One verification turn of every Jacobi window (synchronous; `JacobiVerifier.step`)."""
+        return self.jacobi.step() if len(self.jacobi) else []
 
     @staticmethod
     def collect(pending: PendingStep) -> tuple[list[int], list[int]]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig",
+__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig", "inverse_cdf_draw",
            "read_t2i_generation_config"]
 
 T2I_GENERATION_CONFIG_FILE = "t2i_generation_config.json"
@@ -350,17 +350,33 @@ class GridSampler(nn.Module):
 
         ``sort=False`` skips top-k/top-p (valid only when no row uses them: same tokens then)."""
         b = logits.shape[0]
+        scores, greedy_idx = self._scores(logits, state, sort)
+        index = self._draw(scores, state, b)
+        index = torch.where(state.greedy[:b], greedy_idx, index)
+        width, sidx = state.width[:b], state.sample_idx[:b]
+        tokens = torch.where(sidx % (width + 1) == width, torch.full_like(index, self.eol), index + self.vstart)
+        return tokens[state.source[:b]]
+
+    def probabilities(self, logits: torch.Tensor, state: SamplingState, sort: bool = True) -> torch.Tensor:
+        """The distribution `forward` draws each row's visual code from: ``logits (b, vocab)`` float32
+        -> ``(b, vocab)`` float64 (a one-hot at the argmax for greedy rows). The grid constraint is
+        not applied (at EOL positions `forward` returns EOL whatever this says)."""
+        b = logits.shape[0]
+        scores, greedy_idx = self._scores(logits, state, sort)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
+        greedy = torch.nn.functional.one_hot(greedy_idx, self.vocab).to(torch.float64)
+        return torch.where(state.greedy[:b, None], greedy, probs)
+
+    def _scores(self, logits: torch.Tensor, state: SamplingState, sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """CFG mix, repetition penalty, temperature, top-k/top-p: ``(scores (b, vocab), greedy index (b,))``."""
+        b = logits.shape[0]
         scores = self._cfg_mix(logits, state, b)
         scores = self._repetition_penalty(scores, state, b)
         greedy_idx = torch.argmax(scores, dim=-1)
         scores = scores / state.temperature[:b, None]
         if sort:
             scores = self._top_k_top_p(scores, state, b)
-        index = self._draw(scores, state, b)
-        index = torch.where(state.greedy[:b], greedy_idx, index)
-        width, sidx = state.width[:b], state.sample_idx[:b]
-        tokens = torch.where(sidx % (width + 1) == width, torch.full_like(index, self.eol), index + self.vstart)
-        return tokens[state.source[:b]]
+        return scores, greedy_idx
 
     @staticmethod
     def _cfg_mix(logits: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
@@ -388,10 +404,21 @@ class GridSampler(nn.Module):
 
     def _draw(self, s: torch.Tensor, state: SamplingState, b: int) -> torch.Tensor:
         probs = torch.softmax(s, dim=-1, dtype=torch.float64)
-        cdf = torch.cumsum(probs, dim=-1)
         col = (state.sample_idx[:b] - state.uniforms_base).clamp(0, state.uniforms.shape[1] - 1)
-        u = state.uniforms[:b].gather(1, col[:, None]) * cdf[:, -1:]
-        index = torch.searchsorted(cdf, u, right=True).clamp(max=self.vocab - 1)
-        # never land on a zero-probability entry: step back to the last positive one
-        positive = torch.where(probs > 0, self.vocab_index[None, :], 0)
-        return torch.cummax(positive, dim=-1).values.gather(1, index).squeeze(1)
+        return inverse_cdf_draw(probs, state.uniforms[:b].gather(1, col[:, None]), self.vocab_index)
+
+
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse-CDF draw per row: ``probs (b, V)`` nonnegative float64 weights (need not sum to 1),
+    ``u (b, 1)`` uniforms in ``[0, 1)`` -> ``(b,)`` int64, the first entry whose cumulative weight
+    exceeds ``u * total``; never an entry of weight 0. ``index`` is ``arange(V)`` on the device
+    (built when None). Capturable: no host sync."""
+    vocab = probs.shape[-1]
+    if index is None:
+        index = torch.arange(vocab, device=probs.device)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = u * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True).clamp(max=vocab - 1)
+    # never land on a zero-probability entry: step back to the last positive one
+    positive = torch.where(probs > 0, index[None, :], 0)
+    return torch.cummax(positive, dim=-1).values.gather(1, pick).squeeze(1)
