@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from mammoth_core.limits import resolve_grid
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
 from stage_ar.loader import ARBundle, load_ar
@@ -96,6 +97,7 @@ class InProcessModel:
         top_p: float = 0.0,
         ar_guidance_scale: float = 0.0,
         ar_grid: str = "auto",
+        decoding: DecodingOptions = SEQUENTIAL,
     ) -> InProcessResult:
         """Generate one image; parameters mean what the gateway's request fields mean (``ar_grid``:
         ``"auto"`` or ``"WxH"``, resolved by `mammoth_core.limits.resolve_grid` as the gateway does).
@@ -112,7 +114,7 @@ class InProcessModel:
             request_id="inprocess", epoch=0, prompt_ids=prompt_ids, negative_ids=negative_ids, ar_width=w,
             ar_height=h, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
             ar_guidance_scale=ar_guidance_scale, sink=sink, on_progress=lambda done, total: None,
-            on_done=lambda exc, stats: None,
+            on_done=lambda exc, stats: None, decoding=decoding,
         ))
         hidden, ids = sink.hidden(Role.CONDITION), sink.token_ids[Role.CONDITION]
         negative = sink.hidden(Role.NEGATIVE)

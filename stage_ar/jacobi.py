@@ -1,11 +1,16 @@
 """Speculative Jacobi decoding in the batched engine: every ``jacobi`` sequence carries a window.
 
+Batch invariance: with the runner's ``pad_to_max_bucket`` (the engine's ``batch_invariant``, the
+default) or ``exact_rows`` every window runs its own forward over the whole pool width, so its
+shapes, and therefore its bits, never depend on what else is decoding; without it, one forward
+covers every window of the same length (fewer launches, rows then depend on the batch).
+
 `JacobiVerifier` belongs to an `stage_ar.runner.ARModelRunner` (same model, KV pool and
 `GridSampler`); the runner hands it the sequences whose `DecodingOptions` say ``jacobi`` and steps
 them in `JacobiVerifier.step`, after its own sequential step, each engine turn. One turn, for the
 windows of ``T`` tokens (grouped by ``T``, which differs only in a grid's last window):
 
-1. one forward over all windows: row ``r`` feeds ``[t0, d1 .. d(T-1)]`` at cache positions
+1. one forward over the windows (see above): row ``r`` feeds ``[t0, d1 .. d(T-1)]`` at cache positions
    ``P + g .. P + g + T - 1`` (``t0`` the next token, exactly sampled; ``d`` the drafts), causal
    inside the window (`stage_ar.attention.WindowGEMMAttention`, or with ``exact_rows`` each
    sequence's own SDPA forward over its `KVCache` view: the B=1 path's call with ``T`` tokens);
@@ -122,12 +127,14 @@ class JacobiVerifier:
     @torch.inference_mode()
     def step(self) -> list[WindowResult]:
         """One verification forward per window length over every window; returns each outcome."""
-        groups: dict[int, list[_Window]] = {}
+        groups: dict[tuple[int, int], list[_Window]] = {}
+        alone = self.runner.pad_to_max_bucket  # batch invariance: each window its own forward
         for first in sorted(self._windows):
             win = self._windows[first]
-            groups.setdefault(min(self._window(win), win.remaining), []).append(win)
+            t = min(self._window(win), win.remaining)
+            groups.setdefault((t, first if alone else 0), []).append(win)
         results = []
-        for t, wins in sorted(groups.items()):
+        for (t, _), wins in sorted(groups.items()):
             hidden, logits = self._forward(wins, t)
             self.forwards += 1
             results.extend(self._verify(wins, t, hidden, logits))
@@ -191,7 +198,7 @@ class JacobiVerifier:
                 rows.append(row_ids)
         dev = dict(dtype=torch.long, device=r.device)
         slots_t, pos_t, key_start_t = torch.tensor(slots, **dev), torch.tensor(pos, **dev), torch.tensor(key_start, **dev)
-        length = min(r.capacity, max(pos) + t)
+        length = r.capacity if r.pad_to_max_bucket else min(r.capacity, max(pos) + t)
         attention = WindowGEMMAttention(r.pool.key, r.pool.value, slots_t, pos_t, key_start_t, t, length, r.scale,
                                         ops=r._ops)
         input_ids = torch.tensor(rows, **dev)
