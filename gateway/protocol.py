@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
 
+from mammoth_core.decoding import JACOBI_WINDOW_RANGE
 from mammoth_core.limits import GUIDANCE_SCALE_RANGE
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ EXTENSION_FIELDS = (
     "cfg_range",
     "ar_guidance_scale",
     "ar_grid",
+    "ar_decoding",
+    "jacobi_window",
+    "jacobi_token_reuse",
+    "jacobi_spatial_init",
     "stream_progress",
 )
 
@@ -63,7 +68,7 @@ class ImageGenerationRequest(OpenAIBaseModel):
     quality, background, style, moderation, user, safety_identifier, stream, partial_images
     (complexity, frame_count, frame_duration_ms and svg are recognised and rejected).
     Extensions: seed, negative_prompt, num_inference_steps, text_guidance_scale, cfg_range,
-    ar_guidance_scale, ar_grid.
+    ar_guidance_scale, ar_grid, ar_decoding, jacobi_window, jacobi_token_reuse, jacobi_spatial_init.
     """
 
     prompt: str = Field(min_length=1, description="Text description of the image (length cap: "
@@ -125,6 +130,19 @@ class ImageGenerationRequest(OpenAIBaseModel):
                                 "height/16) or `WxH` cells (W*H cells in the image's aspect ratio; "
                                 "default: the gateway's `default_ar_grid`). Checked against the AR's "
                                 "position limit.")
+    ar_decoding: Literal["sequential", "jacobi"] | None = Field(
+        None, description="Extension: how the AR decodes the grid: `sequential` (one image token per "
+        "forward) or `jacobi` (speculative Jacobi decoding: several tokens per forward, the same "
+        "distribution of images; default: the gateway's `default_ar_decoding`).")
+    jacobi_window: StrictInt | None = Field(
+        None, ge=JACOBI_WINDOW_RANGE[0], le=JACOBI_WINDOW_RANGE[1], description="Extension: tokens per "
+        "Jacobi verification forward (default: the gateway's `default_jacobi_window`).")
+    jacobi_token_reuse: StrictBool | None = Field(
+        None, description="Extension: with jacobi, keep re-drafted positions' previous drafts where the "
+        "new prediction supports them (SJD++ token reuse; default off).")
+    jacobi_spatial_init: StrictBool | None = Field(
+        None, description="Extension: with jacobi, draft new positions as the token one grid row above "
+        "(default off: uniform drafts).")
     stream_progress: StrictBool | None = Field(
         None, description="Extension: with stream=true, also send `image_generation.progress` "
         "events (AR tokens, DiT steps). Off by default: a default stream carries only the event "

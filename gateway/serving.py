@@ -70,7 +70,8 @@ from gateway.protocol import (
     ProgressEvent,
 )
 from gateway.request_budget import keepalive_interval, request_budget
-from mammoth_core import grpc_common, limits, tracing
+from mammoth_core import decoding, grpc_common, limits, tracing
+from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from mammoth_core.text import is_blank
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.refusals import refusal_of
@@ -142,6 +143,7 @@ class ImageJob:
     quality: str
     safety_identifier: str | None
     stream_progress: bool = False
+    decoding: DecodingOptions = SEQUENTIAL
 
     @property
     def size(self) -> str:
@@ -306,6 +308,9 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         text_guidance_scale=guidance,
         cfg_range=(float(cfg_range[0]), float(cfg_range[1])),
         ar_guidance_scale=float(req.ar_guidance_scale or 0.0),
+        decoding=DecodingOptions.resolve(
+            req.ar_decoding, req.jacobi_window, req.jacobi_token_reuse, req.jacobi_spatial_init,
+            DecodingOptions(settings.default_ar_decoding, settings.default_jacobi_window)),
         output_format=output_format,
         output_compression=compression,
         partial_images=partial_images,
@@ -740,7 +745,7 @@ class Orchestrator:
             negative_prompt=job.negative_prompt, width=job.width, height=job.height, seed=seed,
             sampling=pb.SamplingParams(), ar_guidance_scale=job.ar_guidance_scale,
             dit_address=dit.address, reservation_token=token, grid_width=job.ar_grid[0],
-            grid_height=job.ar_grid[1])
+            grid_height=job.ar_grid[1], decoding=decoding.to_proto(job.decoding))
         backoff = 0.05
         full: set[str] = set()
         while True:

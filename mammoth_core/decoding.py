@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
-__all__ = ["ARDecoding", "DEFAULT_JACOBI_WINDOW", "DecodingOptions", "JACOBI_WINDOW_RANGE", "SEQUENTIAL"]
+__all__ = ["ARDecoding", "DEFAULT_JACOBI_WINDOW", "DecodingOptions", "JACOBI_WINDOW_RANGE", "SEQUENTIAL", "from_proto",
+           "to_proto"]
 
 #: Tokens per Jacobi window (the next token + ``window - 1`` drafts) by default, and the allowed range.
 DEFAULT_JACOBI_WINDOW = 16
@@ -83,3 +85,29 @@ class DecodingOptions:
 
 #: The default: one token per forward.
 SEQUENTIAL = DecodingOptions()
+
+
+def to_proto(options: DecodingOptions) -> Any:
+    """`DecodingOptions` -> ``mammoth.v1.DecodingParams`` (``sequential`` as the unset message)."""
+    from mammoth_core.pb import mammoth_pb2 as pb
+
+    if not options.jacobi:
+        return pb.DecodingParams()
+    return pb.DecodingParams(mode=pb.AR_DECODING_JACOBI, window=options.window, token_reuse=options.token_reuse,
+                             spatial_init=options.spatial_init)
+
+
+def from_proto(message: Any) -> DecodingOptions:
+    """``mammoth.v1.DecodingParams`` -> `DecodingOptions` (unset mode: sequential; window 0: the default).
+
+    Raises:
+        ValueError: an unknown mode or a window outside `JACOBI_WINDOW_RANGE`.
+    """
+    from mammoth_core.pb import mammoth_pb2 as pb
+
+    if message.mode in (pb.AR_DECODING_UNSPECIFIED, pb.AR_DECODING_SEQUENTIAL):
+        return SEQUENTIAL
+    if message.mode != pb.AR_DECODING_JACOBI:
+        raise ValueError(f"ar_decoding: unknown mode {message.mode}")
+    return DecodingOptions(ARDecoding.JACOBI, window=int(message.window) or DEFAULT_JACOBI_WINDOW,
+                           token_reuse=bool(message.token_reuse), spatial_init=bool(message.spatial_init))

@@ -36,6 +36,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from mammoth_core.decoding import DEFAULT_JACOBI_WINDOW, JACOBI_WINDOW_RANGE, ARDecoding
+
 #: Pixels per AR grid cell along each side (MODEL.md: ``ar_width = width // 16``).
 GRID_PIXELS = 16
 #: Largest grid side accepted in ``ar_grid`` (cells); the position limit bounds it further.
@@ -83,6 +85,13 @@ class RequestLimits:
     default_ar_grid: str = _limit(
         "auto", "AR grid used when a request gives no ar_grid: 'auto' (width/16 x height/16) or "
         "'WxH' (W*H cells in the image's aspect ratio, e.g. the model card's 32x32)", crd="arGrid")
+    default_ar_decoding: str = _limit(
+        "sequential", "AR decoding of requests that give no ar_decoding: 'sequential' (one image token per "
+        "forward) or 'jacobi' (speculative Jacobi windows: the same distribution, fewer forwards)",
+        crd="arDecoding")
+    default_jacobi_window: int = _limit(
+        DEFAULT_JACOBI_WINDOW, "Jacobi window (tokens per verification forward) of requests that give no "
+        "jacobi_window", crd="jacobiWindow", minimum=JACOBI_WINDOW_RANGE[0], maximum=JACOBI_WINDOW_RANGE[1])
     min_pixels: int = _limit(16 * 16, "smallest width*height accepted (gateway and DiT)",
                              crd="minPixels", minimum=256, maximum=16777216)
     max_pixels: int = _limit(1536 * 1536, "largest width*height accepted (gateway and DiT)",
@@ -294,6 +303,9 @@ def validate(table: RequestLimits, present: set[str] | None = None) -> None:
     cfg = table.default_cfg_range
     if len(cfg) != 2 or not 0.0 <= cfg[0] <= cfg[1] <= 1.0:
         raise ValueError("default_cfg_range must be [start, end] with 0 <= start <= end <= 1")
+    if table.default_ar_decoding not in {m.value for m in ARDecoding}:
+        raise ValueError(f"default_ar_decoding must be one of {[m.value for m in ARDecoding]}, "
+                         f"got {table.default_ar_decoding!r}")
     try:
         parse_ar_grid(table.default_ar_grid)
     except LimitError as exc:

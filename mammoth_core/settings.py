@@ -353,6 +353,8 @@ class GatewaySettings(BaseSettings):
     default_cfg_range: list[float] = _limit("default_cfg_range")
     default_size: str = _limit("default_size")
     default_ar_grid: str = _limit("default_ar_grid")
+    default_ar_decoding: str = _limit("default_ar_decoding")
+    default_jacobi_window: int = _limit("default_jacobi_window")
     max_pixels: int = _limit("max_pixels")
     min_pixels: int = _limit("min_pixels")
     max_steps: int = _limit("max_steps")

@@ -33,7 +33,6 @@ import torch
 
 from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from stage_ar.generation import T2ISequence, cache_rows, grid_tokens
-from stage_ar.jacobi import WindowResult
 from stage_ar.runner import ARModelRunner, PendingStep
 from stage_ar.scheduler import (
     ARScheduler,
@@ -419,50 +418,34 @@ class DecodeEngine:
         fed, sampled = self.runner.collect(pending)
         out: list[EngineOutput] = []
         for entry in pending.entries:
-            run: _Running = entry.key
-            if run.closed:
-                continue  # aborted after the launch
-            if entry.finished:
-                run.slot = None  # the runner already took it out of the batch
-            try:
-                run.seq.record_external_step(fed[entry.slot], sampled[entry.slot])
-            except Exception as exc:  # noqa: BLE001 - fails this job only
-                logger.exception("decode step bookkeeping failed for %s", run.job.request_id)
-                out.append(SequenceDone(run.job, exc))
-                continue
-            row = pending.hidden[entry.slot : entry.slot + 1]
-            out.append(RowsReady(run.job, Role.CONDITION, row, [fed[entry.slot]]))
-            if run.seq.finished:
-                out.append(SequenceDone(run.job, None))
+            if not entry.key.closed:  # else aborted after the launch
+                out.extend(self._final_tokens(entry.key, entry.finished, [fed[entry.slot]], [sampled[entry.slot]],
+                                              pending.hidden[entry.slot : entry.slot + 1]))
         return out
 
     def _speculate(self) -> list[EngineOutput]:
-        """One Jacobi turn (`ARModelRunner.speculate`): the final tokens of each window as rows."""
+        """One Jacobi turn (`ARModelRunner.speculate`): each window's final tokens as rows."""
         try:
             results = self.runner.speculate()
         except Exception as exc:  # noqa: BLE001 - a broken verification fails its requests
             logger.exception("Jacobi verification step failed")
-            return [out for request in self.scheduler.running if request.payload.seq is not None
-                    and request.payload.seq.decoding.jacobi for out in self._leave(request.payload, exc)]
-        out: list[EngineOutput] = []
-        for result in results:
-            out.extend(self._window_outputs(result))
-        return out
+            runs = [r.payload for r in self.scheduler.running if r.payload.seq and r.payload.seq.decoding.jacobi]
+            return [out for run in runs for out in self._leave(run, exc)]
+        return [out for r in results if not r.key.closed
+                for out in self._final_tokens(r.key, r.finished, r.fed, r.fed[1:] + [r.next_token], r.hidden)]
 
-    def _window_outputs(self, result: WindowResult) -> list[EngineOutput]:
-        run: _Running = result.key
-        if run.closed:
-            return []
-        if result.finished:
-            run.slot = None  # the verifier already let it go
+    def _final_tokens(self, run: _Running, left: bool, fed: list[int], sampled: list[int],
+                      hidden: torch.Tensor) -> list[EngineOutput]:
+        """``fed`` tokens final (``sampled[i]`` drawn after ``fed[i]``, rows ``hidden``); ``left``: out of the batch."""
+        if left:
+            run.slot = None
         try:
-            samples = result.fed[1:] + [result.next_token]
-            for fed, sampled in zip(result.fed, samples):
-                run.seq.record_external_step(fed, sampled)
+            for token, sample in zip(fed, sampled):
+                run.seq.record_external_step(token, sample)
         except Exception as exc:  # noqa: BLE001 - fails this job only
-            logger.exception("Jacobi bookkeeping failed for %s", run.job.request_id)
+            logger.exception("decode step bookkeeping failed for %s", run.job.request_id)
             return [SequenceDone(run.job, exc)]
-        out: list[EngineOutput] = [RowsReady(run.job, Role.CONDITION, result.hidden, list(result.fed))]
+        out: list[EngineOutput] = [RowsReady(run.job, Role.CONDITION, hidden, list(fed))]
         if run.seq.finished:
             out.append(SequenceDone(run.job, None))
         return out

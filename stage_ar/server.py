@@ -23,7 +23,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from mammoth_core import drain, grpc_common, limits, tracing
+from mammoth_core import decoding, drain, grpc_common, limits, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -184,6 +184,10 @@ def validate_request(request: pb.ARGenerateRequest) -> str | None:
     s = request.sampling
     if s.temperature < 0 or s.top_p < 0 or s.top_p > 1:
         return "sampling: temperature must be >= 0 and top_p in [0, 1]"
+    try:
+        decoding.from_proto(request.decoding)
+    except ValueError as exc:
+        return f"decoding: {exc}"
     return None
 
 

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable, Union
 
 import grpc
 
-from mammoth_core import tracing
+from mammoth_core import decoding, tracing
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.refusals import refusal_of, refusal_trailers
 from mammoth_core.request_trace import write_request_trace
@@ -155,7 +155,7 @@ class ARSession:
             on_progress=lambda done, total: self._post(DecodeProgress(done, total)),
             on_done=self._on_done,
             deadline=None if deadline_s is None else time.monotonic() + deadline_s,
-            row_times=[] if self.trace_dir else None,
+            row_times=[] if self.trace_dir else None, decoding=decoding.from_proto(r.decoding),
         )
 
     def _post(self, event: SessionEvent) -> None:

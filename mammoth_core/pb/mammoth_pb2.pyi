@@ -24,6 +24,12 @@ class RefusalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REFUSAL_REASON_UNSPECIFIED: _ClassVar[RefusalReason]
     CONDITIONS_COMPLETE: _ClassVar[RefusalReason]
+
+class ARDecodingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AR_DECODING_UNSPECIFIED: _ClassVar[ARDecodingMode]
+    AR_DECODING_SEQUENTIAL: _ClassVar[ARDecodingMode]
+    AR_DECODING_JACOBI: _ClassVar[ARDecodingMode]
 DTYPE_UNSPECIFIED: DType
 BFLOAT16: DType
 FLOAT16: DType
@@ -33,6 +39,9 @@ CONDITION: Role
 NEGATIVE: Role
 REFUSAL_REASON_UNSPECIFIED: RefusalReason
 CONDITIONS_COMPLETE: RefusalReason
+AR_DECODING_UNSPECIFIED: ARDecodingMode
+AR_DECODING_SEQUENTIAL: ARDecodingMode
+AR_DECODING_JACOBI: ARDecodingMode
 
 class ImageParams(_message.Message):
     __slots__ = ("width", "height", "num_inference_steps", "text_guidance_scale", "cfg_range_start", "cfg_range_end", "seed", "output_format", "output_compression", "partial_images", "has_negative")
@@ -252,8 +261,20 @@ class SamplingParams(_message.Message):
     top_p: float
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
 
+class DecodingParams(_message.Message):
+    __slots__ = ("mode", "window", "token_reuse", "spatial_init")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REUSE_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_INIT_FIELD_NUMBER: _ClassVar[int]
+    mode: ARDecodingMode
+    window: int
+    token_reuse: bool
+    spatial_init: bool
+    def __init__(self, mode: _Optional[_Union[ARDecodingMode, str]] = ..., window: _Optional[int] = ..., token_reuse: _Optional[bool] = ..., spatial_init: _Optional[bool] = ...) -> None: ...
+
 class ARGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "sampling", "ar_guidance_scale", "dit_address", "reservation_token", "grid_width", "grid_height")
+    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "sampling", "ar_guidance_scale", "dit_address", "reservation_token", "grid_width", "grid_height", "decoding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +288,7 @@ class ARGenerateRequest(_message.Message):
     RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     GRID_WIDTH_FIELD_NUMBER: _ClassVar[int]
     GRID_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt: str
@@ -280,7 +302,8 @@ class ARGenerateRequest(_message.Message):
     reservation_token: str
     grid_width: int
     grid_height: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ..., grid_width: _Optional[int] = ..., grid_height: _Optional[int] = ...) -> None: ...
+    decoding: DecodingParams
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ..., grid_width: _Optional[int] = ..., grid_height: _Optional[int] = ..., decoding: _Optional[_Union[DecodingParams, _Mapping]] = ...) -> None: ...
 
 class ARProgress(_message.Message):
     __slots__ = ("prompt_tokens", "tokens_generated", "total_tokens", "rows_sent")

@@ -217,6 +217,8 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "default_guidance_scale": rd.guidance_scale,
         "default_cfg_range": list(rd.cfg_range),
         "default_ar_grid": rd.ar_grid,
+        "default_ar_decoding": rd.ar_decoding,
+        "default_jacobi_window": rd.jacobi_window,
         "max_prompt_chars": rd.max_prompt_chars,
         "request_timeout_seconds": rd.request_timeout_seconds,
         "queue_size": spec.gateway.queue_size,

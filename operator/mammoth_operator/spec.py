@@ -172,6 +172,9 @@ class RequestDefaults:
     request_timeout_seconds: int
     #: AR grid recipe for requests without ``ar_grid`` (`mammoth_core.limits.resolve_grid`).
     ar_grid: str
+    #: AR decoding of requests without ``ar_decoding`` (`mammoth_core.decoding`), and its window.
+    ar_decoding: str
+    jacobi_window: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +556,8 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
         request_timeout_seconds=qr.int("requestTimeoutSeconds", DEFAULTS["requestDefaults.requestTimeoutSeconds"],
                                        *_bounds("request_timeout_seconds")),
         ar_grid=qr.str("arGrid", DEFAULTS["requestDefaults.arGrid"], max_length=16),
+        ar_decoding=qr.str("arDecoding", DEFAULTS["requestDefaults.arDecoding"], ("sequential", "jacobi")),
+        jacobi_window=qr.int("jacobiWindow", DEFAULTS["requestDefaults.jacobiWindow"], *_bounds("default_jacobi_window")),
     )
     if request_defaults.min_pixels > request_defaults.max_pixels:
         raise InvalidSpec("spec.requestDefaults.minPixels", "requestDefaults.minPixels must not exceed maxPixels")

@@ -90,6 +90,8 @@ def _crd_default(schema: dict[str, Any], dotted: str) -> Any:
     ("requestDefaults.maxPromptChars", "requestDefaults.maxPromptChars"),
     ("requestDefaults.requestTimeoutSeconds", "requestDefaults.requestTimeoutSeconds"),
     ("requestDefaults.arGrid", "requestDefaults.arGrid"),
+    ("requestDefaults.arDecoding", "requestDefaults.arDecoding"),
+    ("requestDefaults.jacobiWindow", "requestDefaults.jacobiWindow"),
     ("runtime.device", "runtime.device"), ("runtime.dtype", "runtime.dtype"),
     ("logging.format", "logging.format"), ("logging.level", "logging.level"),
     ("networkPolicy.enabled", "networkPolicy.enabled"), ("ar.weightsDtype", "ar.weightsDtype"),
