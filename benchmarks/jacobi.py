@@ -18,10 +18,12 @@ Sections (``jacobi.json`` in --out, a table on stdout):
    it is and for *sharpened* models ``s:c``: the generation head's weights multiplied by ``s``
    (logits x s, i.e. sampling at temperature ``1/s``) and every visual code's input embedding pulled
    to their mean, ``mean + c * (e - mean)`` (the next-token distribution then depends on the fed
-   code ``c`` times as much). Random weights give a nearly uniform distribution over 16,384 codes
-   that changes completely with the previous code, on which no draft is ever accepted; a trained
-   model's distributions are peaked and locally smooth, which is what the two knobs imitate. Per
-   model: forwards per token, ms per token, the mean probability of the most likely code;
+   code ``c`` times as much). Random weights give nearly uniform distributions over 16,384 codes, on
+   which almost every draft is accepted (``p(x) / q(x)`` is about 1 for any two near-uniform
+   distributions): an optimistic figure; a head scale alone gives peaked distributions that change
+   completely with the previous code (few drafts accepted); a trained model's are peaked and locally
+   smooth, which the two knobs together imitate. Per model: forwards per token, ms per token, the
+   mean probability of the most likely code;
 3. ``estimate_1024``: the 1024x1024 end-to-end latency (4,160 grid tokens) at the acceptance rates
    the papers report (2, 3 and 5 tokens per forward: SJD's ~2x step compression on Lumina-mGPT,
    SJD++'s 2-7x), ``AR = grid tokens / rate x one window-16 forward at batch 1 + prefill`` plus the

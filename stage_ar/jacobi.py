@@ -199,12 +199,12 @@ class JacobiVerifier:
         dev = dict(dtype=torch.long, device=r.device)
         slots_t, pos_t, key_start_t = torch.tensor(slots, **dev), torch.tensor(pos, **dev), torch.tensor(key_start, **dev)
         length = r.capacity if r.pad_to_max_bucket else min(r.capacity, max(pos) + t)
-        attention = WindowGEMMAttention(r.pool.key, r.pool.value, slots_t, pos_t, key_start_t, t, length, r.scale,
-                                        ops=r._ops)
+        # eager pointwise kernels: a compiled set would recompile for every window length
+        attention = WindowGEMMAttention(r.pool.key, r.pool.value, slots_t, pos_t, key_start_t, t, length, r.scale)
         input_ids = torch.tensor(rows, **dev)
         positions = torch.tensor(rope, **dev)[:, None] + torch.arange(t, device=r.device)[None, :]
         out = r.model(input_ids, positions, compute_logits=False, attention=attention,
-                      routing=ExpertRouting.all_generation(input_ids), ops=r._ops).last_hidden_state
+                      routing=ExpertRouting.all_generation(input_ids)).last_hidden_state
         return list(out.split([win.count for win in wins]))
 
     def _targets(self, win: _Window, t: int, logits: torch.Tensor, fed_ids: list[int]) -> torch.Tensor:
