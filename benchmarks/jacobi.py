@@ -13,7 +13,7 @@ Sections (``jacobi.json`` in --out, a table on stdout):
 1. ``window_cost``: one verification forward (`stage_ar.attention.WindowGEMMAttention`, the
    model's one forward, logits of the visual codes of every window position) at a mid-image KV
    position, window ``T`` in 1, 2, 4, 8, 16, 32, batch 1 and 8: ms (CUDA events, median of 10);
-2. ``decode``: one grid (32x32 by default) through the AR stage's `DecodeEngine` driven inline:
+2. ``decode``: one grid (24x24 by default) through the AR stage's `DecodeEngine` driven inline:
    ``sequential`` (the runner's CUDA-graph step) and ``jacobi`` (window 16) for the random model as
    it is and for *sharpened* models ``s:c``: the generation head's weights multiplied by ``s``
    (logits x s, i.e. sampling at temperature ``1/s``) and every visual code's input embedding pulled
@@ -207,10 +207,11 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/jacobi")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model, a 3x3 grid, "
                         "windows 1 and 16 at batch 1 and 2")
-    parser.add_argument("--grid", type=int, default=0, help="decode grid side (default 32; 3 with --tiny)")
+    parser.add_argument("--grid", type=int, default=0, help="decode grid side (default 24; 3 with --tiny)")
     parser.add_argument("--window", type=int, default=16)
-    parser.add_argument("--models", default="1:1,16:1,16:0.1,64:0.02",
-                        help="sharpened models s:c (head scale : context sensitivity), comma-separated")
+    parser.add_argument("--models", default="",
+                        help="sharpened models s:c (head scale : context sensitivity), comma-separated "
+                        "(default 1:1,16:1,16:0.01,16:0; 1:1,16:0 with --tiny)")
     parser.add_argument("--dit-s", type=float, default=5.28, help="DiT alone at 1024x1024/50 steps, seconds")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
@@ -220,8 +221,9 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tiny": args.tiny}
     position = 64 if args.tiny else len(PROMPT) + 64 * 65 // 2
     res["window_cost_ms"] = window_cost(model, device, position, *(((1, 16), (1, 2)) if args.tiny else ()))
-    grid = args.grid or (3 if args.tiny else 32)
-    models = [tuple(float(v) for v in m.split(":")) for m in args.models.split(",")]
+    grid = args.grid or (3 if args.tiny else 24)
+    spec = args.models or ("1:1,16:0" if args.tiny else "1:1,16:1,16:0.01,16:0")
+    models = [tuple(float(v) for v in m.split(":")) for m in spec.split(",")]
     res["decode"] = decode_section(model, device, grid, args.window, models)
     res["estimate_1024"] = estimate(res["window_cost_ms"], res["decode"]["sequential"]["ms_per_token"],
                                     args.dit_s, args.window)

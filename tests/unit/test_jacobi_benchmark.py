@@ -1,0 +1,27 @@
+"""`benchmarks/jacobi.py --tiny` runs end to end on CPU (the smoke test of the GPU benchmark)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_tiny_benchmark_runs_and_reports_every_section(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "jacobi.py"), "--tiny", "--grid", "2", "--window", "4",
+         "--models", "1:1,16:0", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                                           "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "jacobi.json").read_text())
+    assert set(res["window_cost_ms"]) == {"b1_t1", "b1_t16", "b2_t1", "b2_t16"}
+    decode = res["decode"]
+    assert decode["sequential"]["forwards_per_token"] == 1.0
+    # a prediction that depends on the position only: drafts are accepted, several tokens per forward
+    assert decode["jacobi_s16_c0"]["forwards_per_token"] <= 0.5
+    assert set(res["estimate_1024"]) == {"sequential_s", "jacobi_2_tokens_per_forward_s",
+                                         "jacobi_3_tokens_per_forward_s", "jacobi_5_tokens_per_forward_s"}
