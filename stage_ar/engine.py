@@ -416,12 +416,9 @@ class DecodeEngine:
     def _collect(self, pending: PendingStep) -> list[EngineOutput]:
         """Read a launched step's ids back (the one host sync per step); one row per entry."""
         fed, sampled = self.runner.collect(pending)
-        out: list[EngineOutput] = []
-        for entry in pending.entries:
-            if not entry.key.closed:  # else aborted after the launch
-                out.extend(self._final_tokens(entry.key, entry.finished, [fed[entry.slot]], [sampled[entry.slot]],
-                                              pending.hidden[entry.slot : entry.slot + 1]))
-        return out
+        return [out for e in pending.entries if not e.key.closed  # else aborted after the launch
+                for out in self._final_tokens(e.key, e.finished, [fed[e.slot]], [sampled[e.slot]],
+                                              pending.hidden[e.slot : e.slot + 1])]
 
     def _speculate(self) -> list[EngineOutput]:
         """One Jacobi turn (`ARModelRunner.speculate`): each window's final tokens as rows."""
@@ -437,8 +434,7 @@ class DecodeEngine:
     def _final_tokens(self, run: _Running, left: bool, fed: list[int], sampled: list[int],
                       hidden: torch.Tensor) -> list[EngineOutput]:
         """``fed`` tokens final (``sampled[i]`` drawn after ``fed[i]``, rows ``hidden``); ``left``: out of the batch."""
-        if left:
-            run.slot = None
+        run.slot = None if left else run.slot
         try:
             for token, sample in zip(fed, sampled):
                 run.seq.record_external_step(token, sample)
