@@ -197,7 +197,8 @@ class JacobiVerifier:
                 key_start.append(win.seq.key_starts[row])
                 rows.append(row_ids)
         dev = dict(dtype=torch.long, device=r.device)
-        slots_t, pos_t, key_start_t = torch.tensor(slots, **dev), torch.tensor(pos, **dev), torch.tensor(key_start, **dev)
+        slots_t, pos_t = torch.tensor(slots, **dev), torch.tensor(pos, **dev)
+        key_start_t = torch.tensor(key_start, **dev)
         length = r.capacity if r.pad_to_max_bucket else min(r.capacity, max(pos) + t)
         # eager pointwise kernels: a compiled set would recompile for every window length
         attention = WindowGEMMAttention(r.pool.key, r.pool.value, slots_t, pos_t, key_start_t, t, length, r.scale)

@@ -557,7 +557,8 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any] | None, images
                                        *_bounds("request_timeout_seconds")),
         ar_grid=qr.str("arGrid", DEFAULTS["requestDefaults.arGrid"], max_length=16),
         ar_decoding=qr.str("arDecoding", DEFAULTS["requestDefaults.arDecoding"], ("sequential", "jacobi")),
-        jacobi_window=qr.int("jacobiWindow", DEFAULTS["requestDefaults.jacobiWindow"], *_bounds("default_jacobi_window")),
+        jacobi_window=qr.int("jacobiWindow", DEFAULTS["requestDefaults.jacobiWindow"],
+                             *_bounds("default_jacobi_window")),
     )
     if request_defaults.min_pixels > request_defaults.max_pixels:
         raise InvalidSpec("spec.requestDefaults.minPixels", "requestDefaults.minPixels must not exceed maxPixels")

@@ -20,6 +20,7 @@ from chi_square import p_value, power, tilt
 from stage_ar.speculative import draft_positions, extend_with_eol, speculative_accept, uniform_proposal
 
 ALPHA = 1e-4
+F64 = {"dtype": torch.float64}
 
 
 def midpoints(m: int) -> torch.Tensor:
@@ -103,7 +104,7 @@ def test_edge_cases():
     assert (int(accepted), int(token)) == (1, 2)
     # an impossible draft is always rejected and the resample avoids it
     accepted, token = speculative_accept(p, torch.tensor([[[1.0, 0.0, 0.0]]], dtype=torch.float64), torch.tensor([[0]]),
-                                         torch.zeros(1, 1, dtype=torch.float64), torch.full((1, 2), 0.5, dtype=torch.float64))
+                                         torch.zeros(1, 1, **F64), torch.full((1, 2), 0.5, **F64))
     assert (int(accepted), int(token)) == (0, 1)
     # no drafts: a plain draw from the first target
     accepted, token = speculative_accept(p[:, 1:], p[:, :0], torch.zeros(1, 0, dtype=torch.long),
@@ -114,10 +115,10 @@ def test_edge_cases():
 def test_drafts_follow_the_grid_constraint_and_token_reuse_keeps_the_law():
     vocab = 4
     eol = torch.tensor([False, True, False])
-    predicted = extend_with_eol(torch.tensor([[0.5, 0.5, 0, 0], [0.25] * 4, [0, 0, 0.5, 0.5]], dtype=torch.float64), eol)
+    predicted = extend_with_eol(torch.tensor([[0.5, 0.5, 0, 0], [0.25] * 4, [0, 0, 0.5, 0.5]], **F64), eol)
     assert torch.equal(predicted[1], torch.tensor([0, 0, 0, 0, 1.0], dtype=torch.float64))
     init = uniform_proposal(3, vocab)
-    drafts, q = draft_positions(predicted, torch.tensor([True, True, False]), init, eol, torch.full((3,), 0.9, dtype=torch.float64))
+    drafts, q = draft_positions(predicted, torch.tensor([True, True, False]), init, eol, torch.full((3,), 0.9, **F64))
     assert drafts.tolist()[1] == vocab and drafts.tolist()[2] == 3  # EOL drafted as EOL; uniform init
     assert torch.equal(q[2], init[2])
     # token reuse: the draft's law is the mixture proposal it reports (enumerate old drafts x uniforms)
