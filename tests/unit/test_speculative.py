@@ -128,7 +128,7 @@ def test_drafts_follow_the_grid_constraint_and_token_reuse_keeps_the_law():
     x_old = torch.arange(vocab).repeat_interleave(m)
     u = midpoints(m).repeat(vocab)
     n = x_old.shape[0]
-    d, mix = draft_positions(new_p.expand(n, -1), torch.ones(n, dtype=torch.bool), uniform_proposal(n, vocab),
-                             torch.zeros(n, dtype=torch.bool), u, (x_old, old_q.expand(n, -1), torch.ones(n, dtype=torch.bool)))
+    yes, no = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+    d, mix = draft_positions(new_p.expand(n, -1), yes, uniform_proposal(n, vocab), no, u, (x_old, old_q.expand(n, -1), yes))
     law = torch.zeros(vocab + 1, dtype=torch.float64).index_add_(0, d, old_q[x_old] / m)
     assert torch.equal(law, mix[0]) and torch.all(mix == mix[0])
