@@ -129,6 +129,7 @@ def test_drafts_follow_the_grid_constraint_and_token_reuse_keeps_the_law():
     u = midpoints(m).repeat(vocab)
     n = x_old.shape[0]
     yes, no = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
-    d, mix = draft_positions(new_p.expand(n, -1), yes, uniform_proposal(n, vocab), no, u, (x_old, old_q.expand(n, -1), yes))
+    previous = (x_old, old_q.expand(n, -1), yes)
+    d, mix = draft_positions(new_p.expand(n, -1), yes, uniform_proposal(n, vocab), no, u, previous)
     law = torch.zeros(vocab + 1, dtype=torch.float64).index_add_(0, d, old_q[x_old] / m)
     assert torch.equal(law, mix[0]) and torch.all(mix == mix[0])
