@@ -23,6 +23,7 @@ def request(**changes) -> pb.ARGenerateRequest:
 def test_a_valid_request_passes():
     assert validate_request(request()) is None
     assert validate_request(request(grid_width=4, grid_height=3, negative_prompt="blurry")) is None
+    assert validate_request(request(decoding=pb.DecodingParams(mode=pb.AR_DECODING_JACOBI))) is None  # window 0: 16
 
 
 @pytest.mark.parametrize("changes, fragment", [
@@ -37,6 +38,9 @@ def test_a_valid_request_passes():
     (dict(reservation_token=""), "reservation_token is required"),
     (dict(sampling=pb.SamplingParams(temperature=-0.1)), "temperature must be >= 0"),
     (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p in [0, 1]"),
+    (dict(decoding=pb.DecodingParams(mode=pb.AR_DECODING_JACOBI, window=1)), "decoding: jacobi_window"),
+    (dict(decoding=pb.DecodingParams(mode=pb.AR_DECODING_JACOBI, window=65)), "decoding: jacobi_window"),
+    (dict(decoding=pb.DecodingParams(mode=7)), "decoding: ar_decoding: unknown mode 7"),
 ])
 def test_each_rule_names_the_problem(changes, fragment):
     problem = validate_request(request(**changes))
