@@ -90,7 +90,8 @@ def make_engine(model, slots: int, capacity: int, **opts) -> DecodeEngine:
 
     def make(job: DecodeJob) -> T2ISequence:
         params = sampler(job.ar_width, job.ar_height, job.seed, **SAMPLING.get(job.request_id, {}))
-        return T2ISequence(model, job.prompt_ids, job.ar_width, job.ar_height, params)
+        return T2ISequence(model, job.prompt_ids, job.ar_width, job.ar_height, params,
+                           negative_prompt_ids=job.negative_ids, ar_guidance_scale=job.ar_guidance_scale)
 
     return DecodeEngine(make, 8, model=model, grid_ids=(EOL, VSTART, VEND), max_sequence_length=capacity,
                         batch_invariant=pad, kv_slots=slots, decoder_options={"buckets": (1, 2, 4, 8), **opts})

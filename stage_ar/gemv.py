@@ -28,14 +28,16 @@ zeros), so M picks no kernel, config or code path; a row's arithmetic is its own
 taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`), and its inverse RMS
 summed elementwise per chunk and then by a fixed pairwise tree (never a layout-dependent
 ``tl.sum``), in a program of its own row (`rms_norm_rows`) or of every GEMV program alike.
-Autotuning (keyed on the M bucket ``next_power_of_2(M)``, N, K, the flags and the dtypes) chooses
-only `BLOCK_N`, warps and stages, which place the work but do not reorder a row's sums: every candidate lowers to the same ``mma.sync`` sequence per output (checked bit for bit on
-the GPU by `benchmarks/gemv.py` and ``test_tuned_parameters_do_not_change_bits``; the interpreter
-cannot show it). So a row gives the same bits alone, inside any batch of up to 16 and in every
-process, whatever autotuning chose.
+Autotuning (keyed on N, K, the flags and the dtypes, **not on M**) chooses only `BLOCK_N`, warps
+and stages. Those place the work, but on the H200 they can also change the instructions a dot
+lowers to, and with them a row's bits: with the key once including the M bucket, the engine's
+bucket mode (batch 1, 2, 4, 8 GEMV calls) gave a request different rows alone and inside a batch
+(`benchmarks/ar_decode.py` correctness, 2026-12-01). So the first call of a shape, whatever its M,
+fixes the configuration for every M, and a row gives the same bits alone, inside any batch of up to
+16 and in every step of a process.
 
-Autotuning launches and synchronises on the first call of each key: call every shape, variant and
-M bucket once before capturing CUDA graphs.
+Autotuning launches and synchronises on the first call of each key: call every shape and variant
+once before capturing CUDA graphs (the runner's capture warm-up does, at its smallest batch first).
 """
 
 from __future__ import annotations
@@ -183,18 +185,17 @@ if triton is not None:
             acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         return acc.to(dtype)
 
-    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
+    @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr,
-        M, M_BUCKET, N, K, stride_xm, stride_rm, stride_om, eps,
+        M, N, K, stride_xm, stride_rm, stride_om, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         F16_DOT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
-        (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed.
-        ``M_BUCKET`` (M rounded up to a power of two) is read only by autotuning's key."""
+        (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed."""
         dtype: tl.constexpr = x_ptr.dtype.element_ty
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, 16)
@@ -269,7 +270,7 @@ if triton is not None:
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in TUNED_CONFIGS],
-        key=["M_BUCKET", "N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "F16_DOT"],
+        key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "F16_DOT"],  # not M: see module doc
         prune_configs_by={"early_config_prune": _prune},
         do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
     )(_kernel)
@@ -349,7 +350,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     args = (
         x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), out,
-        m, triton.next_power_of_2(m), n, k,
+        m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(norm_eps),
     )
     meta = dict(
@@ -417,7 +418,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     norm = norm and norm_in_prologue  # else `rms_norm_rows` runs first and the GEMV has no norm
     _kernel.warmup(
         x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
-        MAX_ROWS, MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,
+        MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,

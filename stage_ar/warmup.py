@@ -4,10 +4,11 @@ fast as the tenth (issue 17, "served = benchmarked").
 What a cold first request would otherwise pay, and what each job here exercises through the engine's
 own loop (`stage_ar.engine.DecodeEngine`: schedule -> prefill -> launch -> collect -> emit):
 
-* prefill: cuBLAS handles and heuristics, the SDPA kernels, and the GEMV kernels' autotuning for
-  every row bucket a short prefill can hit (1, 2, 4, 8, 16 rows: `stage_ar.gemv` tunes once per
-  bucket, with a device sync) — prompts of 1, 2, 4, 8 and 16 tokens, then a 64-token prompt with
-  AR-side CFG and a negative prompt (two cache rows, the negative rows, cuBLAS above 16 rows);
+* prefill: cuBLAS handles and heuristics, the SDPA kernels, and the GEMV kernels at every row count
+  a short prefill can hit (1, 2, 4, 8, 16 rows; `stage_ar.gemv` tunes once per shape, at the first
+  call, with a device sync) — prompts of 1, 2, 4, 8 and 16 tokens, then (with two KV slots or more)
+  a 64-token prompt with AR-side CFG and a negative prompt (two cache rows, the negative rows,
+  cuBLAS above 16 rows);
 * decode: `ARModelRunner.activate`, graph replay (the graphs themselves were captured before, one
   per bucket), the one-step-late readback, the sampler with and without top-k/top-p sorts, `leave`.
 
@@ -35,13 +36,14 @@ def _prompt(length: int, vocab_size: int) -> list[int]:
     return [(7 + 13 * i) % vocab_size for i in range(length)]
 
 
-def warmup_jobs(vocab_size: int, max_sequence_length: int) -> list[DecodeJob]:
+def warmup_jobs(vocab_size: int, max_sequence_length: int, num_slots: int = 2) -> list[DecodeJob]:
     """The warm-up `DecodeJob`s (request ids ``warmup-N``), text ids below ``vocab_size``, each
-    fitting ``max_sequence_length`` positions (longer ones are left out)."""
+    fitting ``max_sequence_length`` positions (longer ones are left out) and ``num_slots`` KV slots
+    (the CFG job needs two)."""
     specs = [(n, 0.0, False) for n in PROMPT_LENGTHS] + [(CFG_PROMPT_LENGTH, 2.0, True), (8, 0.0, False)]
     jobs = []
     for i, (length, scale, negative) in enumerate(specs):
-        if length + 2 > max_sequence_length:
+        if length + 2 > max_sequence_length or (scale and num_slots < 2):
             continue
         top_k = 8 if i == len(specs) - 1 else 0  # the last one takes the sorted sampler variant
         jobs.append(DecodeJob(
@@ -61,7 +63,8 @@ def run_warmup(engine: DecodeEngine) -> tuple[float, int]:
         ``(seconds spent, jobs that finished)``.
     """
     t0 = time.perf_counter()
-    jobs = warmup_jobs(int(engine.runner.model.config.vocab_size), engine.max_sequence_length)
+    jobs = warmup_jobs(int(engine.runner.model.config.vocab_size), engine.max_sequence_length,
+                       engine.runner.num_slots)
     try:
         for job in jobs:
             engine.submit(job)

@@ -76,3 +76,14 @@ def test_a_job_waiting_at_the_first_step_skips_the_warm_up(model, tokenizer):
     cold_job, cold_sink = _real_job(tokenizer)
     cold.run_job(cold_job)
     assert sink.token_ids[Role.CONDITION] == cold_sink.token_ids[Role.CONDITION]
+
+
+def test_warm_up_on_a_one_slot_pool_runs_every_job_that_fits(model, tokenizer, caplog):
+    """With one KV slot the CFG job (two cache rows) cannot be admitted; the warm-up leaves it out
+    instead of failing at it (on the H200 it raised "request needs 2 slots; the pool has 1", and
+    every job after it, the sorted-sampler one included, never ran)."""
+    engine = _engine(model, tokenizer, warm_up=True, kv_slots=1)
+    with caplog.at_level("ERROR", logger="stage_ar.warmup"):
+        engine.run_until_idle()
+    assert "warm-up failed" not in caplog.text
+    assert engine.warmup_jobs == len(warmup_jobs(model.config.vocab_size, 96, num_slots=1)) == len(PROMPT_LENGTHS) + 1

@@ -380,21 +380,24 @@ def _inline_job(model, tokenizer, i: int, key: str):
     return job, sink, outcome
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and the padded GPU path")
-def test_inline_engine_on_cuda_alone_equals_batched(model, tokenizer):
-    """The benchmark's check on the real GPU path (graphs, compile, Triton attention, padded mode):
-    a request driven inline (`step` first, as `benchmarks/ar_decode.py` does) finishes without a
-    bookkeeping error, and its rows are bit-identical alone and inside a staggered batch."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs and the GPU paths")
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "buckets"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inline_engine_on_cuda_alone_equals_batched(model, tokenizer, padded, dtype):
+    """The benchmark's check on the real GPU path (graphs, compile, Triton attention and GEMV, padded
+    and bucket mode): a request driven inline (`step` first, as `benchmarks/ar_decode.py` does)
+    finishes without a bookkeeping error, and its rows are bit-identical alone and inside a
+    staggered batch (bucket mode: batch 1 alone, 2..8 batched, so every GEMV runs at another M)."""
     import copy
 
-    gpu_model = copy.deepcopy(model).to("cuda")
+    gpu_model = copy.deepcopy(model).to("cuda", dtype)
 
     def factory(job: DecodeJob) -> T2ISequence:
         return make_seq(gpu_model, tokenizer, job.seed)
 
     def run(joins: dict[int, list]) -> None:
         engine = DecodeEngine(factory, 8, model=gpu_model, grid_ids=grid_ids(tokenizer),
-                              max_sequence_length=CAPACITY, batch_invariant=True, kv_slots=8)
+                              max_sequence_length=CAPACITY, batch_invariant=padded, kv_slots=8)
         for step in range(max(joins) + 1):
             for job, _, _ in joins.get(step, []):
                 engine.submit(job)
