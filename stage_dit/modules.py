@@ -16,6 +16,27 @@ from torch import nn
 
 from mammoth_core.norms import RMSNorm as Qwen2RMSNorm
 
+#: Row counts of every GEMM in the DiT forward are padded to a multiple of this. MKL's CPU sgemm
+#: gives each row the same bits at any row count that is a multiple of 4 (any thread count, measured
+#: in `tests/unit/test_dit_batching.py`); below 4 rows per thread chunk it takes another kernel whose
+#: sums round differently. With it a request's rows do not depend on what else is in the batch.
+ROW_QUANTUM = 4
+
+
+def round_up(n: int, quantum: int = ROW_QUANTUM) -> int:
+    """Smallest multiple of ``quantum`` that is >= ``n`` (0 stays 0)."""
+    return -(-int(n) // quantum) * quantum
+
+
+def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to ``rows`` entries (returned as is when it has them)."""
+    missing = rows - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
 
 class RMSNorm(Qwen2RMSNorm):
     """The shared Qwen2-numerics `mammoth_core.norms.RMSNorm` (statistic in float32, normalised

@@ -14,6 +14,8 @@ not run (text-to-image only; upstream runs it on an empty sequence, which is a n
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
@@ -22,6 +24,8 @@ from torch import nn
 
 from stage_dit.modules import (
     RMSNorm,
+    pad_rows,
+    round_up,
     SwiGLUFeedForward,
     apply_rotary_emb_complex,
     masked_attention,
@@ -99,8 +103,10 @@ class RMSNormZero(nn.Module):
     def forward(
         self, x: torch.Tensor, temb: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x `(batch, seq, dim)`, temb `(batch, temb_dim)` -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
-        scale_msa, gate_msa, scale_mlp, gate_mlp = self.linear(nn.functional.silu(temb)).chunk(4, dim=1)
+        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` (rows past `batch` are padding, see
+        `modules.ROW_QUANTUM`) -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
+        mods = self.linear(nn.functional.silu(temb))[: x.shape[0]]
+        scale_msa, gate_msa, scale_mlp, gate_mlp = mods.chunk(4, dim=1)
         return self.norm(x) * (1 + scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
 
 
@@ -204,8 +210,8 @@ class LayerNormContinuous(nn.Module):
         self.linear_2 = nn.Linear(dim, out_dim, bias=True)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        """x `(batch, seq, dim)`, temb `(batch, temb_dim)` -> `(batch, seq, out_dim)`."""
-        scale = self.linear_1(nn.functional.silu(temb).to(x.dtype))
+        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` -> `(batch, seq, out_dim)`."""
+        scale = self.linear_1(nn.functional.silu(temb).to(x.dtype))[: x.shape[0]]
         return self.linear_2(self.norm(x) * (1 + scale)[:, None, :])
 
 
@@ -346,7 +352,8 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         text_hidden_states: torch.Tensor,
         text_attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Predict the velocity `d x / d t` (t = 0 noise, t = 1 data).
+        """Predict the velocity `d x / d t` (t = 0 noise, t = 1 data): `embed`, every joint layer
+        (`run_layers`), `unpatchify`.
 
         Args:
             hidden_states: latents `(batch, in_channels, h, w)`, h and w multiples of `patch_size`.
@@ -356,12 +363,20 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
                 (right padding), as upstream assumes; padding never influences real rows.
 
         Returns:
-            velocity `(batch, out_channels, h, w)` in the model dtype.
+            velocity `(batch, out_channels, h, w)` in the model dtype. On the CPU (float32) each
+            element's velocity is bit-identical whatever else is in the batch and however much
+            padding it carries (`modules.ROW_QUANTUM`).
 
         Raises:
             ValueError: on mismatched shapes, a mask that is not right-padded, or sizes not divisible by
                 the patch size.
         """
+        batch = self.embed(hidden_states, timestep, text_hidden_states, text_attention_mask)
+        return self.unpatchify(self.run_layers(batch, 0, len(self.layers)))
+
+    def _host_lengths(self, hidden_states, timestep, text_hidden_states, text_attention_mask) -> list[int]:
+        """Check the inputs of `forward` (see there) and return the caption lengths on the host (one
+        host sync for the lengths and the right-padding check together)."""
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
         if height % p or width % p:
@@ -374,45 +389,63 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         if timestep.shape != (batch,):
             raise ValueError(f"timestep must have shape ({batch},), got {tuple(timestep.shape)}")
         text_mask = text_attention_mask.to(torch.bool)
-        cap_lens = text_mask.sum(dim=1)  # (B,)
-        cond_len = text_mask.shape[1]
-        arange_cond = torch.arange(cond_len, device=text_mask.device)
-        # one host sync for the lengths and the padding check together
+        cap_lens = text_mask.sum(dim=1)
+        arange_cond = torch.arange(text_mask.shape[1], device=text_mask.device)
         not_right_padded = (text_mask != (arange_cond[None, :] < cap_lens[:, None])).any()
         host = torch.cat([not_right_padded.reshape(1).long(), cap_lens.long()]).tolist()
         if host[0]:
             raise ValueError("text_attention_mask must be right-padded (real rows first)")
         cap_lens_host = [int(n) for n in host[1:]]
+        # rotary range check on the host: caption row i -> (i, i, i), image patch -> (cap_len, r, c)
+        h_tokens, w_tokens = height // p, width // p
+        max_cap = max(cap_lens_host, default=0)
+        axes_lens = list(self.config.axes_lens)
+        if (max_cap and max_cap - 1 >= min(axes_lens)) or (h_tokens * w_tokens and (
+            max_cap >= axes_lens[0] or h_tokens - 1 >= axes_lens[1] or w_tokens - 1 >= axes_lens[2]
+        )):
+            raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
+        return cap_lens_host
+
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        text_hidden_states: torch.Tensor,
+        text_attention_mask: torch.Tensor,
+    ) -> "JointBatch":
+        """Steps 1-5 of `forward` (arguments and errors as there): the joint sequence before the
+        joint layers. Every row count is padded to `modules.ROW_QUANTUM` (captions, image patches,
+        the joint sequence, the timestep batch); padding rows are never attended to."""
+        cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask)
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
         device = hidden_states.device
         dtype = self.x_embedder.weight.dtype
         h_tokens, w_tokens = height // p, width // p
         num_img = h_tokens * w_tokens
-        # rotary range check on the host: caption row i -> (i, i, i), image patch -> (cap_len, r, c)
-        max_cap = max(cap_lens_host, default=0)
-        axes_lens = list(self.config.axes_lens)
-        if (max_cap and max_cap - 1 >= min(axes_lens)) or (num_img and (
-            max_cap >= axes_lens[0] or h_tokens - 1 >= axes_lens[1] or w_tokens - 1 >= axes_lens[2]
-        )):
-            raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
+        cond_len = round_up(text_hidden_states.shape[1])
+        text_mask = pad_rows(text_attention_mask.to(device, torch.bool), cond_len, dim=1)
+        text = pad_rows(text_hidden_states.to(device, dtype), cond_len, dim=1)
+        cap_lens = torch.tensor(cap_lens_host, device=device, dtype=torch.long)
 
-        # 1. Time and caption embedding
-        temb, caption = self.time_caption_embed(timestep.to(device), text_hidden_states.to(device, dtype))
+        # 1. Time and caption embedding (the timestep batch padded: the adaLN GEMMs' rows)
+        temb, caption = self.time_caption_embed(pad_rows(timestep.to(device), round_up(batch)), text)
 
-        # 2. Patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)` and embed
+        # 2. Patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)`, pad the patches, embed
         x = hidden_states.to(dtype).reshape(batch, -1, h_tokens, p, w_tokens, p)
         x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
-        x = self.x_embedder(x)
+        img_rows = round_up(num_img)
+        x = self.x_embedder(pad_rows(x, img_rows, dim=1))
 
         # 3. Rotary positions: caption row i -> (i, i, i); image patch (r, c) -> (cap_len, r, c)
-        cap_pos = arange_cond.to(device)[None, :, None].expand(batch, cond_len, 3)
+        arange_cond = torch.arange(cond_len, device=device)
+        cap_pos = arange_cond[None, :, None].expand(batch, cond_len, 3) * text_mask[..., None]
         rows = torch.arange(h_tokens, device=device).repeat_interleave(w_tokens)
         cols = torch.arange(w_tokens, device=device).repeat(h_tokens)
         img_pos = torch.stack(
-            [cap_lens.to(device)[:, None].expand(batch, num_img), rows.expand(batch, -1), cols.expand(batch, -1)],
-            dim=-1,
+            [cap_lens[:, None].expand(batch, num_img), rows.expand(batch, -1), cols.expand(batch, -1)], dim=-1
         )
-        cap_mask = text_mask.to(device)
-        cap_pos = cap_pos * cap_mask[..., None]  # padding rows at position 0 (never seen by real rows)
+        img_pos = pad_rows(img_pos, img_rows, dim=1)
 
         # 4. Refine the caption (unmodulated) and the image patches (modulated) separately
         cap_rope = self._rope(cap_pos, check=False)
@@ -421,31 +454,69 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         for block in self.context_refiner:
             caption = block(caption, None, cap_rope, key_lengths=cap_lengths)
         img_rope = self._rope(img_pos, check=False)
+        img_lengths = None if img_rows == num_img else [num_img] * batch
         for block in self.noise_refiner:
-            x = block(x, None, img_rope, temb)
+            x = block(x, None, img_rope, temb, key_lengths=img_lengths)
 
         # 5. Joint sequence per element: [its cap_len caption rows; image patches; padding]
-        joint_len = max_cap + num_img
+        joint_len = round_up(max(cap_lens_host, default=0) + num_img)
         j = torch.arange(joint_len, device=device)[None, :]
-        lens = cap_lens.to(device)[:, None]
-        is_cap = j < lens
+        lens = cap_lens[:, None]
         joint_mask = j < lens + num_img
-        source = torch.where(is_cap, j, cond_len + (j - lens)).clamp(max=cond_len + num_img - 1)
+        source = torch.where(j < lens, j, cond_len + (j - lens)).clamp(max=cond_len + img_rows - 1)
         source = torch.where(joint_mask, source, torch.zeros_like(source))
         joint = torch.gather(torch.cat([caption, x], dim=1), 1, source[..., None].expand(-1, -1, x.shape[-1]))
         joint_pos = torch.gather(torch.cat([cap_pos, img_pos], dim=1), 1, source[..., None].expand(-1, -1, 3))
-        joint_pos = joint_pos * joint_mask[..., None]
-        joint_rope = self._rope(joint_pos, check=False)
-        joint_lengths = [n + num_img for n in cap_lens_host]
-        key_lengths = None if all(n == joint_len for n in joint_lengths) else joint_lengths
-        for block in self.layers:
-            joint = block(joint, None, joint_rope, temb, key_lengths=key_lengths)
+        joint_rope = self._rope(joint_pos * joint_mask[..., None], check=False)
+        return JointBatch(joint, temb, joint_rope, [n + num_img for n in cap_lens_host], cap_lens, h_tokens, w_tokens)
 
-        # 6. Output norm and projection
-        out = self.norm_out(joint, temb)
+    def run_layers(self, batch: "JointBatch", start: int, stop: int) -> "JointBatch":
+        """Joint layers ``start`` .. ``stop - 1`` over ``batch``; returns it with the new ``joint``."""
+        joint_len = batch.joint.shape[1]
+        key_lengths = None if all(n == joint_len for n in batch.real_rows) else batch.real_rows
+        joint = batch.joint
+        for block in self.layers[start:stop]:
+            joint = block(joint, None, batch.rope, batch.temb, key_lengths=key_lengths)
+        return replace(batch, joint=joint)
 
-        # 7. Take each element's image rows and unpatchify `(h w) (p1 p2 c) -> c (h p1) (w p2)`
-        img_index = lens + torch.arange(num_img, device=device)[None, :]
+    def unpatchify(self, batch: "JointBatch") -> torch.Tensor:
+        """Steps 6-7 of `forward`: output norm and projection, each element's image rows, unpatchified
+        `(h w) (p1 p2 c) -> c (h p1) (w p2)`: velocity `(batch, out_channels, h, w)`."""
+        p = self.config.patch_size
+        out = self.norm_out(batch.joint, batch.temb)
+        b, h, w = out.shape[0], batch.h_tokens, batch.w_tokens
+        img_index = batch.cap_lens[:, None] + torch.arange(h * w, device=out.device)[None, :]
         out = torch.gather(out, 1, img_index[..., None].expand(-1, -1, out.shape[-1]))
-        out = out.view(batch, h_tokens, w_tokens, p, p, self.out_channels)
-        return out.permute(0, 5, 1, 3, 2, 4).reshape(batch, self.out_channels, height, width)
+        out = out.view(b, h, w, p, p, self.out_channels)
+        return out.permute(0, 5, 1, 3, 2, 4).reshape(b, self.out_channels, h * p, w * p)
+
+
+@dataclass
+class JointBatch:
+    """A batch between `MammothTransformer2DModel.embed` and `unpatchify`.
+
+    Attributes:
+        joint: `(batch, joint_len, hidden)`, element i's real rows first (`real_rows[i]` of them:
+            its caption rows, then its image patches), then padding.
+        temb: `(round_up(batch), temb_dim)` time embedding (rows past `batch` are padding).
+        rope: complex64 `(batch, joint_len, head_dim / 2)`.
+        real_rows: host ints, real rows per element.
+        cap_lens: long `(batch,)` caption rows per element, on the device.
+        h_tokens, w_tokens: image patches per column / row.
+    """
+
+    joint: torch.Tensor
+    temb: torch.Tensor
+    rope: torch.Tensor
+    real_rows: list[int]
+    cap_lens: torch.Tensor
+    h_tokens: int
+    w_tokens: int
+
+    def select(self, index: list[int]) -> "JointBatch":
+        """The elements ``index`` (host ints, in that order) as a batch of their own (the time
+        embedding re-padded to `modules.ROW_QUANTUM` rows)."""
+        sel = torch.tensor(index, device=self.joint.device, dtype=torch.long)
+        temb = pad_rows(self.temb[sel], round_up(len(index)))
+        return JointBatch(self.joint[sel], temb, self.rope[sel], [self.real_rows[i] for i in index],
+                          self.cap_lens[sel], self.h_tokens, self.w_tokens)
