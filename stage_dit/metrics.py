@@ -1,31 +1,40 @@
-"""Prometheus metrics of the DiT stage, defined once (default registry, served by
-`mammoth_core.runtime.start_metrics_server`). The slot pool's and the transport's series
-(``mammoth_dit_slots_*``, ``mammoth_dit_reservations_total``, ``mammoth_transport_*`` with
-``side="receive"``) are in `mammoth_core.transport_metrics`.
+"""The DiT stage's Prometheus metrics, one home (the transport's live in `mammoth_core.transport_metrics`).
 
-- ``mammoth_dit_requests_total{outcome}``: ``DiT.Generate`` calls by slot outcome.
-- ``mammoth_dit_denoise_seconds``: condition preparation + every denoising step, per image.
-- ``mammoth_dit_step_seconds``: one denoising step (both CFG branches).
-- ``mammoth_dit_vae_seconds`` / ``mammoth_dit_encode_seconds``: VAE decode / image encoding per image.
-- ``mammoth_dit_steps_total``: denoising steps run.
+Per image: ``mammoth_dit_requests_total{outcome}``, ``mammoth_dit_denoise_seconds``,
+``mammoth_dit_vae_seconds``, ``mammoth_dit_encode_seconds``. Per forward of the worker loop
+(`stage_dit.engine`): ``mammoth_dit_step_seconds`` (one step of every active request),
+``mammoth_dit_steps_total`` (request-steps), ``mammoth_dit_batch_requests`` (requests per forward),
+``mammoth_dit_active_requests`` (requests denoising now), ``mammoth_dit_cache_skipped_steps_total``
+(steps the opt-in step cache answered without the remaining layers). Capacity, set at start
+(`stage_dit.capacity`): ``mammoth_dit_max_batch_requests``, ``mammoth_dit_request_memory_bytes``,
+``mammoth_dit_capacity_measured`` (1: from GPU memory, 0: configured).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from mammoth_core import transport_metrics as metrics
+from mammoth_core import transport_metrics
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
-DIT_REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)",
-                       ["outcome"])
-DIT_DENOISE = Histogram("mammoth_dit_denoise_seconds",
-                        "condition preparation + every denoising step, per image", buckets=_SECONDS)
-DIT_STEP = Histogram("mammoth_dit_step_seconds", "one denoising step (both CFG branches)",
-                     buckets=_SECONDS)
-DIT_VAE = Histogram("mammoth_dit_vae_seconds", "VAE decode per image", buckets=_SECONDS)
-DIT_ENCODE = Histogram("mammoth_dit_encode_seconds", "image encoding (PNG/JPEG/WebP) per image",
-                       buckets=_SECONDS)
-DIT_STEPS = Counter("mammoth_dit_steps_total", "denoising steps run")
-for _outcome in metrics.SLOT_OUTCOMES:
-    DIT_REQUESTS.labels(_outcome)
+
+REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)", ["outcome"])
+DENOISE = Histogram("mammoth_dit_denoise_seconds",
+                    "condition preparation + every denoising step, per image", buckets=_SECONDS)
+STEP = Histogram("mammoth_dit_step_seconds",
+                 "one worker-loop step: one forward per resolution over every active request", buckets=_SECONDS)
+VAE = Histogram("mammoth_dit_vae_seconds", "VAE decode per image", buckets=_SECONDS)
+ENCODE = Histogram("mammoth_dit_encode_seconds", "image encoding (PNG/JPEG/WebP) per image", buckets=_SECONDS)
+STEPS = Counter("mammoth_dit_steps_total", "denoising steps run (one per request per step)")
+BATCH = Histogram("mammoth_dit_batch_requests", "requests in one transformer forward",
+                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+ACTIVE = Gauge("mammoth_dit_active_requests", "requests being denoised by the worker loop")
+CACHE_SKIPPED = Counter("mammoth_dit_cache_skipped_steps_total",
+                        "steps the opt-in step cache answered without the remaining joint layers")
+MAX_BATCH = Gauge("mammoth_dit_max_batch_requests", "most requests denoised in one forward")
+REQUEST_MEMORY = Gauge("mammoth_dit_request_memory_bytes",
+                       "GPU memory one request at the largest size needs in a forward (0: not measured)")
+MEASURED = Gauge("mammoth_dit_capacity_measured", "1: slots and batch limit from GPU memory; 0: configured")
+
+for _outcome in transport_metrics.SLOT_OUTCOMES:
+    REQUESTS.labels(_outcome)

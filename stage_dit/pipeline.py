@@ -9,9 +9,8 @@ the range) and both CFG branches batched into one transformer forward (padded an
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +18,10 @@ from diffusers import AutoencoderKL
 
 from stage_dit.condition_refiner import SimpleQFormerImageRefiner
 from stage_dit.conditions import ConditionMode, ConditionTokenIds, build_condition
+from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
+from stage_dit.images import FORMATS, encode_image
 from stage_dit.scheduling_flow_match import FlowMatchEulerScheduler
+from stage_dit.step_cache import StepCacheConfig
 from stage_dit.transformer_mammoth import MammothTransformer2DModel
 
 StepCallback = Callable[[int, int, torch.Tensor], None]
@@ -48,11 +50,14 @@ class DiTModules:
         gen_image_condition_refiner: `SimpleQFormerImageRefiner` (`gen_image_condition_refiner.*`) or
             None when the config has no refiner.
         gen_vae: diffusers `AutoencoderKL` (`gen_vae.*`).
+        scheduler: the `FlowMatchEulerScheduler` component (no weights; each request runs its own
+            copy, `MammothDiTPipeline.new_scheduler`).
     """
 
     gen_transformer: MammothTransformer2DModel
     gen_image_condition_refiner: SimpleQFormerImageRefiner | None
     gen_vae: AutoencoderKL
+    scheduler: FlowMatchEulerScheduler = field(default_factory=FlowMatchEulerScheduler)
 
     def named_modules_by_prefix(self) -> dict[str, torch.nn.Module]:
         """`{"gen_transformer": ..., "gen_image_condition_refiner": ..., "gen_vae": ...}` (None skipped),
@@ -73,7 +78,7 @@ def build_dit_modules(
     Uses `gen_dit_config`, `gen_image_condition_refiner_config` (may be null), `gen_vae_config` and the
     LLM hidden size. Parameters are freshly initialised (PyTorch defaults) and the modules are in eval
     mode without gradients; load weights afterwards. With `device="meta"` no memory is allocated (shape
-    checks).
+    checks). The scheduler component is built with its defaults (upstream's, dynamic shift).
 
     Raises:
         ValueError: if `gen_dit_config` or `gen_vae_config` is missing or inconsistent.
@@ -91,7 +96,7 @@ def build_dit_modules(
             else None
         )
         vae = AutoencoderKL.from_config(config["gen_vae_config"])
-    modules = DiTModules(transformer, refiner, vae)
+    modules = DiTModules(transformer, refiner, vae, FlowMatchEulerScheduler())
     for module in modules.named_modules_by_prefix().values():
         module.eval().requires_grad_(False)
         if dtype is not None:
@@ -125,6 +130,7 @@ class MammothDiTPipeline:
         self.transformer = modules.gen_transformer
         self.refiner = modules.gen_image_condition_refiner
         self.vae = modules.gen_vae
+        self.scheduler = modules.scheduler
         self.device = torch.device(device)
         self.dtype = dtype
         self.token_config = ConditionTokenIds.from_llm_config(config.get("llm_config") or {})
@@ -183,47 +189,19 @@ class MammothDiTPipeline:
         generator = torch.Generator(device="cpu").manual_seed(int(seed))
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
 
-    def _check_condition(self, name: str, condition: torch.Tensor) -> torch.Tensor:
+    def check_condition(self, name: str, condition: torch.Tensor) -> torch.Tensor:
+        """``condition`` `(rows, llm_hidden)` on the pipeline device and dtype.
+
+        Raises:
+            ValueError: on another shape (the message names ``name``).
+        """
         if condition.ndim != 2 or condition.shape[1] != self.llm_hidden_size:
             raise ValueError(f"{name} must be (rows, {self.llm_hidden_size}), got {tuple(condition.shape)}")
         return condition.to(self.device, self.dtype)
 
-    def _batch_conditions(self, conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-pad conditions of possibly different lengths into the transformer's inputs.
-
-        Returns `(text (batch, max_len, llm_hidden) pipeline dtype, mask bool (batch, max_len))`; built
-        once per request by `denoise` and reused at every step.
-        """
-        batch = len(conditions)
-        max_len = max(c.shape[0] for c in conditions)
-        text = torch.zeros(batch, max_len, self.llm_hidden_size, dtype=self.dtype, device=self.device)
-        mask = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)
-        for i, c in enumerate(conditions):
-            text[i, : c.shape[0]] = c
-            mask[i, : c.shape[0]] = True
-        return text, mask
-
-    def _velocity(
-        self,
-        latents: torch.Tensor,
-        t: torch.Tensor,
-        conditions: list[torch.Tensor] | None,
-        batched: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """One batched transformer forward over several conditions of possibly different lengths.
-
-        `batched` (from `_batch_conditions`) replaces `conditions` when given. Returns one float32
-        velocity `(1, C, h, w)` per condition.
-        """
-        text, mask = batched if batched is not None else self._batch_conditions(conditions or [])
-        batch = text.shape[0]
-        v = self.transformer(
-            hidden_states=latents.expand(batch, -1, -1, -1),
-            timestep=t.reshape(1).expand(batch).to(self.device, torch.float32),
-            text_hidden_states=text,
-            text_attention_mask=mask,
-        )
-        return [v[i : i + 1].float() for i in range(batch)]
+    def new_scheduler(self) -> FlowMatchEulerScheduler:
+        """A fresh scheduler from the loaded component's config (each request owns one)."""
+        return FlowMatchEulerScheduler.from_config(self.scheduler.config)
 
     @torch.inference_mode()
     def denoise(
@@ -236,13 +214,10 @@ class MammothDiTPipeline:
         text_guidance_scale: float,
         cfg_range: tuple[float, float] = (0.0, 1.0),
         callback: StepCallback | None = None,
+        cache: StepCacheConfig | None = None,
     ) -> torch.Tensor:
-        """Run the guided Euler loop from `latents` (t = 0) to t = 1.
-
-        At step i of N: `v = v_cond`; if `text_guidance_scale > 1` and `cfg_range[0] <= i/N <=
-        cfg_range[1]`, `v = v_uncond + s (v_cond - v_uncond)` with both branches in one forward. The
-        unconditional branch is `negative` (raw AR rows of a negative prompt) or, when None, an empty
-        condition (zero rows, as vllm-omni).
+        """Run the guided Euler loop of one request from `latents` (t = 0) to t = 1: `denoise_step`
+        over a group of one (the rule and the unconditional branch: `stage_dit.denoise`).
 
         Args:
             latents: `(1, C, h, w)` initial noise.
@@ -252,8 +227,8 @@ class MammothDiTPipeline:
             text_guidance_scale: s (finite).
             cfg_range: `(start, end)` with `0 <= start <= end <= 1`.
             callback: called as `callback(step_index, total_steps, latents)` after each step, with the
-                0-based index of the finished step (progress = (step_index + 1) / total_steps) and the
-                float32 latents after it.
+                0-based index of the finished step and the float32 latents after it.
+            cache: opt-in step cache (`stage_dit.step_cache`), default off.
 
         Returns:
             final latents float32 `(1, C, h, w)`.
@@ -261,32 +236,14 @@ class MammothDiTPipeline:
         Raises:
             ValueError: on bad shapes or parameters.
         """
-        condition = self._check_condition("condition", condition)
-        if negative is not None:
-            negative = self._check_condition("negative", negative)
-        if not math.isfinite(float(text_guidance_scale)):
-            raise ValueError(f"text_guidance_scale must be finite, got {text_guidance_scale}")
-        if len(cfg_range) != 2 or not 0.0 <= float(cfg_range[0]) <= float(cfg_range[1]) <= 1.0:
-            raise ValueError(f"cfg_range must satisfy 0 <= start <= end <= 1, got {tuple(cfg_range)}")
-        unconditional = negative if negative is not None else condition.new_zeros(0, self.llm_hidden_size)
-        scheduler = FlowMatchEulerScheduler()
-        timesteps = scheduler.set_timesteps(num_inference_steps, num_tokens=latents.shape[-2] * latents.shape[-1])
-        latents = latents.to(self.device, torch.float32)
-        total = len(timesteps)
-        both = alone = None  # padded condition batches, built once per request
-        for i, t in enumerate(timesteps):
-            guided = text_guidance_scale > 1.0 and cfg_range[0] <= i / total <= cfg_range[1]
-            if guided:
-                both = both or self._batch_conditions([condition, unconditional])
-                v_cond, v_uncond = self._velocity(latents, t, None, both)
-                v = v_uncond + text_guidance_scale * (v_cond - v_uncond)
-            else:
-                alone = alone or self._batch_conditions([condition])
-                (v,) = self._velocity(latents, t, None, alone)
-            latents = scheduler.step(v, i, latents)
+        request = ImageRequest(condition, negative, width=0, height=0, num_inference_steps=num_inference_steps,
+                               text_guidance_scale=text_guidance_scale, cfg_range=tuple(cfg_range), cache=cache)
+        state = DenoiseState(self, request, latents)
+        while not state.done:
+            denoise_step(self.transformer, [state])
             if callback is not None:
-                callback(i, total, latents)
-        return latents
+                callback(state.step - 1, state.total, state.latents)
+        return state.latents
 
     @torch.inference_mode()
     def decode_latents(self, latents: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
@@ -305,37 +262,61 @@ class MammothDiTPipeline:
         image = self.vae.decode(x.to(vae_dtype), return_dict=False)[0][0].float()
         return image.clamp(-1.0, 1.0) if clamp else image
 
-    def generate(
-        self,
-        condition: torch.Tensor,
-        negative: torch.Tensor | None,
-        *,
-        width: int,
-        height: int,
-        num_inference_steps: int,
-        text_guidance_scale: float,
-        cfg_range: tuple[float, float] = (0.0, 1.0),
-        seed: int,
-        callback: StepCallback | None = None,
-    ) -> torch.Tensor:
-        """Generate one image: `prepare_latents` -> `denoise` -> `decode_latents`.
+    @torch.inference_mode()
+    def postprocess(self, latents: torch.Tensor, output_type: str = "pt", compression: int = 0):
+        """Final latents -> the requested output (diffusers' ``output_type``).
 
-        Args: see `prepare_latents` and `denoise`.
+        Args:
+            latents: float32 `(1, C, h, w)`.
+            output_type: ``"latent"`` (the latents themselves), ``"pt"`` (float32 `(3, 8h, 8w)` in
+                [-1, 1]) or an image format of `stage_dit.images.FORMATS` (``"png"``, ``"jpeg"``,
+                ``"webp"``): the encoded bytes.
+            compression: JPEG/WebP ``output_compression`` (0..100).
 
-        Returns:
-            float32 `(3, height, width)` in [-1, 1] on the pipeline device.
+        Raises:
+            ValueError: on an unknown ``output_type``.
+        """
+        if output_type == "latent":
+            return latents
+        if output_type != "pt" and output_type.lower() not in FORMATS:
+            raise ValueError(f"output_type must be 'latent', 'pt' or one of {sorted(FORMATS)}, got {output_type!r}")
+        image = self.decode_latents(latents)
+        return image if output_type == "pt" else self.encode(image, output_type, compression)
+
+    def encode(self, image: torch.Tensor, fmt: str, compression: int = 0) -> bytes:
+        """The image encoder component (`stage_dit.images.encode_image`): `(3, H, W)` in [-1, 1] ->
+        PNG/JPEG/WebP bytes.
+
+        Raises:
+            ValueError: on an unknown format or a bad shape.
+        """
+        return encode_image(image, fmt, compression)
+
+    def __call__(self, request: ImageRequest, *, output_type: str = "pt", compression: int = 0,
+                 callback: StepCallback | None = None):
+        """One image in this thread: noise from the seed, `denoise`, `postprocess` (the DiT stage's
+        engine runs the same steps, batched across requests, `stage_dit.engine`).
 
         Raises:
             ValueError: on bad sizes, shapes or parameters.
         """
-        latents = self.prepare_latents(width=width, height=height, seed=seed)
+        latents = self.prepare_latents(width=request.width, height=request.height, seed=request.seed)
         latents = self.denoise(
-            latents,
-            condition,
-            negative,
-            num_inference_steps=num_inference_steps,
-            text_guidance_scale=text_guidance_scale,
-            cfg_range=cfg_range,
-            callback=callback,
+            latents, request.condition, request.negative, num_inference_steps=request.num_inference_steps,
+            text_guidance_scale=request.text_guidance_scale, cfg_range=request.cfg_range, callback=callback,
+            cache=request.cache,
         )
-        return self.decode_latents(latents)
+        return self.postprocess(latents, output_type, compression)
+
+    def generate(self, condition: torch.Tensor, negative: torch.Tensor | None, *, width: int, height: int,
+                 num_inference_steps: int, text_guidance_scale: float, cfg_range: tuple[float, float] = (0.0, 1.0),
+                 seed: int, callback: StepCallback | None = None) -> torch.Tensor:
+        """`__call__` with keyword arguments and ``output_type="pt"``: float32 `(3, height, width)` in
+        [-1, 1] on the pipeline device.
+
+        Raises:
+            ValueError: on bad sizes, shapes or parameters.
+        """
+        request = ImageRequest(condition, negative, width, height, num_inference_steps, text_guidance_scale,
+                               tuple(cfg_range), seed)
+        return self(request, output_type="pt", callback=callback)

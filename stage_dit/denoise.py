@@ -1,0 +1,188 @@
+"""One denoising step over any number of requests of one resolution: the DiT's only CFG loop body.
+
+Each request is a `DenoiseState` (its latents, its own flow-matching scheduler, its step index and
+optional step cache); `denoise_step` runs one transformer forward over every CFG branch of every
+state in the group (each request's conditions right-padded to the group's longest and masked),
+then each request's guidance and Euler update. Requests of different `num_inference_steps`,
+`cfg_range` phases, seeds and guidance scales share a forward; a request joins or leaves a group
+between steps. Per request the result does not depend on the group: on the CPU (float32) it is
+bit-identical to the request alone (`modules.ROW_QUANTUM`; tested in
+`tests/unit/test_dit_batching.py`); on CUDA cuBLAS picks kernels by shape, so a batched request
+differs from alone by rounding, bounded in `tests/unit/test_dit_batching.py::test_cuda_batched_within_bf16_bound`.
+
+The guidance rule: at step i of N, `v = v_cond`; if `text_guidance_scale > 1` and
+`cfg_range[0] <= i/N <= cfg_range[1]`, `v = v_uncond + s (v_cond - v_uncond)`. The unconditional
+branch is the negative prompt's raw AR rows or, without one, an empty condition (zero rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from stage_dit.step_cache import FirstBlockCache, StepCacheConfig
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """What the DiT denoises for one image (conditions already prepared).
+
+    Attributes:
+        condition: `(cond_len, llm_hidden)` from `MammothDiTPipeline.prepare_conditions`.
+        negative: `(neg_len, llm_hidden)` raw AR rows of a negative prompt, or None.
+        width, height: pixels, positive multiples of the pipeline's `size_multiple` (16).
+        num_inference_steps: N >= 1.
+        text_guidance_scale: s (finite); <= 1 disables guidance.
+        cfg_range: `(start, end)`, `0 <= start <= end <= 1`.
+        seed: initial noise seed (CPU generator, device independent).
+        cache: opt-in step cache (None or threshold 0: off).
+        request_id: for logs and errors.
+    """
+
+    condition: torch.Tensor
+    negative: torch.Tensor | None
+    width: int
+    height: int
+    num_inference_steps: int
+    text_guidance_scale: float
+    cfg_range: tuple[float, float] = (0.0, 1.0)
+    seed: int = 0
+    cache: StepCacheConfig | None = None
+    request_id: str = ""
+
+
+class DenoiseState:
+    """One request's denoising state.
+
+    Args:
+        pipeline: the `MammothDiTPipeline` (condition checks, noise, a fresh scheduler).
+        request: the `ImageRequest`.
+        latents: initial float32 latents `(1, C, h, w)`; None = `pipeline.prepare_latents` from the seed.
+
+    Attributes:
+        latents: float32 `(1, C, h, w)` after `step` steps.
+        step: steps done; `total`: N.
+        cache: `FirstBlockCache` or None.
+
+    Raises:
+        ValueError: bad shapes, sizes or parameters (before any step runs).
+    """
+
+    def __init__(self, pipeline, request: ImageRequest, latents: torch.Tensor | None = None) -> None:
+        if not math.isfinite(float(request.text_guidance_scale)):
+            raise ValueError(f"text_guidance_scale must be finite, got {request.text_guidance_scale}")
+        start, end = (float(x) for x in request.cfg_range) if len(request.cfg_range) == 2 else (1.0, 0.0)
+        if not 0.0 <= start <= end <= 1.0:
+            raise ValueError(f"cfg_range must satisfy 0 <= start <= end <= 1, got {tuple(request.cfg_range)}")
+        self.request = request
+        self.condition = pipeline.check_condition("condition", request.condition)
+        negative = request.negative
+        self.unconditional = (pipeline.check_condition("negative", negative) if negative is not None
+                              else self.condition.new_zeros(0, self.condition.shape[1]))
+        if latents is None:
+            latents = pipeline.prepare_latents(width=request.width, height=request.height, seed=request.seed)
+        self.latents = latents.to(pipeline.device, torch.float32)
+        self.scheduler = pipeline.new_scheduler()
+        self.timesteps = self.scheduler.set_timesteps(
+            request.num_inference_steps, num_tokens=self.latents.shape[-2] * self.latents.shape[-1])
+        self.total = len(self.timesteps)
+        self.step = 0
+        cache = request.cache
+        self.cache = FirstBlockCache(cache) if cache is not None and cache.enabled else None
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total
+
+    @property
+    def resolution(self) -> tuple[int, int]:
+        """Latent `(h, w)`: requests of one resolution share a forward."""
+        return int(self.latents.shape[-2]), int(self.latents.shape[-1])
+
+    def guided(self) -> bool:
+        """Whether the current step applies guidance (the rule in the module docstring)."""
+        lo, hi = self.request.cfg_range
+        return self.request.text_guidance_scale > 1.0 and lo <= self.step / self.total <= hi
+
+    def branches(self) -> list[torch.Tensor]:
+        """This step's conditions: `[condition]` or `[condition, unconditional]`."""
+        return [self.condition, self.unconditional] if self.guided() else [self.condition]
+
+    def advance(self, velocities: list[torch.Tensor]) -> None:
+        """Guidance and the Euler update from this step's float32 velocities (one per branch)."""
+        if len(velocities) == 2:
+            v_cond, v_uncond = velocities
+            v = v_uncond + self.request.text_guidance_scale * (v_cond - v_uncond)
+        else:
+            (v,) = velocities
+        self.latents = self.scheduler.step(v, self.step, self.latents)
+        self.step += 1
+
+
+def _pad_conditions(conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad `(len_i, hidden)` conditions into `(n, max_len, hidden)` and a bool mask."""
+    first = conditions[0]
+    max_len = max(c.shape[0] for c in conditions)
+    text = first.new_zeros(len(conditions), max_len, first.shape[1])
+    mask = torch.zeros(len(conditions), max_len, dtype=torch.bool, device=first.device)
+    for i, c in enumerate(conditions):
+        text[i, : c.shape[0]] = c
+        mask[i, : c.shape[0]] = True
+    return text, mask
+
+
+@torch.inference_mode()
+def denoise_step(transformer, states: list[DenoiseState]) -> None:
+    """Advance every state (all of one resolution, none done) by one step with one forward.
+
+    Raises:
+        ValueError: states of different resolutions; whatever the transformer raises (then no
+            state has advanced).
+    """
+    if len({s.resolution for s in states}) != 1:
+        raise ValueError("denoise_step needs states of one resolution")
+    owners: list[tuple[DenoiseState, int]] = []
+    conditions: list[torch.Tensor] = []
+    for state in states:
+        for branch, condition in enumerate(state.branches()):
+            owners.append((state, branch))
+            conditions.append(condition)
+    text, mask = _pad_conditions(conditions)
+    latents = torch.cat([s.latents for s, _ in owners])
+    t = torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
+    batch = transformer.embed(latents, t, text, mask)
+    if any(s.cache is not None for s in states):
+        batch = _cached_layers(transformer, batch, owners)
+    else:
+        batch = transformer.run_layers(batch, 0, len(transformer.layers))
+    velocity = transformer.unpatchify(batch).float()
+    for state in states:
+        state.advance([velocity[i : i + 1] for i, (s, _) in enumerate(owners) if s is state])
+
+
+def _cached_layers(transformer, batch, owners: list[tuple[DenoiseState, int]]):
+    """The joint layers with the first-block cache: every row runs layer 0; the rows of requests
+    whose cache allows it skip the rest (see `stage_dit.step_cache`)."""
+    n_layers = len(transformer.layers)
+    first = transformer.run_layers(batch, 0, 1)
+    residual = {i: first.joint[i, : n] - batch.joint[i, : n] for i, n in enumerate(first.real_rows)}
+    skip: set[int] = set()
+    for state in {s for s, _ in owners}:
+        rows = {b: i for i, (s, b) in enumerate(owners) if s is state}
+        if state.cache is not None and state.cache.should_skip(state.step, {b: residual[i] for b, i in rows.items()}):
+            skip.update(rows.values())
+            state.cache.skipped += 1
+    run = [i for i in range(len(owners)) if i not in skip]
+    joint = first.joint.clone()
+    if run:
+        done = transformer.run_layers(first if len(run) == len(owners) else first.select(run), 1, n_layers)
+        joint[run] = done.joint
+    for i, (state, branch) in enumerate(owners):
+        n = first.real_rows[i]
+        if i in skip:
+            joint[i, :n] = first.joint[i, :n] + state.cache.rest[branch]
+        elif state.cache is not None:
+            state.cache.update({branch: residual[i]}, {branch: joint[i, :n] - first.joint[i, :n]})
+    return replace(first, joint=joint)

@@ -1,0 +1,234 @@
+"""Cross-request DiT batching (`stage_dit.engine`, `stage_dit.denoise`) on the tiny reference weights:
+a request's result does not depend on what else is batched with it (bit-identical on the CPU), requests
+join and leave between steps, and cancellation and failure stay with their own request."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dit_reference import outputs, pipeline
+
+from stage_dit.denoise import ImageRequest
+from stage_dit.engine import DiTEngine, EngineJob, ImageFinished, RequestFailed, StepFinished
+from stage_dit.modules import ROW_QUANTUM
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return pipeline()
+
+
+@pytest.fixture(scope="module")
+def conds(pipe):
+    out = outputs()
+    hidden, ids = out["cond_last_hidden_states"], out["cond_input_ids"][0]
+    full = pipe.prepare_conditions(hidden, ids, 23)
+    short = pipe.prepare_conditions(hidden[:30], ids[:30], 18)  # fewer text rows: another length
+    return {"full": full, "short": short, "neg": out["neg_condition_tokens"]}
+
+
+def requests(conds) -> list[ImageRequest]:
+    """Mixed sizes, steps, seeds, guidance, cfg_range and condition lengths."""
+    c, s, n = conds["full"], conds["short"], conds["neg"]
+    return [
+        ImageRequest(c, None, 32, 32, 4, 3.0, (0.0, 1.0), seed=1, request_id="a"),
+        ImageRequest(s, n, 32, 32, 6, 4.5, (0.3, 0.8), seed=2, request_id="b"),
+        ImageRequest(c, n, 48, 32, 3, 1.0, (0.0, 1.0), seed=3, request_id="c"),
+        ImageRequest(s, None, 32, 32, 5, 2.0, (0.5, 1.0), seed=4, request_id="d"),
+        ImageRequest(c, None, 64, 48, 4, 5.0, (0.0, 0.5), seed=5, request_id="e"),
+    ]
+
+
+class Collector:
+    """A job's sink: records events; optional hook per event (runs on the engine thread)."""
+
+    def __init__(self, hook=None):
+        self.events = []
+        self.done = threading.Event()
+        self.hook = hook
+
+    def __call__(self, event):
+        self.events.append(event)
+        if self.hook is not None:
+            self.hook(event)
+        if isinstance(event, (ImageFinished, RequestFailed)):
+            self.done.set()
+
+    @property
+    def output(self):
+        final = self.events[-1]
+        assert isinstance(final, ImageFinished), final
+        return final.output
+
+
+def job_for(request, sink, output_type="latent") -> EngineJob:
+    return EngineJob(prepare=lambda: request, sink=sink, output_type=output_type)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gemm_rows_are_bit_identical_at_multiples_of_the_row_quantum(threads):
+    """The property the batch invariance rests on (MKL sgemm, any thread count): a row's result is
+    the same in any GEMM whose row count is a multiple of ROW_QUANTUM; below, it is not."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(96, 64, generator=g), torch.randn(256, 64, generator=g)
+        ref = F.linear(x, w)
+        for m in range(ROW_QUANTUM, 257, ROW_QUANTUM):
+            assert torch.equal(F.linear(x[:m], w), ref[:m]), m
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_transformer_rows_do_not_depend_on_the_batch(pipe, conds):
+    """Old code (no row padding) gave max |batched - alone| = 1.2e-6 here; now 0."""
+    tr, c, s = pipe.transformer, conds["full"], conds["short"]
+    g = torch.Generator().manual_seed(0)
+    lat = torch.randn(4, 16, 4, 4, generator=g)
+    texts = [c, s, c.new_zeros(0, c.shape[1]), s[:5]]
+    t = torch.tensor([0.1, 0.4, 0.7, 0.9])
+    width = max(x.shape[0] for x in texts)
+    text = torch.stack([F.pad(x, (0, 0, 0, width - x.shape[0])) for x in texts])
+    mask = torch.stack([torch.arange(width) < x.shape[0] for x in texts])
+    with torch.inference_mode():
+        batched = tr(lat, t, text, mask)
+        for i, x in enumerate(texts):
+            alone = tr(lat[i : i + 1], t[i : i + 1], x[None], torch.ones(1, x.shape[0], dtype=torch.bool))
+            assert torch.equal(batched[i : i + 1], alone), i
+
+
+def test_batched_equals_alone_with_join_and_leave(pipe, conds):
+    reqs = requests(conds)
+    alone = [pipe(r, output_type="latent") for r in reqs]
+    engine = DiTEngine(pipe, max_batch_requests=8)
+    try:
+        joined = threading.Event()
+        sinks = [Collector(lambda e: isinstance(e, StepFinished) and e.step == 2 and joined.set()) if i == 0 else Collector() for i in range(5)]
+        for i in (0, 1):
+            engine.submit(job_for(reqs[i], sinks[i]))
+        assert joined.wait(60)  # the first two are mid-denoise when the others join
+        for i in (2, 3, 4):
+            engine.submit(job_for(reqs[i], sinks[i]))
+        for sink in sinks:
+            assert sink.done.wait(120)
+    finally:
+        engine.close()
+    assert engine.largest_batch >= 3
+    for r, sink, ref in zip(reqs, sinks, alone):
+        steps = [e.step for e in sink.events if isinstance(e, StepFinished)]
+        assert steps == list(range(1, r.num_inference_steps + 1)), r.request_id
+        assert torch.equal(sink.output, ref), r.request_id
+
+
+def test_png_bytes_batched_equal_alone(pipe, conds):
+    reqs = requests(conds)[:2]
+    alone = [pipe(r, output_type="png") for r in reqs]
+    engine = DiTEngine(pipe, max_batch_requests=4)
+    try:
+        sinks = [Collector(), Collector()]
+        jobs = [engine.submit(job_for(r, s, "png")) for r, s in zip(reqs, sinks)]
+        for sink in sinks:
+            assert sink.done.wait(120)
+        for job in jobs:
+            job.retired.result(10)
+    finally:
+        engine.close()
+    assert [s.output for s in sinks] == alone
+
+
+def test_cancel_one_member_mid_denoise(pipe, conds):
+    reqs = requests(conds)[:3]
+    alone = [pipe(r, output_type="latent") for r in reqs]
+    engine = DiTEngine(pipe, max_batch_requests=4)
+    try:
+        cancel_me: list[EngineJob] = []
+        sinks = [Collector(), Collector(lambda e: isinstance(e, StepFinished) and e.step == 2 and cancel_me[0].cancel()),
+                 Collector()]
+        jobs = [job_for(r, s) for r, s in zip(reqs, sinks)]
+        cancel_me.append(jobs[1])
+        for job in jobs:
+            engine.submit(job)
+        for i in (0, 2):
+            assert sinks[i].done.wait(120)
+        jobs[1].retired.result(30)
+        assert engine.active_requests == 0
+    finally:
+        engine.close()
+    assert not sinks[1].done.is_set()  # no terminal event for a cancelled job
+    assert [e.step for e in sinks[1].events] == [1, 2]
+    assert torch.equal(sinks[0].output, alone[0]) and torch.equal(sinks[2].output, alone[2])
+
+
+def test_a_failing_request_does_not_fail_its_batch_mates(pipe, conds):
+    reqs = requests(conds)[:2]
+    alone = [pipe(r, output_type="latent") for r in reqs]
+    too_long = conds["full"].new_zeros(10_001, conds["full"].shape[1])  # past the rotary table (10,000)
+    bad_forward = ImageRequest(too_long, None, 32, 32, 4, 3.0, seed=9, request_id="bad-forward")
+
+    def bad_prepare():
+        raise ValueError("no image-condition rows")
+
+    engine = DiTEngine(pipe, max_batch_requests=4)
+    try:
+        sinks = [Collector() for _ in range(4)]
+        jobs = [job_for(reqs[0], sinks[0]), job_for(bad_forward, sinks[1]),
+                EngineJob(prepare=bad_prepare, sink=sinks[2]), job_for(reqs[1], sinks[3])]
+        for job in jobs:
+            engine.submit(job)
+        for sink in sinks:
+            assert sink.done.wait(120)
+        for job in jobs:
+            job.retired.result(10)
+        assert engine.active_requests == 0
+    finally:
+        engine.close()
+    assert isinstance(sinks[1].events[-1], RequestFailed)
+    assert isinstance(sinks[2].events[-1], RequestFailed) and "image-condition" in str(sinks[2].events[-1].error)
+    assert torch.equal(sinks[0].output, alone[0]) and torch.equal(sinks[3].output, alone[1])
+
+
+def test_a_raising_sink_cancels_only_its_job(pipe, conds):
+    reqs = requests(conds)[:2]
+    alone = pipe(reqs[1], output_type="latent")
+    engine = DiTEngine(pipe, max_batch_requests=4)
+
+    def explode(event):
+        raise RuntimeError("consumer gone")
+
+    try:
+        good = Collector()
+        bad_job = engine.submit(job_for(reqs[0], explode))
+        engine.submit(job_for(reqs[1], good))
+        assert good.done.wait(120)
+        bad_job.retired.result(30)
+    finally:
+        engine.close()
+    assert torch.equal(good.output, alone)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_within_bf16_bound(conds):
+    """On CUDA cuBLAS picks GEMM kernels by shape, so batched rows may round differently from alone.
+    The stated bound: batched deviates from alone by no more than bf16 deviates from float32 for
+    the same request (batching costs no more precision than the dtype does)."""
+    fp32, bf16 = pipeline(torch.float32, "cuda"), pipeline(torch.bfloat16, "cuda")
+    reqs = requests({k: v.cuda() for k, v in conds.items()})
+    engine = DiTEngine(bf16, max_batch_requests=8)
+    try:
+        sinks = [Collector() for _ in reqs]
+        for r, s in zip(reqs, sinks):
+            engine.submit(job_for(r, s))
+        for s in sinks:
+            assert s.done.wait(120)
+    finally:
+        engine.close()
+    for r, s in zip(reqs, sinks):
+        alone = bf16(r, output_type="latent")
+        exact = fp32(r, output_type="latent")
+        batched_dev = (s.output - alone).abs().max().item()
+        dtype_dev = (alone - exact).abs().max().item()
+        assert batched_dev <= dtype_dev, (r.request_id, batched_dev, dtype_dev)
