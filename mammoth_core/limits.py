@@ -44,6 +44,8 @@ GRID_PIXELS = 16
 MAX_GRID_SIDE = 1024
 #: Text-guidance scale bounds of the API (requests and the deployment default).
 GUIDANCE_SCALE_RANGE = (0.0, 100.0)
+#: ``dit_cache.threshold``: relative change of the DiT's first-layer residual (0 = off)
+DIT_CACHE_THRESHOLD_RANGE = (0.0, 1.0)
 #: Upper bound on the tokens of the text-to-image envelope around the prompt, without the grid
 #: digits: 7 special tokens (``<|im_start|>`` x3, ``<|im_end|>`` x2, ``<|image start|>``,
 #: ``<|image token|>``) + the UTF-8 bytes of ``system\nYou are a helpful image generator.``,

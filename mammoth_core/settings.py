@@ -298,7 +298,13 @@ class DiTSettings(StageSettings):
 
     port: int = field(default=50052, metadata=_doc("gRPC port (0: any free port)"))
     metrics_port: int = field(default=9092, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
-    slots: int = field(default=4, metadata=_doc("condition slots (concurrent requests)"))
+    slots: int = field(default=4, metadata=_doc(
+        "condition slots (concurrent requests); on CUDA at most what GPU memory holds, measured at start"))
+    max_batch_requests: int = field(default=8, metadata=_doc(
+        "most requests denoised together in one transformer forward (on CUDA at most what GPU "
+        "memory holds, and at most slots)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_doc(
+        "share of the GPU memory free after loading that slots and batches may use"))
     max_rows_per_slot: int = _limit("max_rows_per_slot")
     min_pixels: int = _limit("min_pixels")
     max_pixels: int = _limit("max_pixels")
@@ -327,6 +333,10 @@ class DiTSettings(StageSettings):
         super().validate()
         if self.slots < 1:
             raise SettingsError("slots must be >= 1")
+        if self.max_batch_requests < 1:
+            raise SettingsError("max_batch_requests must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise SettingsError("gpu_memory_utilization must be in (0, 1]")
         _validate_limits(self)
         if not 0 <= self.profile_requests <= 100:
             raise SettingsError("profile_requests must be in [0, 100]")

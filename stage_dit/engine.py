@@ -91,6 +91,7 @@ class EngineJob:
         sink: receives the `EngineEvent` s.
         output_type, compression: see `MammothDiTPipeline.postprocess`.
         previews: ``{step (1-based): preview index}``.
+        request_id: for logs and profiles.
         retired: resolves (to None) once the engine dropped the job.
     """
 
@@ -104,6 +105,8 @@ class EngineJob:
     state: DenoiseState | None = None
     admitted_at: float = 0.0
     step_skipped: bool = False
+    request_id: str = ""
+    profile: object = None
 
     def cancel(self) -> None:
         """Stop the job before its next step (thread-safe, idempotent); no terminal event follows."""
@@ -121,14 +124,17 @@ class DiTEngine:
         pipeline: the loaded pipeline.
         max_batch_requests: most requests denoising at once (more wait to be admitted).
         idle_wait_s: how long the idle loop blocks waiting for a job.
+        profiler: a `mammoth_core.profiling.StageProfiler`: an armed request's trace covers the loop
+            from its admission to its last step (its batch mates' work included).
     """
 
-    def __init__(self, pipeline, max_batch_requests: int, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, pipeline, max_batch_requests: int, idle_wait_s: float = 0.05, profiler=None) -> None:
         if max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
         self.pipeline = pipeline
         self.max_batch_requests = max_batch_requests
         self.idle_wait_s = idle_wait_s
+        self.profiler = profiler
         self._inbox: queue.SimpleQueue[EngineJob | None] = queue.SimpleQueue()
         self._decodes: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._waiting: list[EngineJob] = []
@@ -194,6 +200,7 @@ class DiTEngine:
         for group in (self._waiting, self._active):
             for job in [j for j in group if j.cancelled]:
                 group.remove(job)
+                self._leave(job)
                 self._retire(job)
         metrics.ACTIVE.set(len(self._active))
 
@@ -203,8 +210,12 @@ class DiTEngine:
             job = self._waiting.pop(0)
             try:
                 job.admitted_at = time.perf_counter()
+                if self.profiler is not None:
+                    job.profile = self.profiler.capture(job.request_id)
+                    job.profile.__enter__()
                 job.state = DenoiseState(self.pipeline, job.prepare())
             except Exception as exc:  # the request's own fault (e.g. no image rows): only it fails
+                self._leave(job)
                 self._finish(job, RequestFailed(exc))
                 continue
             self._active.append(job)
@@ -242,6 +253,7 @@ class DiTEngine:
             for job in raise_or_fail:
                 logger.exception("DiT step failed for request %s", job.state.request.request_id)
                 self._active.remove(job)
+                self._leave(job)
                 self._finish(job, RequestFailed(RuntimeError("DiT step failed")))
         for job in group:
             job.step_skipped = _skipped(job) > skipped[id(job)]
@@ -259,6 +271,7 @@ class DiTEngine:
             self._decodes.put((job, state.latents, job.previews[state.step]))
         if state.done:
             self._active.remove(job)
+            self._leave(job)
             metrics.ACTIVE.set(len(self._active))
             self._decodes.put((job, state.latents, None))
 
@@ -318,6 +331,13 @@ class DiTEngine:
     def _finish(self, job: EngineJob, event: ImageFinished | RequestFailed) -> None:
         self._emit(job, event)
         self._retire(job)
+
+    @staticmethod
+    def _leave(job: EngineJob) -> None:
+        """The job left the loop (done, failed or cancelled): close its profile, if any."""
+        profile, job.profile = job.profile, None
+        if profile is not None:
+            profile.__exit__(None, None, None)
 
     @staticmethod
     def _retire(job: EngineJob) -> None:

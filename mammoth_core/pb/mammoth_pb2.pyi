@@ -44,7 +44,7 @@ AR_DECODING_SEQUENTIAL: ARDecodingMode
 AR_DECODING_JACOBI: ARDecodingMode
 
 class ImageParams(_message.Message):
-    __slots__ = ("width", "height", "num_inference_steps", "text_guidance_scale", "cfg_range_start", "cfg_range_end", "seed", "output_format", "output_compression", "partial_images", "has_negative")
+    __slots__ = ("width", "height", "num_inference_steps", "text_guidance_scale", "cfg_range_start", "cfg_range_end", "seed", "output_format", "output_compression", "partial_images", "has_negative", "dit_cache")
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ImageParams(_message.Message):
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     HAS_NEGATIVE_FIELD_NUMBER: _ClassVar[int]
+    DIT_CACHE_FIELD_NUMBER: _ClassVar[int]
     width: int
     height: int
     num_inference_steps: int
@@ -67,7 +68,16 @@ class ImageParams(_message.Message):
     output_compression: int
     partial_images: int
     has_negative: bool
-    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., text_guidance_scale: _Optional[float] = ..., cfg_range_start: _Optional[float] = ..., cfg_range_end: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ..., partial_images: _Optional[int] = ..., has_negative: _Optional[bool] = ...) -> None: ...
+    dit_cache: DiTCache
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., text_guidance_scale: _Optional[float] = ..., cfg_range_start: _Optional[float] = ..., cfg_range_end: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ..., partial_images: _Optional[int] = ..., has_negative: _Optional[bool] = ..., dit_cache: _Optional[_Union[DiTCache, _Mapping]] = ...) -> None: ...
+
+class DiTCache(_message.Message):
+    __slots__ = ("threshold", "warmup_steps")
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    threshold: float
+    warmup_steps: int
+    def __init__(self, threshold: _Optional[float] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class DiTGenerateRequest(_message.Message):
     __slots__ = ("request_id", "params")
@@ -124,7 +134,7 @@ class DiTTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., receive_ms: _Optional[float] = ..., transfer_tail_ms: _Optional[float] = ..., denoise_ms: _Optional[float] = ..., vae_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "format", "width", "height", "partial", "partial_index", "timings", "condition_rows", "negative_rows")
+    __slots__ = ("data", "format", "width", "height", "partial", "partial_index", "timings", "condition_rows", "negative_rows", "steps_skipped")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +144,7 @@ class Image(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     CONDITION_ROWS_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     format: str
     width: int
@@ -143,7 +154,8 @@ class Image(_message.Message):
     timings: DiTTimings
     condition_rows: int
     negative_rows: int
-    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., partial: _Optional[bool] = ..., partial_index: _Optional[int] = ..., timings: _Optional[_Union[DiTTimings, _Mapping]] = ..., condition_rows: _Optional[int] = ..., negative_rows: _Optional[int] = ...) -> None: ...
+    steps_skipped: int
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., partial: _Optional[bool] = ..., partial_index: _Optional[int] = ..., timings: _Optional[_Union[DiTTimings, _Mapping]] = ..., condition_rows: _Optional[int] = ..., negative_rows: _Optional[int] = ..., steps_skipped: _Optional[int] = ...) -> None: ...
 
 class ConditionsComplete(_message.Message):
     __slots__ = ("epoch", "condition_rows", "negative_rows")
