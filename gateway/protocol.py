@@ -20,7 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       model_validator)
 
 from mammoth_core.decoding import JACOBI_WINDOW_RANGE
-from mammoth_core.limits import GUIDANCE_SCALE_RANGE
+from mammoth_core.limits import DIT_CACHE_THRESHOLD_RANGE, GUIDANCE_SCALE_RANGE
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ EXTENSION_FIELDS = (
     "jacobi_token_reuse",
     "jacobi_spatial_init",
     "stream_progress",
+    "dit_cache",
 )
 
 #: OpenAI request fields this deployment cannot honour; any non-null value is a 400 naming it.
@@ -59,6 +60,23 @@ class OpenAIBaseModel(BaseModel):
     """Base of the request models: accepts unknown fields (kept in ``model_extra``)."""
 
     model_config = ConfigDict(extra="allow")
+
+
+class DiTCacheOptions(BaseModel):
+    """The ``dit_cache`` extension: opt-in DiT step caching (a first-block residual cache).
+
+    A step whose first-layer residual changed by less than ``threshold`` (relative L1) since the last
+    full step reuses the cached output of the remaining layers; the first ``warmup_steps`` always
+    run in full. Off unless given. Faster, not identical: quality on real weights is the user's to
+    judge.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: float = Field(ge=DIT_CACHE_THRESHOLD_RANGE[0], le=DIT_CACHE_THRESHOLD_RANGE[1],
+                             allow_inf_nan=False, description="relative change below which a step "
+                             "reuses the cache (0: off)")
+    warmup_steps: StrictInt = Field(2, ge=0, description="first steps that always run every layer")
 
 
 class ImageGenerationRequest(OpenAIBaseModel):
@@ -147,6 +165,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
         None, description="Extension: with stream=true, also send `image_generation.progress` "
         "events (AR tokens, DiT steps). Off by default: a default stream carries only the event "
         "types the OpenAI API defines.")
+    dit_cache: DiTCacheOptions | None = Field(None, description="Extension: opt-in DiT step cache "
+                                              "`{threshold, warmup_steps}`; off when omitted.")
     extra_body: dict[str, Any] | None = Field(None, description="Extensions may also be sent "
                                               "inside this object.")
 

@@ -144,6 +144,8 @@ class ImageJob:
     safety_identifier: str | None
     stream_progress: bool = False
     decoding: DecodingOptions = SEQUENTIAL
+    #: opt-in DiT step cache ``(threshold, warmup_steps)``, or None (off)
+    dit_cache: tuple[float, int] | None = None
 
     @property
     def size(self) -> str:
@@ -291,6 +293,13 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         raise InvalidRequestError(f"partial_images ({partial_images}) exceeds the number of "
                                   f"denoising steps ({steps})", param="partial_images")
 
+    dit_cache = None
+    if req.dit_cache is not None and req.dit_cache.threshold > 0:
+        if req.dit_cache.warmup_steps > steps:
+            raise InvalidRequestError(f"dit_cache.warmup_steps ({req.dit_cache.warmup_steps}) exceeds the "
+                                      f"number of denoising steps ({steps})", param="dit_cache")
+        dit_cache = (float(req.dit_cache.threshold), int(req.dit_cache.warmup_steps))
+
     seed = req.seed if req.seed is not None else secrets.randbelow(2**32)
     if seed + n - 1 > INT64_MAX:
         raise InvalidRequestError("seed + n - 1 must fit in a signed 64-bit integer", param="seed")
@@ -318,6 +327,7 @@ def resolve_request(req: ImageGenerationRequest, settings: GatewaySettings,
         stream=bool(req.stream),
         quality=QUALITY_ECHO[quality],
         safety_identifier=req.safety_identifier or req.user or None,
+        dit_cache=dit_cache,
         stream_progress=bool(req.stream_progress),
     )
 
@@ -599,7 +609,9 @@ class Orchestrator:
             text_guidance_scale=job.text_guidance_scale, cfg_range_start=job.cfg_range[0],
             cfg_range_end=job.cfg_range[1], seed=seed, output_format=job.output_format,
             output_compression=job.output_compression, partial_images=job.partial_images,
-            has_negative=bool(job.negative_prompt))
+            has_negative=bool(job.negative_prompt),
+            dit_cache=None if job.dit_cache is None else pb.DiTCache(threshold=job.dit_cache[0],
+                                                                     warmup_steps=job.dit_cache[1]))
 
     async def _reserve(self, job: ImageJob, pipeline_id: str, seed: int, deadline: float,
                        stack: contextlib.AsyncExitStack

@@ -228,7 +228,8 @@ class DiTEngine:
         for job in self._active:
             groups.setdefault(job.state.resolution, []).append(job)
         for group in groups.values():
-            metrics.BATCH.observe(len(group))
+            metrics.BATCH.set(len(group))
+            metrics.FORWARDS.inc()
             self.largest_batch = max(self.largest_batch, len(group))
             self._step_group(group)
         metrics.STEP.observe(time.perf_counter() - t0)

@@ -3,7 +3,8 @@
 Per image: ``mammoth_dit_requests_total{outcome}``, ``mammoth_dit_denoise_seconds``,
 ``mammoth_dit_vae_seconds``, ``mammoth_dit_encode_seconds``. Per forward of the worker loop
 (`stage_dit.engine`): ``mammoth_dit_step_seconds`` (one step of every active request),
-``mammoth_dit_steps_total`` (request-steps), ``mammoth_dit_batch_requests`` (requests per forward),
+``mammoth_dit_steps_total`` (request-steps), ``mammoth_dit_forwards_total`` (forwards; the mean
+batch is their ratio), ``mammoth_dit_batch_requests`` (requests in the last forward),
 ``mammoth_dit_active_requests`` (requests denoising now), ``mammoth_dit_cache_skipped_steps_total``
 (steps the opt-in step cache answered without the remaining layers). Capacity, set at start
 (`stage_dit.capacity`): ``mammoth_dit_max_batch_requests``, ``mammoth_dit_request_memory_bytes``,
@@ -26,8 +27,9 @@ STEP = Histogram("mammoth_dit_step_seconds",
 VAE = Histogram("mammoth_dit_vae_seconds", "VAE decode per image", buckets=_SECONDS)
 ENCODE = Histogram("mammoth_dit_encode_seconds", "image encoding (PNG/JPEG/WebP) per image", buckets=_SECONDS)
 STEPS = Counter("mammoth_dit_steps_total", "denoising steps run (one per request per step)")
-BATCH = Histogram("mammoth_dit_batch_requests", "requests in one transformer forward",
-                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+BATCH = Gauge("mammoth_dit_batch_requests", "requests in the last transformer forward")
+FORWARDS = Counter("mammoth_dit_forwards_total",
+                   "transformer forwards of the worker loop (steps_total / forwards_total = mean batch)")
 ACTIVE = Gauge("mammoth_dit_active_requests", "requests being denoised by the worker loop")
 CACHE_SKIPPED = Counter("mammoth_dit_cache_skipped_steps_total",
                         "steps the opt-in step cache answered without the remaining joint layers")
