@@ -101,7 +101,8 @@ class FakeDiT(pb_grpc.DiTServicer):
         token = uuid.uuid4().hex
         slot = Slot(request.request_id, p)
         self.slots[token] = slot
-        self.log.write("reserved", request_id=request.request_id, token=token)
+        cache = ([p.dit_cache.threshold, p.dit_cache.warmup_steps] if p.HasField("dit_cache") else None)
+        self.log.write("reserved", request_id=request.request_id, token=token, dit_cache=cache)
         outcome = "cancelled"
         try:
             yield pb.DiTGenerateResponse(reserved=pb.Reserved(reservation_token=token, slot_id=token))
