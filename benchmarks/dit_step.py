@@ -5,7 +5,7 @@ Run on the GPU machine from the source tree (no checkpoint needed: random bf16 w
 
     PYTHONPATH=. python3 benchmarks/dit_step.py --out "$OUT"
 
-One step = one `MammothDiTPipeline._velocity` call with both CFG branches batched (the positive
+One step = one `stage_dit.denoise.denoise_step` of one request with both CFG branches batched (the positive
 condition of 128 refined rows, the unconditional branch empty, as the served path with no negative
 prompt) + the Euler update, timed with CUDA events after warm-up. The FLOP floor counts
 `2 x parameters x tokens` for the linear layers plus `4 x tokens^2 x hidden` per attention layer
@@ -38,13 +38,13 @@ def flop_floor(n_params: int, tokens: int, hidden: int, attn_layers: int, branch
     return branches * (2 * n_params * tokens + 4 * tokens**2 * hidden * attn_layers)
 
 
-def top_kernels(pipe, latents, t, batched, n: int = 15) -> tuple[list[dict], float]:
+def top_kernels(step, n: int = 15) -> tuple[list[dict], float]:
     """Kernel table of one step under `torch.profiler`: the `n` longest kernels (name, total ms, calls,
     share) and the summed kernel time in ms."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        pipe._velocity(latents, t, None, batched)
+        step()
         torch.cuda.synchronize()
     rows = []
     total = 0.0
@@ -82,25 +82,24 @@ def main() -> int:
     flops_rate = res["ceilings"]["bf16_flops_per_s"]
     print(f"GPU {res['gpu']}, torch {res['torch']}, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s", flush=True)
 
+    from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
+
     config, _ = preview_config()
     pipe = random_preview_dit_pipeline(config)
     dc = config["gen_dit_config"]
     n_dit = count(pipe.transformer)
     hidden_llm = config["llm_config"]["hidden_size"]
     cond = torch.randn(128, hidden_llm, device="cuda", dtype=torch.bfloat16)
-    uncond = cond.new_zeros(0, hidden_llm)
     res["dit_params"] = n_dit
     res["sizes"] = {}
     for spec in args.sizes.split(","):
         size, steps = (int(x) for x in spec.split(":"))
         reset_peak()
         latents = pipe.prepare_latents(width=size, height=size, seed=0)
-        batched = pipe._batch_conditions([cond, uncond])
-        t = torch.tensor(0.5, device="cuda")
 
-        def step() -> None:
-            v_c, v_u = pipe._velocity(latents, t, None, batched)
-            latents.add_((v_u + 4.0 * (v_c - v_u)) * 0.02)  # the guided Euler update's cost
+        def step() -> None:  # one guided step of one request, as the worker loop runs it
+            state = DenoiseState(pipe, ImageRequest(cond, None, size, size, steps, 4.0), latents)
+            denoise_step(pipe.transformer, [state])
 
         step_ms = timed_cuda(step, repeat=args.repeat, warmup=2)
         tokens = (size // 16) ** 2 + cond.shape[0]
@@ -123,7 +122,7 @@ def main() -> int:
             "peak_gib": peak_gib(),
         }
         if not args.no_profile:
-            kernels, kernel_ms = top_kernels(pipe, latents, t, batched)
+            kernels, kernel_ms = top_kernels(step)
             entry["profile_kernel_ms"] = kernel_ms
             entry["top_kernels"] = kernels
         res["sizes"][str(size)] = entry

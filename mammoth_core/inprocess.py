@@ -1,8 +1,8 @@
 """The whole model in one process, without any transport: the reference the served path must equal.
 
 It runs exactly the code the stages run (the AR's `stage_ar.engine.DecodeEngine` with one request,
-stepped in this thread; `stage_dit.pipeline.MammothDiTPipeline` for the DiT,
-`stage_dit.images.encode_image`), so an image
+stepped in this thread; `stage_dit.pipeline.MammothDiTPipeline.__call__` with the image format as
+its ``output_type`` for the DiT, the same steps the DiT stage's worker loop batches), so an image
 served through gateway -> AR -> gRPC chunks -> DiT must be byte-identical to this one for the same
 checkpoint, prompt, size, seed and parameters (the tests assert it).
 """
@@ -19,7 +19,7 @@ from mammoth_core.limits import resolve_grid
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
 from stage_ar.loader import ARBundle, load_ar
 from stage_dit.conditions import compute_answer_start_index
-from stage_dit.images import encode_image
+from stage_dit.denoise import ImageRequest
 from stage_dit.loader import load_pipeline
 from stage_dit.pipeline import MammothDiTPipeline
 
@@ -121,11 +121,9 @@ class InProcessModel:
         answer_start = compute_answer_start_index(len(prompt_ids), len(ids), self.answer_boundary)
         condition = self.dit.prepare_conditions(hidden, torch.tensor(ids, dtype=torch.long), answer_start)
         neg = negative.to(self.dit.device, self.dit.dtype) if negative is not None else None
-        image = self.dit.generate(
-            condition, neg, width=width, height=height, num_inference_steps=num_inference_steps,
-            text_guidance_scale=text_guidance_scale, cfg_range=cfg_range, seed=seed,
-        )
-        data = encode_image(image, output_format, output_compression)
+        request = ImageRequest(condition, neg, width, height, num_inference_steps, text_guidance_scale,
+                               tuple(cfg_range), seed)
+        data = self.dit(request, output_type=output_format, compression=output_compression)
         return InProcessResult(data, hidden, ids, len(prompt_ids), negative, (w, h))
 
 

@@ -20,6 +20,7 @@ the job's tensors (after its terminal event, or once a cancelled job was reaped)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -269,22 +270,29 @@ class DiTEngine:
         if not self._emit(job, StepFinished(state.step, state.total, skipped)):
             return
         if state.step in job.previews:
-            self._decodes.put((job, state.latents, job.previews[state.step]))
+            self._decodes.put((job, state.latents, _ready_event(state.latents), job.previews[state.step]))
         if state.done:
             self._active.remove(job)
             self._leave(job)
             metrics.ACTIVE.set(len(self._active))
-            self._decodes.put((job, state.latents, None))
+            self._decodes.put((job, state.latents, _ready_event(state.latents), None))
 
     # -- the decode thread -------------------------------------------------------------------
 
     def _run_decoder(self) -> None:
-        with torch.inference_mode():
+        """Decode thread: on CUDA on its own stream (after the step that produced the latents), so
+        VAE kernels can overlap the loop's next steps."""
+        device = self.pipeline.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             while True:
                 item = self._decodes.get()
                 if item is None:
                     return
-                job, latents, preview = item
+                job, latents, ready, preview = item
+                if stream is not None and ready is not None:
+                    stream.wait_event(ready)
+                    latents.record_stream(stream)
                 if job.cancelled:
                     if preview is None:  # the loop let go of it: only now may it be retired
                         self._retire(job)
@@ -345,6 +353,15 @@ class DiTEngine:
         job.state = None
         if not job.retired.done():
             job.retired.set_result(None)
+
+
+def _ready_event(latents: torch.Tensor):
+    """A CUDA event recorded after the step that produced ``latents`` (None on the CPU)."""
+    if not latents.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _skipped(job: EngineJob) -> int:
