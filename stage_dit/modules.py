@@ -1,6 +1,7 @@
 """Layers shared by the MammothModa2 DiT models (`transformer_mammoth.py`, `condition_refiner.py`).
 
 Only small, standard building blocks live here: the shared Qwen2 RMSNorm with a fused CUDA kernel,
+the adaLN pieces (`RMSNormZero`, `LayerNormContinuous`),
 the SwiGLU feed-forward of Lumina2, the real-valued interleaved rotary embedding and a masked attention helper.
 Attribute names equal the upstream checkpoint keys (`weight`, `linear_1`, `linear_2`, `linear_3`).
 """
@@ -251,3 +252,43 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+class RMSNormZero(nn.Module):
+    """adaLN for a modulated block (upstream `LuminaRMSNormZero`): keys `linear`, `norm`.
+
+    `scale_msa, gate_msa, scale_mlp, gate_mlp = linear(silu(temb)).chunk(4)`; returns
+    `(norm(x) * (1 + scale_msa), gate_msa, scale_mlp, gate_mlp)`.
+    """
+
+    def __init__(self, dim: int, temb_dim: int, norm_eps: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(temb_dim, 4 * dim, bias=True)
+        self.norm = RMSNorm(dim, eps=norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` (rows past `batch` are padding, see
+        `modules.ROW_QUANTUM`) -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
+        mods = self.linear(nn.functional.silu(temb))[: x.shape[0]]
+        scale_msa, gate_msa, scale_mlp, gate_mlp = mods.chunk(4, dim=1)
+        return self.norm(x) * (1 + scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
+
+
+class LayerNormContinuous(nn.Module):
+    """Output norm (upstream `LuminaLayerNormContinuous`): keys `linear_1`, `linear_2`.
+
+    `linear_2(LayerNorm(x) * (1 + linear_1(silu(temb))))` with a non-affine LayerNorm, eps 1e-6.
+    """
+
+    def __init__(self, dim: int, temb_dim: int, out_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(temb_dim, dim, bias=True)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.linear_2 = nn.Linear(dim, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` -> `(batch, seq, out_dim)`."""
+        scale = self.linear_1(nn.functional.silu(temb).to(x.dtype))[: x.shape[0]]
+        return self.linear_2(self.norm(x) * (1 + scale)[:, None, :])

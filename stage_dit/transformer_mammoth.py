@@ -23,7 +23,9 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from stage_dit.modules import (
+    LayerNormContinuous,
     RMSNorm,
+    RMSNormZero,
     pad_rows,
     round_up,
     SwiGLUFeedForward,
@@ -86,28 +88,6 @@ class MammothAttention(nn.Module):
         key = apply_rotary_emb_complex(key, rotary_emb).to(dtype)
         out = self.attention_backend(query, key, value, attention_mask, key_lengths).to(dtype)
         return self.to_out[0](out)
-
-
-class RMSNormZero(nn.Module):
-    """adaLN for a modulated block (upstream `LuminaRMSNormZero`): keys `linear`, `norm`.
-
-    `scale_msa, gate_msa, scale_mlp, gate_mlp = linear(silu(temb)).chunk(4)`; returns
-    `(norm(x) * (1 + scale_msa), gate_msa, scale_mlp, gate_mlp)`.
-    """
-
-    def __init__(self, dim: int, temb_dim: int, norm_eps: float) -> None:
-        super().__init__()
-        self.linear = nn.Linear(temb_dim, 4 * dim, bias=True)
-        self.norm = RMSNorm(dim, eps=norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, temb: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` (rows past `batch` are padding, see
-        `modules.ROW_QUANTUM`) -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
-        mods = self.linear(nn.functional.silu(temb))[: x.shape[0]]
-        scale_msa, gate_msa, scale_mlp, gate_mlp = mods.chunk(4, dim=1)
-        return self.norm(x) * (1 + scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
 
 
 class MammothTransformerBlock(nn.Module):
@@ -195,24 +175,6 @@ class CombinedTimestepCaptionEmbedding(nn.Module):
         dtype = self.caption_embedder[1].weight.dtype
         temb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
         return temb, self.caption_embedder(text_hidden_states)
-
-
-class LayerNormContinuous(nn.Module):
-    """Output norm (upstream `LuminaLayerNormContinuous`): keys `linear_1`, `linear_2`.
-
-    `linear_2(LayerNorm(x) * (1 + linear_1(silu(temb))))` with a non-affine LayerNorm, eps 1e-6.
-    """
-
-    def __init__(self, dim: int, temb_dim: int, out_dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(temb_dim, dim, bias=True)
-        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
-        self.linear_2 = nn.Linear(dim, out_dim, bias=True)
-
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` -> `(batch, seq, out_dim)`."""
-        scale = self.linear_1(nn.functional.silu(temb).to(x.dtype))[: x.shape[0]]
-        return self.linear_2(self.norm(x) * (1 + scale)[:, None, :])
 
 
 class MammothTransformer2DModel(ModelMixin, ConfigMixin):
