@@ -5,7 +5,8 @@ optional step cache); `denoise_step` runs one transformer forward over every CFG
 state in the group (each request's conditions right-padded to the group's longest and masked),
 then each request's guidance and Euler update. Requests of different `num_inference_steps`,
 `cfg_range` phases, seeds and guidance scales share a forward; a request joins or leaves a group
-between steps. Per request the result does not depend on the group: on the CPU (float32) it is
+between steps. The step cache runs only over the plain model (not the wrappers of
+`stage_dit.parallel`, which run every layer). Per request the result does not depend on the group: on the CPU (float32) it is
 bit-identical to the request alone (`modules.ROW_QUANTUM`; tested in
 `tests/unit/test_dit_batching.py`); on CUDA cuBLAS picks kernels by shape, so a batched request
 differs from alone by rounding, bounded in `tests/unit/test_dit_batching.py::test_cuda_batched_within_bf16_bound`.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from stage_dit.step_cache import FirstBlockCache, StepCacheConfig
+from stage_dit.transformer_mammoth import MammothTransformerBlock
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class DenoiseState:
         self.step += 1
 
 
-def _pad_conditions(conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_conditions(conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad `(len_i, hidden)` conditions into `(n, max_len, hidden)` and a bool mask."""
     first = conditions[0]
     max_len = max(c.shape[0] for c in conditions)
@@ -149,17 +151,26 @@ def denoise_step(transformer, states: list[DenoiseState]) -> None:
         for branch, condition in enumerate(state.branches()):
             owners.append((state, branch))
             conditions.append(condition)
-    text, mask = _pad_conditions(conditions)
+    text, mask = pad_conditions(conditions)
     latents = torch.cat([s.latents for s, _ in owners])
     t = torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
-    batch = transformer.embed(latents, t, text, mask)
-    if any(s.cache is not None for s in states):
-        batch = _cached_layers(transformer, batch, owners)
+    if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel): no cache
+        velocity = transformer(latents, t, text, mask).float()
     else:
-        batch = transformer.run_layers(batch, 0, len(transformer.layers))
-    velocity = transformer.unpatchify(batch).float()
+        batch = transformer.embed(latents, t, text, mask)
+        if any(s.cache is not None for s in states) and _plain_layers(transformer):
+            batch = _cached_layers(transformer, batch, owners)
+        else:
+            batch = transformer.run_layers(batch, 0, len(transformer.layers))
+        velocity = transformer.unpatchify(batch).float()
     for state in states:
         state.advance([velocity[i : i + 1] for i, (s, _) in enumerate(owners) if s is state])
+
+
+def _plain_layers(transformer) -> bool:
+    """Whether the joint layers may run in two parts (not when sharded over ranks: Ulysses'
+    first layer splits the sequence and only the last gathers it)."""
+    return all(isinstance(block, MammothTransformerBlock) for block in transformer.layers)
 
 
 def _cached_layers(transformer, batch, owners: list[tuple[DenoiseState, int]]):
