@@ -151,8 +151,9 @@ class DiTServicer(pb_grpc.DiTServicer):
             attributes={"mammoth.request_id": request.request_id, "mammoth.slot_id": slot.slot_id})
         try:
             async for message in session.run():
+                if message.HasField("image") and not message.image.partial:
+                    self._image_done(session)  # trace written before the client can see the image
                 yield message
-            self._image_done(session)
         except asyncio.CancelledError:
             if session.outcome != "completed":
                 session.outcome = self.waiting_outcome(slot, timed_out=_expired(context))
