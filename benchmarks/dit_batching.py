@@ -240,7 +240,9 @@ def run_tree(tree: pathlib.Path, args, mode: str) -> dict:
         cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker-out", str(out), "--mode", mode,
                "--repeat", str(args.repeat), "--waves", str(args.waves),
                "--concurrency", ",".join(map(str, args.concurrency))] + (["--tiny"] if args.tiny else [])
-        env = {**os.environ, "PYTHONPATH": str(tree), "MAMMOTH_BENCH_TREE": str(tree)}
+        inherited = os.environ.get("PYTHONPATH")  # keep what the caller's environment needs (installs)
+        path = str(tree) + (os.pathsep + inherited if inherited else "")
+        env = {**os.environ, "PYTHONPATH": path, "MAMMOTH_BENCH_TREE": str(tree)}
         subprocess.run(cmd, cwd=str(tree), env=env, check=True)
         return json.loads(out.read_text())
 
