@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules  # noqa: E402
 
-from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
 from stage_ar.linear import TORCH_LINEAR, GemvLinear, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402

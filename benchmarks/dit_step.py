@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.full_size import ceilings, count, peak_gib, random_preview_dit_pipeline, reset_peak, timed_cuda  # noqa: E402
-from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 
 
 def flop_floor(n_params: int, tokens: int, hidden: int, attn_layers: int, branches: int = 2) -> float:

@@ -11,7 +11,7 @@ Run on the GPU machine from the source tree (two GPUs: the AR on the first, the 
    the Preview's (the few placeholder ids the small tokenizer puts elsewhere are written into the
    config). ``--checkpoint builtin://tiny`` skips this (CPU smoke test of the harness).
 2. The DiT (``CUDA_VISIBLE_DEVICES=--dit-gpu``), the AR (``=--ar-gpu``) and the gateway (no GPU) are
-   started as separate processes from the source tree (``python -m mammoth_core.cli ...``).
+   started as separate processes from the source tree (``python -m mammoth_app.cli ...``).
 3. Phase ``streamed`` (the AR's default ``chunk_rows``): per SIZE:STEPS, one warm-up request, then per
    AR grid (``--ar-grids auto,32x32``: the ``ar_grid`` request extension, issue 23) and
    concurrency level ``max(c, --min-requests)`` requests kept ``c`` in flight through
@@ -45,8 +45,8 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mammoth_core.bench import parse_server_timing, percentile  # noqa: E402
-from mammoth_core.local import Component, StartupError, stop_pipeline  # noqa: E402
+from mammoth_app.bench import parse_server_timing, percentile  # noqa: E402
+from mammoth_app.local import Component, StartupError, stop_pipeline  # noqa: E402
 
 GiB = 1024**3
 TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -65,7 +65,7 @@ def preview_checkpoint_config(folder: pathlib.Path) -> tuple[dict, dict]:
     Raises:
         ValueError: if the tokenizer's generation ids differ from the Preview's (they must not).
     """
-    from mammoth_core.make_checkpoint import PREVIEW_TOKENS, preview_config
+    from mammoth_app.make_checkpoint import PREVIEW_TOKENS, preview_config
     from stage_ar.tokenization_mammoth import write_tokenizer_files
 
     ids = write_tokenizer_files(folder, num_visual_tokens=16384, base_vocab_size=PREVIEW_TOKENS["vocab_size"])
@@ -86,7 +86,7 @@ def build_preview_checkpoint(folder: pathlib.Path) -> float:
     import torch
 
     from benchmarks.full_size import random_preview_modules
-    from mammoth_core.make_checkpoint import save_sharded
+    from mammoth_app.make_checkpoint import save_sharded
 
     if (folder / ".complete").is_file():
         return 0.0
@@ -115,7 +115,7 @@ def spawn(name: str, argv: list[str], workdir: pathlib.Path, env: dict[str, str]
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process' life)
-    cmd = [sys.executable, "-m", "mammoth_core.cli", *argv, "--ready-file", str(ready)]
+    cmd = [sys.executable, "-m", "mammoth_app.cli", *argv, "--ready-file", str(ready)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT),
                             start_new_session=True)
     return Component(name=name, proc=proc, ready_file=ready)
@@ -137,7 +137,7 @@ def start_stages(args, workdir: pathlib.Path, chunk_rows: int | None,
     common = ["--host", "127.0.0.1", "--log-level", "warning"]
     stage = [*common, "--checkpoint", args.checkpoint, "--port", "0", "--metrics-port", "0"]
     comps: list[Component] = []
-    from mammoth_core.local import free_port, generate_role_tokens
+    from mammoth_app.local import free_port, generate_role_tokens
 
     tokens = generate_role_tokens(workdir)  # stages refuse unauthenticated calls
     dit_port = free_port()  # the AR dials only the DiT it is told about

@@ -34,7 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mammoth_core.make_checkpoint import preview_config, save_sharded  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config, save_sharded  # noqa: E402
 
 GiB = 1024**3
 
@@ -215,7 +215,7 @@ def main() -> int:
         (ckpt / "t2i_generation_config.json").write_text(json.dumps(generation, indent=2))
         res["save_s"] = time.perf_counter() - t0
         print(f"saved in {res['save_s']:.1f}s", flush=True)
-        from mammoth_core.check_checkpoint import check_checkpoint
+        from mammoth_app.check_checkpoint import check_checkpoint
 
         report = check_checkpoint(ckpt)
         res["check_checkpoint"] = {

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar import gemv as G  # noqa: E402
 from stage_ar.configuration_mammoth_ar import MammothARConfig  # noqa: E402
 from stage_ar.fp8 import quantize_fp8_per_channel  # noqa: E402

@@ -34,7 +34,7 @@ from ar_decode import time_variant  # noqa: E402
 from full_size import ceilings, random_preview_dit_pipeline, random_preview_modules, timed_cuda  # noqa: E402
 
 from mammoth_core.distributed import GroupRank  # noqa: E402
-from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 
 
 class _ComputeOnly(GroupRank):

@@ -3,7 +3,7 @@
 Issue 4: "A stalled consumer (one DiT that stops reading) does not slow the other requests decoded
 in the same AR batch by more than 10% tokens/s."
 
-Set-up: the real AR and DiT processes (``mammoth_core.local.start_pipeline``, tiny checkpoint, CPU)
+Set-up: the real AR and DiT processes (``mammoth_app.local.start_pipeline``, tiny checkpoint, CPU)
 plus, in this process, a *stalled DiT*: a ``mammoth.v1.DiT`` server whose ``Generate`` reserves a
 slot and whose ``PushConditions`` never reads its request stream (HTTP/2 flow control then stops the
 AR's pushes for that request after a window's worth of bytes). This process plays the gateway:
@@ -168,7 +168,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from mammoth_core.grpc_common import auth_metadata
-    from mammoth_core.local import free_port, start_pipeline, stop_pipeline
+    from mammoth_app.local import free_port, start_pipeline, stop_pipeline
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="stall-bench-"))
     stalled_port = free_port()  # the stalled DiT's: the AR is allowed to push there

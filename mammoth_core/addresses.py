@@ -1,7 +1,7 @@
 """Stage addresses as the settings write them: ``host:port``, ``[v6]:port`` or ``dns:///name:port``.
 
 One parser for every component that is configured with stage addresses: the gateway's backend
-targets (`gateway.backends`) and the AR's DiT allow-list (`stage_ar.dit_targets`).
+targets and the AR's DiT allow-list.
 """
 
 from __future__ import annotations

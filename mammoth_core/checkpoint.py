@@ -44,6 +44,8 @@ REFINER_PREFIX = "gen_image_condition_refiner."
 SKIPPED_PREFIXES = ("llm_model.model.visual.",)
 
 BUILTIN_SCHEME = "builtin://"
+#: Bump when the built-in checkpoint's content changes: its cache folder name includes it.
+BUILTIN_FORMAT_VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -134,10 +136,11 @@ class Checkpoint:
     def tensor_infos(self, prefix: str = "", problems: list[str] | None = None) -> dict[str, TensorInfo]:
         """Name -> `TensorInfo` for stored tensors starting with ``prefix`` (reads headers only).
 
-        The index and the shard headers must agree: a shard that cannot be read, a tensor the index
-        places in a shard that does not hold it, or a tensor a shard holds that the index does not
-        list, is a problem. With ``problems`` given they are appended there (and the readable
-        tensors returned); otherwise they raise.
+        The index and the shard headers must agree under ``prefix``: a shard holding a tensor under
+        ``prefix`` that cannot be read, a tensor the index places in a shard that does not hold it,
+        or a tensor under ``prefix`` a shard holds that the index does not list, is a problem (what
+        other prefixes hold is not looked at). With ``problems`` given they are appended there (and
+        the readable tensors returned); otherwise they raise.
 
         Raises:
             CheckpointError: when ``problems`` is None and anything disagrees.
@@ -147,16 +150,17 @@ class Checkpoint:
         found: list[str] = []
         by_file: dict[str, list[str]] = defaultdict(list)
         for name, file in self._index.items():
-            by_file[file].append(name)
+            if name.startswith(prefix):
+                by_file[file].append(name)
         infos: dict[str, TensorInfo] = {}
         for file, names in sorted(by_file.items()):
             try:
                 with safe_open(str(self.path / file), framework="pt") as handle:
-                    stored = set(handle.keys())
+                    stored = {n for n in handle.keys() if n.startswith(prefix)}
                     for name in names:
                         if name not in stored:
                             found.append(f"tensor {name} is listed in the index for {file} but {file} does not hold it")
-                        elif name.startswith(prefix):
+                        else:
                             sl = handle.get_slice(name)
                             infos[name] = TensorInfo(name, tuple(sl.get_shape()), sl.get_dtype(), file)
                     for name in sorted(stored - set(names)):
@@ -249,23 +253,31 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------------
 
 
+def builtin_folder(name: str, cache_dir: str | os.PathLike) -> pathlib.Path:
+    """Where the built-in checkpoint ``name`` is cached: ``<cache_dir>/checkpoints/<name>-v<N>``
+    (``N``: `BUILTIN_FORMAT_VERSION`); complete once it holds ``.complete``."""
+    return pathlib.Path(cache_dir) / "checkpoints" / f"{name}-v{BUILTIN_FORMAT_VERSION}"
+
+
 def resolve_checkpoint(uri: str, cache_dir: str | os.PathLike) -> pathlib.Path:
-    """Turn a checkpoint setting into a folder, creating the built-in one on first use.
+    """Turn a checkpoint setting into a folder.
 
     Args:
-        uri: a folder path, ``file:///path``, or ``builtin://tiny``.
-        cache_dir: where built-in checkpoints are created (``<cache_dir>/checkpoints/<name>``).
+        uri: a folder path, ``file:///path``, or ``builtin://NAME``. A built-in checkpoint is made
+            by the application layer (`mammoth_app.make_checkpoint.materialize_checkpoint`, which
+            the ``mammoth`` command runs before a stage starts); here it is only found in the cache.
+        cache_dir: where built-in checkpoints are cached (`builtin_folder`).
 
     Raises:
-        CheckpointError: unknown built-in name or missing folder.
+        CheckpointError: a built-in checkpoint not made yet, or a missing folder.
     """
     if uri.startswith(BUILTIN_SCHEME):
-        from mammoth_core.make_checkpoint import PRESETS, ensure_builtin
-
-        name = uri[len(BUILTIN_SCHEME):]
-        if name not in PRESETS:
-            raise CheckpointError(uri, [f"unknown built-in checkpoint {name!r}; known: {sorted(PRESETS)}"])
-        return ensure_builtin(name, pathlib.Path(cache_dir))
+        folder = builtin_folder(uri[len(BUILTIN_SCHEME):], cache_dir)
+        if not (folder / ".complete").is_file():
+            raise CheckpointError(uri, [
+                f"not made yet in {folder.parent} (the mammoth command makes it on first use: mammoth ar, dit "
+                "or up; or make one with mammoth make-checkpoint DIR and pass DIR)"])
+        return folder
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     path = pathlib.Path(uri).expanduser()

@@ -1,6 +1,6 @@
 """Waiting on CUDA events from asyncio code (the transport's D2H-ready and H2D-complete rules).
 
-One home for the sender (`stage_ar.sender`) and the receiver (`stage_dit.receiver`).
+One home for the AR's hidden-state sender and the DiT's receiver.
 
 Why not ``while not event.query(): await asyncio.sleep(0.0002)``: asyncio's epoll selector rounds
 every timeout *up* to whole milliseconds (``epoll_wait`` takes ms), so each such sleep costs about

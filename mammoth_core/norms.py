@@ -3,7 +3,7 @@
 `rms_norm` defines the arithmetic; `RMSNorm` is the module (checkpoint key ``weight``), with the
 residual add fused in when a residual is given (the AR's decoder layers carry the residual stream
 separately, as vLLM's Qwen2 does). Kernels are pluggable (``kernels``: any object with ``rms_norm``
-and ``add_rms_norm`` attributes, e.g. the AR's `torch.compile`d `stage_ar.layers.PointwiseOps`), so
+and ``add_rms_norm`` attributes, e.g. the AR's `torch.compile`d `PointwiseOps`), so
 a compiled variant is these same functions, compiled, not a second definition.
 """
 

@@ -5,7 +5,7 @@
   every ``spec`` field with type, default, bounds and description) and its CEL rules;
 - the component settings dataclasses (`mammoth_core.settings`: every field's type, default, help,
   choices, with its flag ``--name``, environment variable ``MAMMOTH_NAME`` and YAML key);
-- the operator's command-line flags (`mammoth_core.cli.build_parser`).
+- the operator's command-line flags (`mammoth_app.cli.build_parser`).
 
 Usage::
 
@@ -215,7 +215,7 @@ def render_settings() -> str:
 
 
 def render_operator_flags() -> str:
-    from mammoth_core.cli import build_parser
+    from mammoth_app.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001

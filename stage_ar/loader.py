@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from mammoth_core.check_checkpoint import verify_checkpoint
+from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
+from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
@@ -94,7 +95,7 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
     backend = select_backend(linear_backend, device)
     t0 = time.perf_counter()
     path = resolve_checkpoint(checkpoint, cache_dir)
-    verify_checkpoint(path)  # every tensor checked (headers only) before any weight is read
+    verify_parts(path, [CHECKPOINT_PART])  # its tensors checked (headers only) before any is read
     ckpt = Checkpoint(path)
     with torch.device(device):
         model = MammothARForCausalLM.from_llm_config(ckpt.llm_config)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from mammoth_core.check_checkpoint import verify_checkpoint
+from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import Checkpoint, resolve_checkpoint
 from mammoth_core.settings import DiTSettings
+from stage_dit.checkpoint_part import CHECKPOINT_PART
 from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ def load_pipeline(settings: DiTSettings) -> MammothDiTPipeline:
     """
     t0 = time.perf_counter()
     path = resolve_checkpoint(settings.checkpoint, settings.cache_dir)
-    verify_checkpoint(path)  # every tensor checked (headers only) before any weight is read
+    verify_parts(path, [CHECKPOINT_PART])  # its tensors checked (headers only) before any is read
     ckpt = Checkpoint(path)
     device, dtype = settings.resolved_device(), settings.resolved_dtype()
     modules = build_dit_modules(ckpt.config, device=device, dtype=dtype)

@@ -32,7 +32,7 @@ from pipeline_harness import RunningPipeline, start_local_pipeline  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
     """A freshly written built-in tiny checkpoint (real layout, deterministic random weights)."""
-    from mammoth_core.make_checkpoint import make_checkpoint
+    from mammoth_app.make_checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
 
@@ -40,7 +40,7 @@ def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def pipeline(tiny_checkpoint, tmp_path_factory):
     """One local pipeline shared by the tests that do not disturb it (no kills, no drains)."""
-    from mammoth_core.local import stop_pipeline
+    from mammoth_app.local import stop_pipeline
 
     running = start_local_pipeline(tiny_checkpoint, tmp_path_factory.mktemp("pipeline"))
     yield running

@@ -70,7 +70,7 @@ class RunningPipeline:
 
 def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:
     """Start AR, DiT and gateway processes on loopback with request traces written to ``tmp``."""
-    from mammoth_core.local import free_port, start_pipeline
+    from mammoth_app.local import free_port, start_pipeline
 
     trace_dir = tmp / "traces"
     trace_dir.mkdir(parents=True, exist_ok=True)

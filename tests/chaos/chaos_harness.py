@@ -98,7 +98,7 @@ class Cluster:
     """Start, stop and inspect component processes; everything is killed at teardown."""
 
     def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path, env: dict[str, str] | None = None):
-        from mammoth_core.local import generate_role_tokens
+        from mammoth_app.local import generate_role_tokens
 
         self.checkpoint = checkpoint
         self.tmp = tmp
@@ -112,7 +112,7 @@ class Cluster:
         self._n += 1
         ready = self.tmp / f"{role}-{self._n}.ready.json"
         log = self.tmp / f"{role}-{self._n}.log"
-        cmd = [sys.executable, "-m", "mammoth_core.cli", role, *argv, "--ready-file", str(ready)]
+        cmd = [sys.executable, "-m", "mammoth_app.cli", role, *argv, "--ready-file", str(ready)]
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_open_files_limit(nofile))

@@ -174,10 +174,10 @@ class RealStage:
 
 def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
                 env: dict[str, str] | None = None) -> RealStage:
-    """Start ``python -m mammoth_core.cli ROLE`` on a free port; wait for its ready file."""
+    """Start ``python -m mammoth_app.cli ROLE`` on a free port; wait for its ready file."""
     n = len(list(tmp.glob(f"real-{role}-*.ready")))
     ready = tmp / f"real-{role}-{n}.ready"
-    cmd = [sys.executable, "-m", "mammoth_core.cli", role, "--host", "127.0.0.1", "--checkpoint",
+    cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--host", "127.0.0.1", "--checkpoint",
            str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
            "--log-level", "warning", "--ready-file", str(ready), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"), **(env or {})}
@@ -197,7 +197,7 @@ def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: s
 def real_stages(tiny_checkpoint, tmp_path):
     """Factory of real stage processes, killed at teardown. They hold per-role stage tokens (the
     gateway presents ``make.gateway_token_file``); an AR may push to the DiTs started before it."""
-    from mammoth_core.local import generate_role_tokens
+    from mammoth_app.local import generate_role_tokens
 
     started: list[RealStage] = []
     tokens = generate_role_tokens(tmp_path)

@@ -51,7 +51,7 @@ def _dit_trace(pipeline, request_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_core.inprocess import InProcessModel
+    from mammoth_app.inprocess import InProcessModel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -115,7 +115,7 @@ def test_bench_sweeps_ar_grids(pipeline, tmp_path):
 
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mammoth_core.cli", "bench", "--url", pipeline.url, "--concurrency", "1",
+        [sys.executable, "-m", "mammoth_app.cli", "bench", "--url", pipeline.url, "--concurrency", "1",
          "--requests", "1", "--warmup", "0", "--size", "64x64", "--steps", "1", "--ar-grid", "auto,2x2",
          "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

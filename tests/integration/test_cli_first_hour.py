@@ -1,6 +1,6 @@
 """The first hour with the ``mammoth`` command: every ordinary mistake gets one line, no traceback.
 
-Each test runs the real console command (``python -m mammoth_core.cli``) as a new user would type it,
+Each test runs the real console command (``python -m mammoth_app.cli``) as a new user would type it,
 and checks the exit status, that stderr is exactly one line saying what is wrong and what to do, and
 that nothing was half done (no image request sent, no file written).
 """
@@ -28,7 +28,7 @@ def free_port() -> int:
 def mammoth(*args: str, cwd: pathlib.Path = ROOT, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-m", "mammoth_core.cli", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "mammoth_app.cli", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -103,7 +103,7 @@ def test_bench_with_nothing_running_names_the_url_and_mammoth_up():
 
 
 def test_every_flag_has_help_and_the_help_pages_show_defaults():
-    from mammoth_core.cli import build_parser
+    from mammoth_app.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

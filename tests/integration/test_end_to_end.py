@@ -53,7 +53,7 @@ def _trace(pipeline, request_id: str, side: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint, tmp_path_factory):
     """The same model in this process, no transport, same thread count as the stages."""
-    from mammoth_core.inprocess import InProcessModel
+    from mammoth_app.inprocess import InProcessModel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

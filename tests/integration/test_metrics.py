@@ -79,7 +79,7 @@ def generate(client: httpx.Client, url: str, seed: int) -> tuple[httpx.Response,
 def metered(tiny_checkpoint, tmp_path_factory):
     """A pipeline of its own (exact counts), with a profile folder on the DiT."""
     from pipeline_harness import start_local_pipeline
-    from mammoth_core.local import stop_pipeline
+    from mammoth_app.local import stop_pipeline
 
     tmp = tmp_path_factory.mktemp("metered")
     profile_dir = tmp / "profiles"
@@ -211,7 +211,7 @@ def test_bench_reports_latency_and_stage_breakdown(metered, tmp_path):
 
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mammoth_core.cli", "bench", "--url", metered.url, "--concurrency", "1,2",
+        [sys.executable, "-m", "mammoth_app.cli", "bench", "--url", metered.url, "--concurrency", "1,2",
          "--requests", "2", "--warmup", "1", "--size", "128x128", "--steps", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )

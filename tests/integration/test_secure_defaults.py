@@ -2,7 +2,7 @@
 
 - A stage started with no token configuration refuses every stage RPC (UNAUTHENTICATED) unless it
   was started with ``--insecure-no-auth true``; health stays open.
-- ``mammoth up`` (`mammoth_core.local.start_pipeline`) generates per-role tokens for every run.
+- ``mammoth up`` (`mammoth_app.local.start_pipeline`) generates per-role tokens for every run.
 - The AR dials only the DiT addresses it was configured to reach (``dit_allow_list``): any other
   ``dit_address`` is refused before any work, no connection is opened to it.
 - A DiT reservation lives no longer than its caller's deadline; a call without one is refused.
@@ -44,7 +44,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def spawn(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> tuple[subprocess.Popen, dict]:
     ready = tmp / f"{role}-{time.monotonic_ns()}.ready.json"
-    cmd = [sys.executable, "-m", "mammoth_core.cli", role, "--checkpoint", str(checkpoint), "--host",
+    cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--checkpoint", str(checkpoint), "--host",
            "127.0.0.1", "--port", "0", "--metrics-port", "0", "--torch-threads", "1", "--log-level",
            "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env())
@@ -135,7 +135,7 @@ async def test_insecure_opt_out_serves_without_a_token(bare_stages):
 @pytest.fixture(scope="module")
 def up(tiny_checkpoint, tmp_path_factory):
     """`start_pipeline` as ``mammoth up`` runs it, with no token configured by the caller."""
-    from mammoth_core.local import start_pipeline, stop_pipeline
+    from mammoth_app.local import start_pipeline, stop_pipeline
 
     tmp = tmp_path_factory.mktemp("up")
     saved = {k: os.environ.pop(k) for k in AUTH_ENV if k in os.environ}

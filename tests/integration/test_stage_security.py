@@ -55,7 +55,7 @@ class SecurePipeline:
 
 @pytest.fixture(scope="module")
 def secure_pipeline(tiny_checkpoint, tmp_path_factory):
-    from mammoth_core.local import start_pipeline, stop_pipeline
+    from mammoth_app.local import start_pipeline, stop_pipeline
 
     tmp = tmp_path_factory.mktemp("secure")
     pki = make_pki(tmp)

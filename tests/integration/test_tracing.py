@@ -30,7 +30,7 @@ BODY = {"prompt": "a lighthouse", "size": "64x64", "n": 2, "seed": 11, "num_infe
 def traced(tiny_checkpoint, tmp_path_factory):
     """A pipeline exporting spans to ``<tmp>/<component>.spans.jsonl``, logging JSON to
     ``<tmp>/components.log``."""
-    from mammoth_core.local import start_pipeline, stop_pipeline
+    from mammoth_app.local import start_pipeline, stop_pipeline
 
     tmp = tmp_path_factory.mktemp("traced")
     spans = {c: tmp / f"{c}.spans.jsonl" for c in COMPONENTS}

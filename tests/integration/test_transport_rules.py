@@ -61,7 +61,7 @@ def start_dit(checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> DiTPr
     token_file.write_text(TOKEN + "\n")
     ready = tmp / f"dit-{time.monotonic_ns()}.ready.json"
     cmd = [
-        sys.executable, "-m", "mammoth_core.cli", "dit", "--checkpoint", str(checkpoint),
+        sys.executable, "-m", "mammoth_app.cli", "dit", "--checkpoint", str(checkpoint),
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu",
         "--slots", "2", "--max-message-bytes", str(LIMIT), "--auth-token-file", str(token_file),
         "--log-level", "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *extra,

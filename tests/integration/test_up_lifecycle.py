@@ -1,6 +1,6 @@
 """``mammoth up`` as a real process: its components end with it, and it names a stale instance.
 
-Each test runs ``python -m mammoth_core.cli up`` in its own session (as a terminal's foreground job:
+Each test runs ``python -m mammoth_app.cli up`` in its own session (as a terminal's foreground job:
 the signals go to its process group) with the tiny checkpoint, finds its components as the
 processes whose parent it is, and after the signal checks that none of them remains and that every
 port they listened on can be bound again.
@@ -36,7 +36,7 @@ class Up:
     def __init__(self, checkpoint: pathlib.Path | str, cache: pathlib.Path, port: int, *extra: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
         env["MAMMOTH_CACHE_DIR"] = str(cache)
-        cmd = [sys.executable, "-m", "mammoth_core.cli", "up", "--port", str(port), "--checkpoint",
+        cmd = [sys.executable, "-m", "mammoth_app.cli", "up", "--port", str(port), "--checkpoint",
                str(checkpoint), "--log-level", "warning", *extra]
         self.port = port
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -209,7 +209,7 @@ def test_a_stale_component_on_the_port_is_named(up, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
     stale = subprocess.Popen(
-        [sys.executable, "-m", "mammoth_core.cli", "gateway", "--port", str(port), "--ar", "127.0.0.1:9",
+        [sys.executable, "-m", "mammoth_app.cli", "gateway", "--port", str(port), "--ar", "127.0.0.1:9",
          "--dit", "127.0.0.1:9", "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -265,7 +265,7 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
     env["MAMMOTH_CACHE_DIR"] = str(tmp_path / "cache")
 
     def mammoth(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mammoth_core.cli", *args], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "mammoth_app.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=240)
 
     started = mammoth("up", "--detach", "--port", str(port), "--checkpoint", str(tiny_checkpoint),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mammoth_core.check_checkpoint import check_checkpoint
+from mammoth_app.check_checkpoint import check_checkpoint
 from mammoth_core.checkpoint import Checkpoint, CheckpointError
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_dit.pipeline import build_dit_modules
@@ -117,7 +117,7 @@ def test_bad_tensor_is_refused_with_its_name(tiny_checkpoint, tmp_path, kind):
     with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
         ckpt.load_module(module, prefix)
     cli = subprocess.run(
-        [sys.executable, "-m", "mammoth_core.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
+        [sys.executable, "-m", "mammoth_app.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
     )
     assert cli.returncode == 1 and key in cli.stdout
 
@@ -148,7 +148,7 @@ def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, 
         (broken / shard).write_bytes(b"\xff" * 4096)
         expected = shard
     cli = subprocess.run(
-        [sys.executable, "-m", "mammoth_core.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
+        [sys.executable, "-m", "mammoth_app.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
     )
     assert cli.returncode == 1
     assert cli.stdout.startswith("FAILED:") and expected in cli.stdout, cli.stdout + cli.stderr

@@ -7,7 +7,7 @@ import pathlib
 import re
 
 from mammoth_core import settings as settings_mod
-from mammoth_core.make_checkpoint import ensure_builtin
+from mammoth_app.make_checkpoint import ensure_builtin
 
 
 def test_a_misspelt_config_key_is_a_warning_naming_it(tmp_path, caplog):
@@ -24,7 +24,7 @@ def test_a_misspelt_config_key_is_a_warning_naming_it(tmp_path, caplog):
 
 
 def test_the_builtin_checkpoint_log_line_names_the_folder_that_exists(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="mammoth_core"):
+    with caplog.at_level(logging.INFO, logger="mammoth_app"):
         target = ensure_builtin("tiny", tmp_path)
     named = [pathlib.Path(p) for r in caplog.records for p in re.findall(r"(/\S+)", r.getMessage())]
     assert named, [r.getMessage() for r in caplog.records]

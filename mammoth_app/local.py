@@ -2,9 +2,9 @@
 
 `start_pipeline` starts the DiT and AR stages (each on a free port), waits until both report
 SERVING, then starts the gateway pointed at them. Each component runs in its own session and dies
-with the process that started it (`mammoth_core.supervise.die_with_parent`). `stop_pipeline` stops
+with the process that started it (`mammoth_app.supervise.die_with_parent`). `stop_pipeline` stops
 the gateway first and the stages after (each drains its in-flight work). The ``mammoth up`` command
-around them (signals, instance lock, banner) is `mammoth_core.up`.
+around them (signals, instance lock, banner) is `mammoth_app.up`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import tempfile
 import time
 from typing import Sequence
 
-from mammoth_core.checkpoint import resolve_checkpoint
+from mammoth_app.make_checkpoint import materialize_checkpoint
 from mammoth_core.settings import default_cache_dir
-from mammoth_core.supervise import kill_now, port_holder
+from mammoth_app.supervise import kill_now, port_holder
 
 logger = logging.getLogger("mammoth.up")
 
@@ -135,7 +135,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:
     """Start one component in its own session; it dies with this process (`supervise.die_with_parent`)."""
     ready = workdir / f"{name}.ready.json"
-    cmd = [sys.executable, "-m", "mammoth_core.cli", *argv, "--ready-file", str(ready),
+    cmd = [sys.executable, "-m", "mammoth_app.cli", *argv, "--ready-file", str(ready),
            "--parent-pid", str(os.getpid())]
     logger.debug("starting %s: %s", name, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -167,7 +167,7 @@ def start_pipeline(
     env.update(extra_env or {})
     if gateway_port:
         _check_port_free(host, gateway_port)  # fail before the stages spend time loading
-    ckpt_path = resolve_checkpoint(checkpoint, cache_dir(env))  # create the built-in one once, up front
+    ckpt_path = materialize_checkpoint(checkpoint, cache_dir(env))  # create the built-in one once, up front
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))
     if not _auth_configured(env, config):
         env.update(generate_role_tokens(workdir))

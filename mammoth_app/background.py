@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Sequence
 
-from mammoth_core.local import cache_dir
-from mammoth_core.supervise import InstanceLock
+from mammoth_app.local import cache_dir
+from mammoth_app.supervise import InstanceLock
 
 
 def instance_lock(port: int, env: dict[str, str] | None = None) -> InstanceLock:
@@ -46,7 +46,7 @@ def detach(argv: Sequence[str], port: int, timeout: float = 600.0) -> int:
     log_path = lock.path.with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mammoth_core.cli", "up", *argv], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-m", "mammoth_app.cli", "up", *argv], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """``mammoth up``: the whole pipeline on this machine, as a command a person runs in a terminal.
 
-Around `mammoth_core.local.start_pipeline` (which starts the three processes) this adds:
+Around `mammoth_app.local.start_pipeline` (which starts the three processes) this adds:
 
 - one instance per gateway port: ``mammoth up`` holds `supervise.InstanceLock` for its port, so a
   second one on the same port, started at the same moment or later, ends with one line naming the
@@ -32,8 +32,8 @@ import yaml
 
 from mammoth_core import settings as settings_mod
 from mammoth_core.checkpoint import BUILTIN_SCHEME, CheckpointError, check_files, resolve_checkpoint
-from mammoth_core.local import Component, StartupError, cache_dir, start_pipeline, stop_pipeline
-from mammoth_core.supervise import AlreadyRunning, InstanceLock
+from mammoth_app.local import Component, StartupError, cache_dir, start_pipeline, stop_pipeline
+from mammoth_app.supervise import AlreadyRunning, InstanceLock
 
 #: Gateway request defaults with a built-in checkpoint (random weights: its images are noise), sized
 #: so that a request without ``size``/``num_inference_steps`` takes seconds on a CPU.
@@ -65,7 +65,7 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
         settings_mod.SettingsError: the ``--config`` file is missing or not a YAML mapping.
     """
     if args.generate is not None:
-        from mammoth_core.client import output_problem
+        from mammoth_app.client import output_problem
 
         problem = output_problem(args.output, args.format)
         if problem:
@@ -94,10 +94,10 @@ def _checkpoint_message(exc: CheckpointError) -> str:
 
 def mammoth_command() -> str:
     """How to run this ``mammoth`` from another terminal: ``mammoth`` when PATH finds this one, else
-    its full path (``python -m mammoth_core.cli`` when run from a source tree without the script)."""
+    its full path (``python -m mammoth_app.cli`` when run from a source tree without the script)."""
     here = pathlib.Path(sys.executable).parent / "mammoth"
     if not here.is_file():
-        return f"{shlex.quote(sys.executable)} -m mammoth_core.cli"
+        return f"{shlex.quote(sys.executable)} -m mammoth_app.cli"
     on_path = shutil.which("mammoth")
     if on_path and pathlib.Path(on_path).resolve() == here.resolve():
         return "mammoth"
@@ -220,7 +220,7 @@ def _serve(args: argparse.Namespace, components: list[Component], plan: dict[str
         if lock:  # after the banner: `up --detach` prints it from the log once it reads "running"
             lock.update(state="running", url=url, components={c.name: c.proc.pid for c in components})
         if args.generate is not None:
-            from mammoth_core.client import generate_to_file
+            from mammoth_app.client import generate_to_file
 
             return generate_to_file(url, args.generate, args.output, args)
         _say("Press Ctrl-C to stop.")

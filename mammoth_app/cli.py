@@ -62,7 +62,7 @@ def _component_parser(sub: argparse._SubParsersAction, name: str, cls: type, hel
 
 def _settings_from_args(args: argparse.Namespace) -> settings_mod.BaseSettings:
     if args.parent_pid is not None:  # started by `mammoth up`: end with it, whatever ends it
-        from mammoth_core.supervise import die_with_parent
+        from mammoth_app.supervise import die_with_parent
 
         die_with_parent(args.parent_pid)
     cls = args.settings_cls
@@ -78,10 +78,22 @@ def _apply_torch_threads(s: settings_mod.StageSettings) -> None:
         torch.set_num_threads(int(s.torch_threads))
 
 
+def _materialize_builtin(s: settings_mod.StageSettings) -> None:
+    """Make a ``builtin://`` checkpoint in the cache before the stage starts (the stage only finds
+    it there: making it builds both stages' models, which is this layer's business)."""
+    from mammoth_core.checkpoint import BUILTIN_SCHEME
+
+    if s.checkpoint.startswith(BUILTIN_SCHEME):
+        from mammoth_app.make_checkpoint import materialize_checkpoint
+
+        materialize_checkpoint(s.checkpoint, s.cache_dir)
+
+
 def cmd_ar(args: argparse.Namespace) -> int:
     s = _settings_from_args(args)
     setup_logging("ar", s.log_format, s.log_level)
     _apply_torch_threads(s)
+    _materialize_builtin(s)
     from stage_ar.server import serve
 
     asyncio.run(serve(s, ready_file=args.ready_file))
@@ -92,6 +104,7 @@ def cmd_dit(args: argparse.Namespace) -> int:
     s = _settings_from_args(args)
     setup_logging("dit", s.log_format, s.log_level)
     _apply_torch_threads(s)
+    _materialize_builtin(s)
     from stage_dit.server import serve
 
     asyncio.run(serve(s, ready_file=args.ready_file))
@@ -123,7 +136,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "info")
-    from mammoth_core.make_checkpoint import make_checkpoint
+    from mammoth_app.make_checkpoint import make_checkpoint
 
     try:
         path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed)
@@ -135,7 +148,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_check_checkpoint(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "warning")
-    from mammoth_core.check_checkpoint import check_checkpoint
+    from mammoth_app.check_checkpoint import check_checkpoint
 
     report = check_checkpoint(args.dir)
     print(report.render())
@@ -156,26 +169,26 @@ def cmd_download_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", args.log_level or "info")
     if args.detach:
-        from mammoth_core.background import detach
+        from mammoth_app.background import detach
 
         if args.generate is not None:
             raise CommandError("--detach and --generate do not go together: --generate stops after one image")
         return detach([a for a in args.argv[1:] if a != "--detach"], args.port)
-    from mammoth_core.up import run_up
+    from mammoth_app.up import run_up
 
     args.api_key = _api_key(args)
     return run_up(args)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from mammoth_core.background import down
+    from mammoth_app.background import down
 
     return down(args.port, timeout=args.timeout)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "warning")
-    from mammoth_core.client import run_generate
+    from mammoth_app.client import run_generate
 
     args.api_key = _api_key(args)
     return run_generate(args)
@@ -183,7 +196,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "warning")
-    from mammoth_core.bench import run_bench
+    from mammoth_app.bench import run_bench
 
     args.api_key = _api_key(args)
     return run_bench(args)
@@ -243,7 +256,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _tool_parsers(sub: argparse._SubParsersAction) -> None:
-    from mammoth_core.make_checkpoint import PRESETS
+    from mammoth_app.make_checkpoint import PRESETS
 
     gen = sub.add_parser("generate", help="generate an image through a gateway")
     gen.add_argument("prompt", help="what the image should show")

@@ -27,10 +27,9 @@ import shutil
 import tempfile
 from typing import Any, Callable
 
-logger = logging.getLogger(__name__)
+from mammoth_core.checkpoint import BUILTIN_SCHEME, CheckpointError, builtin_folder, resolve_checkpoint
 
-#: Bump when the built-in checkpoint's content changes: the cache folder name includes it.
-BUILTIN_FORMAT_VERSION = 2
+logger = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 * 1024 * 1024  # small shards, so the sharded layout is always exercised
 
@@ -310,8 +309,9 @@ def make_checkpoint(folder: str | os.PathLike, preset: str = "tiny", seed: int =
 
 
 def ensure_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
-    """The built-in checkpoint ``name`` in ``cache_dir``, created on first use (process-safe)."""
-    target = cache_dir / "checkpoints" / f"{name}-v{BUILTIN_FORMAT_VERSION}"
+    """The built-in checkpoint ``name`` in ``cache_dir`` (`mammoth_core.checkpoint.builtin_folder`),
+    created on first use (process-safe)."""
+    target = builtin_folder(name, cache_dir)
     if (target / ".complete").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -332,3 +332,18 @@ def ensure_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
                 shutil.rmtree(tmp)
     logger.info("wrote the built-in %s checkpoint to %s", name, target)
     return target
+
+
+def materialize_checkpoint(uri: str, cache_dir: str | os.PathLike) -> pathlib.Path:
+    """`mammoth_core.checkpoint.resolve_checkpoint`, making a ``builtin://NAME`` checkpoint first
+    when it is not in ``cache_dir`` yet (the stages only find it there).
+
+    Raises:
+        CheckpointError: unknown built-in name or missing folder.
+    """
+    if uri.startswith(BUILTIN_SCHEME):
+        name = uri[len(BUILTIN_SCHEME):]
+        if name not in PRESETS:
+            raise CheckpointError(uri, [f"unknown built-in checkpoint {name!r}; known: {sorted(PRESETS)}"])
+        ensure_builtin(name, pathlib.Path(cache_dir))
+    return resolve_checkpoint(uri, cache_dir)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mammoth_app.make_checkpoint import materialize_checkpoint
 from mammoth_core.decoding import SEQUENTIAL, DecodingOptions
 from mammoth_core.limits import resolve_grid
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
@@ -67,6 +68,7 @@ class InProcessModel:
         from mammoth_core.settings import ARSettings, DiTSettings
 
         ar_settings = ARSettings()
+        materialize_checkpoint(checkpoint, cache_dir)  # a builtin:// one is made here, as `mammoth ar` does
         self.ar: ARBundle = load_ar(checkpoint, cache_dir, device, dtype)
         # the AR stage's engine, as `stage_ar.server.serve` builds it from the default settings
         self.engine = DecodeEngine(

@@ -1,0 +1,32 @@
+"""What the AR stage reads from a checkpoint (`CHECKPOINT_PART`): checked before it loads.
+
+Only the AR's own part: ``llm_model.*`` (vision tower skipped) against `MammothARForCausalLM`
+built on ``meta`` from ``llm_config``, the generation config keys and tokenizer files it reads. The
+DiT's tensors are not looked at, so this needs no DiT code (nor diffusers).
+"""
+
+from __future__ import annotations
+
+from mammoth_core.checkpoint import AR_PREFIX, GENERATION_CONFIG_FILE, TOKENIZER_FILES
+from mammoth_core.checkpoint_check import CheckpointPart, Shapes
+
+
+def expected_shapes(config: dict) -> Shapes:
+    """``{"llm_model.": {state-dict key: shape}}`` of the AR model ``config["llm_config"]`` describes."""
+    import torch
+
+    from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
+
+    with torch.device("meta"):
+        model = MammothARForCausalLM.from_llm_config(config["llm_config"])
+    return {AR_PREFIX: {k: tuple(v.shape) for k, v in model.state_dict().items()}}
+
+
+CHECKPOINT_PART = CheckpointPart(
+    name="AR",
+    files=(GENERATION_CONFIG_FILE, *TOKENIZER_FILES),
+    config_sections=("llm_config",),
+    expected_shapes=expected_shapes,
+    generation_keys=("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
+    nonempty_files=("mammothu.tiktoken",),
+)
