@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create ./.venv and install Mammoth Pipeline into it (idempotent).
-#   bash scripts/setup.sh          # runtime: the pipeline, gateway and operator
-#   bash scripts/setup.sh test     # + test tools (pytest, openai client, KMock, linters)
+#   bash scripts/setup.sh          # runtime: extra `all` (both stages, gateway, operator, tracing)
+#   bash scripts/setup.sh test     # extra `test`: `all` + test tools (pytest, openai client, KMock, linters)
 # torch is pinned exactly (torch==2.13.0): a looser spec would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="gateway,operator"
+extras="all"
 [ "${1:-}" = "test" ] && extras="test"
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
