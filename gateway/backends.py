@@ -222,8 +222,3 @@ class BackendPool:
             gauge.set(backend.in_flight)
             if backend.retired and backend.in_flight == 0:
                 asyncio.get_running_loop().create_task(backend.channel.close())
-
-    @property
-    def in_flight(self) -> int:
-        return sum(b.in_flight for b in self.backends.values())
-

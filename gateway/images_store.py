@@ -64,10 +64,6 @@ class ImageStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    @property
-    def total_bytes(self) -> int:
-        return self._bytes
-
     def put(self, data: bytes, fmt: str) -> str:
         """Keep ``data`` (encoded as ``fmt``) and return its id (``<token>.<fmt>``)."""
         self.purge()

@@ -311,7 +311,7 @@ class ProgressEvent(BaseModel):
     created_at: int
     image_index: int
     stage: Literal["ar", "dit"]
-    phase: Literal["queued", "reserved", "decoding_tokens", "receiving", "denoising", "vae_decoding"]
+    phase: Literal["queued", "reserved", "decoding_tokens", "denoising", "vae_decoding"]
     tokens_generated: int | None = None
     total_tokens: int | None = None
     step: int | None = None

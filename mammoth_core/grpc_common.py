@@ -365,10 +365,6 @@ class HealthReporter:
         if not self.draining:
             await self.set_all(health_pb2.HealthCheckResponse.SERVING)
 
-    async def set_not_serving(self) -> None:
-        """Report NOT_SERVING for every service."""
-        await self.set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-
     async def enter_graceful_shutdown(self) -> None:
         """NOT_SERVING for every service, permanently (later `set` calls are ignored)."""
         self.draining = True

@@ -127,10 +127,6 @@ def crc32c(data: bytes | memoryview, value: int = 0) -> int:
     return _crc32c.extend(value & 0xFFFFFFFF, data)
 
 
-#: Former name of `crc32c`, kept for existing callers (the algorithm is CRC-32C).
-crc32 = crc32c
-
-
 def rows_per_message(hidden_size: int, dtype: torch.dtype, max_message_bytes: int, chunk_rows: int) -> int:
     """Rows one message may carry: ``chunk_rows``, lowered so the message stays within
     ``max_message_bytes`` (payload + token ids + `MESSAGE_OVERHEAD_BYTES`).

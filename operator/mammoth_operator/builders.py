@@ -16,9 +16,9 @@ name                kind                                       when
 ``N-stages``        NetworkPolicy (AR, DiT and gateway pods)   ``spec.networkPolicy.enabled`` (default)
 ==================  =========================================  ==========================
 
-The ports, flags and settings keys follow the runtime contract (docs: helper-notes/RUNTIME_CONTRACT):
-AR gRPC 50051 / metrics 9091, DiT gRPC 50052 / metrics 9092, gateway HTTP 8000; every container runs
-``mammoth <component> --config /etc/mammoth/pipeline.yaml``.
+The ports, flags and settings keys are the components' own (docs/INTERNALS.md, "Ports and
+commands"; docs/CONFIGURATION.md): AR gRPC 50051 / metrics 9091, DiT gRPC 50052 / metrics 9092,
+gateway HTTP 8000; every container runs ``mammoth <component> --config /etc/mammoth/pipeline.yaml``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from chart_tools import DOCKERFILES, REPO_ROOT, parse_dockerfile, pip_installs, 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 TORCH_PIN = next(r for r in PYPROJECT["project"]["optional-dependencies"]["ar"] if r.startswith("torch"))
 
-# What each image runs (RUNTIME_CONTRACT.md): the extras it installs, its ports, its command.
+# What each image runs (docs/KUBERNETES.md, the images table): the extras it installs, its ports, its command.
 # The stage images carry both stage extras: a builtin://tiny source is made in the pod, which builds
 # both stages' models (the `mammoth` command's make_checkpoint, in mammoth_app).
 IMAGES = {

@@ -441,7 +441,7 @@ async def test_every_16bit_pattern_crosses_bit_exact(dit, dtype):
         ids = list(range(k))
         msgs = [chunk(token, f"flip-{dtype}", 0, 0, hidden[:k], ids, 0,
                       metadata=metadata(k, dtype=wire.dtype_to_proto(dtype)))]
-        crc = wire.crc32(msgs[0].data)
+        crc = wire.crc32c(msgs[0].data)
         data = bytearray(msgs[0].data)
         data[5] ^= 0x10
         msgs[0].data = bytes(data)

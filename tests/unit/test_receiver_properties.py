@@ -50,7 +50,7 @@ def build_stream(request_id, token, epoch, cond, neg, chunk_rows, dtype):
         for off in range(0, rows.shape[0], chunk_rows):
             part = rows[off : off + chunk_rows]
             data = wire.encode_rows(part)
-            crc[role] = wire.crc32(data, crc[role])
+            crc[role] = wire.crc32c(data, crc[role])
             header = pb.ChunkHeader(
                 request_id=request_id, epoch=epoch, sequence=seq, role=role,
                 dtype=wire.dtype_to_proto(dtype), shape=list(part.shape), row_offset=off,

@@ -1,0 +1,42 @@
+"""`pip install .[gateway]` / `.[operator]` in a fresh virtual environment install no torch.
+
+Real pip, from the package registry, into a new venv (about 100 s each on a loaded 2-core machine:
+marked ``slow``). The cheap guard that runs by default is
+`tests/unit/test_layering.py::test_the_gateway_and_the_operator_import_without_the_model_stack`
+(the same imports with the model stack blocked) and `tests/chart/test_images.py` (the requirements).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODEL_STACK = {"torch", "diffusers", "safetensors", "tiktoken", "triton", "numpy"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("extra, module", [("gateway", "gateway.app"), ("operator", "mammoth_operator.handlers")])
+def test_a_fresh_install_of_the_extra_has_no_torch(tmp_path, extra, module):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", f"{ROOT}[{extra}]"],
+                             capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run([str(python), "-m", "pip", "list", "--format=freeze"], capture_output=True,
+                            text=True, check=True, timeout=120).stdout
+    names = {line.split("==")[0].lower() for line in listed.splitlines()}
+    assert "mammoth-pipeline" in names
+    assert names & MODEL_STACK == set(), sorted(names)
+    # outside the source tree, so the installed package is what is imported
+    run = subprocess.run([str(python), "-c", f"import {module}, mammoth_app.cli; print('ok')"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    help_ = subprocess.run([str(venv / "bin" / "mammoth"), extra, "--help"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0, help_.stderr[-3000:]
