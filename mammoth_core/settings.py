@@ -7,7 +7,13 @@ below. A flag given explicitly wins even when its value equals the default.
 The YAML file holds flat ``snake_case`` keys that apply to every component, plus optional sections
 ``ar:``, ``dit:``, ``gateway:`` whose keys override the flat ones for that component. A flat key of
 another component is ignored silently (a shared ConfigMap carries keys for every component); a key
-that no component reads (a misspelling) is ignored with a warning naming it (`unknown_config_keys`).
+that no component reads (a misspelling, or anything under an ``operator:`` section, which no
+component reads) is ignored with a warning naming it (`unknown_config_keys`).
+
+Values are validated by pydantic against each field's type and the constraints in its metadata
+(``choices``, ``ge``/``gt``/``le``/``lt``): strings from flags and the environment become typed
+values (``"a:1, b:2"`` a list, ``"yes"`` True, ``"none"`` None), and every bad value is named with
+its key, value and source in one `SettingsError`. Rules between fields are in ``validate``.
 
 This module is the only place that reads ``os.environ`` for settings.
 """
@@ -16,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
+import pydantic
 import yaml
 
 from mammoth_core import limits
@@ -44,6 +52,8 @@ def default_cache_dir() -> str:
 
 
 def _doc(help_text: str, **kw: Any) -> dict[str, Any]:
+    """Field metadata: ``help``, and optionally ``choices`` and the bounds ``ge``/``gt``/``le``/``lt``
+    (pydantic validates them; argparse and docs/CONFIGURATION.md show help and choices)."""
     return {"help": help_text, **kw}
 
 
@@ -65,7 +75,7 @@ class BaseSettings:
     log_level: str = field(default="info", metadata=_doc("log level (debug, info, warning, error)"))
     max_message_bytes: int = field(
         default=64 * MiB,
-        metadata=_doc("gRPC max send AND receive message size in bytes (same on every component)"),
+        metadata=_doc("gRPC max send AND receive message size in bytes (same on every component)", ge=MiB),
     )
     auth_token_file: str | None = field(
         default=None,
@@ -108,7 +118,7 @@ class BaseSettings:
         metadata=_doc("name checked in the stages' certificates (pods are dialled by IP address)"),
     )
     drain_grace_seconds: float = field(
-        default=30.0, metadata=_doc("on SIGTERM, seconds in-flight work may take before exit")
+        default=30.0, metadata=_doc("on SIGTERM, seconds in-flight work may take before exit", ge=0)
     )
     cache_dir: str = field(default_factory=default_cache_dir, metadata=_doc("cache directory"))
     trace_dir: str | None = field(
@@ -125,21 +135,17 @@ class BaseSettings:
     )
     trace_sample_ratio: float = field(
         default=1.0,
-        metadata=_doc("fraction of requests the gateway traces (stages follow the caller's choice)"),
+        metadata=_doc("fraction of requests the gateway traces (stages follow the caller's choice)", ge=0, le=1),
     )
 
     section: typing.ClassVar[str] = ""
 
     def validate(self) -> None:
-        """Raise `SettingsError` for values outside their allowed range."""
-        if self.max_message_bytes < 1 * MiB:
-            raise SettingsError("max_message_bytes must be >= 1 MiB")
-        if self.drain_grace_seconds < 0:
-            raise SettingsError("drain_grace_seconds must be >= 0")
+        """Raise `SettingsError` for a value its field does not allow (`check_fields`) or a
+        combination the rules between fields refuse."""
+        check_fields(self)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise SettingsError("tls_cert_file and tls_key_file go together")
-        if not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise SettingsError("trace_sample_ratio must be in [0, 1]")
         from mammoth_core.tracing import parse_export
 
         try:
@@ -202,7 +208,7 @@ class StageSettings(BaseSettings):
         default="auto",
         metadata=_doc("model dtype", choices=("auto", "bfloat16", "float16", "float32")),
     )
-    chunk_rows: int = field(default=64, metadata=_doc("hidden-state rows per chunk message"))
+    chunk_rows: int = field(default=64, metadata=_doc("hidden-state rows per chunk message", ge=1))
     answer_boundary: str = field(
         default="prompt_length",
         metadata=_doc(
@@ -210,12 +216,7 @@ class StageSettings(BaseSettings):
             choices=("prompt_length", "last_10", "prompt_minus_10"),
         ),
     )
-    torch_threads: int = field(default=0, metadata=_doc("torch intra-op threads (0: torch default)"))
-
-    def validate(self) -> None:
-        super().validate()
-        if self.chunk_rows < 1:
-            raise SettingsError("chunk_rows must be >= 1")
+    torch_threads: int = field(default=0, metadata=_doc("torch intra-op threads (0: torch default)", ge=0))
 
     def resolved_device(self) -> str:
         """``cuda`` when asked for or (auto) available, else ``cpu``."""
@@ -247,7 +248,7 @@ class ARSettings(StageSettings):
     port: int = field(default=50051, metadata=_doc("gRPC port (0: any free port)"))
     metrics_port: int = field(default=9091, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
     max_running_sequences: int = field(
-        default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)")
+        default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)", ge=1)
     )
     max_sequence_length: int = _limit("max_sequence_length")
     dit_allow_list: list[str] = field(
@@ -259,7 +260,7 @@ class ARSettings(StageSettings):
         ),
     )
     max_dit_channels: int = field(
-        default=64, metadata=_doc("open channels to DiT pods kept, at most (least recently used closed)")
+        default=64, metadata=_doc("open channels to DiT pods kept, at most (least recently used closed)", ge=1)
     )
     weights_dtype: str = field(
         default="auto",
@@ -280,17 +281,6 @@ class ARSettings(StageSettings):
     )
     section: typing.ClassVar[str] = "ar"
 
-    def validate(self) -> None:
-        super().validate()
-        if self.max_running_sequences < 1:
-            raise SettingsError("max_running_sequences must be >= 1")
-        if self.max_dit_channels < 1:
-            raise SettingsError("max_dit_channels must be >= 1")
-        if self.weights_dtype not in AR_WEIGHTS_DTYPES:
-            raise SettingsError(f"weights_dtype must be one of {', '.join(AR_WEIGHTS_DTYPES)}")
-        if self.linear_backend not in AR_LINEAR_BACKENDS:
-            raise SettingsError(f"linear_backend must be one of {', '.join(AR_LINEAR_BACKENDS)}")
-
 
 @dataclass
 class DiTSettings(StageSettings):
@@ -299,12 +289,12 @@ class DiTSettings(StageSettings):
     port: int = field(default=50052, metadata=_doc("gRPC port (0: any free port)"))
     metrics_port: int = field(default=9092, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
     slots: int = field(default=4, metadata=_doc(
-        "condition slots (concurrent requests); on CUDA at most what GPU memory holds, measured at start"))
+        "condition slots (concurrent requests); on CUDA at most what GPU memory holds, measured at start", ge=1))
     max_batch_requests: int = field(default=8, metadata=_doc(
         "most requests denoised together in one transformer forward (on CUDA at most what GPU "
-        "memory holds, and at most slots)"))
+        "memory holds, and at most slots)", ge=1))
     gpu_memory_utilization: float = field(default=0.9, metadata=_doc(
-        "share of the GPU memory free after loading that slots and batches may use"))
+        "share of the GPU memory free after loading that slots and batches may use", gt=0, le=1))
     max_rows_per_slot: int = _limit("max_rows_per_slot")
     min_pixels: int = _limit("min_pixels")
     max_pixels: int = _limit("max_pixels")
@@ -318,30 +308,21 @@ class DiTSettings(StageSettings):
         ),
     )
     profile_requests: int = field(
-        default=0, metadata=_doc("profile the model work of the first N requests (0: off)")
+        default=0, metadata=_doc("profile the model work of the first N requests (0: off)", ge=0, le=100)
     )
     producer_grace_seconds: float = field(
         default=1.0,
         metadata=_doc(
             "a slot whose producer's push stream broke is retired after this many seconds unless "
-            "a newer epoch (an AR retry) began meanwhile"
+            "a newer epoch (an AR retry) began meanwhile",
+            ge=0,
         ),
     )
     section: typing.ClassVar[str] = "dit"
 
     def validate(self) -> None:
         super().validate()
-        if self.slots < 1:
-            raise SettingsError("slots must be >= 1")
-        if self.max_batch_requests < 1:
-            raise SettingsError("max_batch_requests must be >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise SettingsError("gpu_memory_utilization must be in (0, 1]")
         _validate_limits(self)
-        if not 0 <= self.profile_requests <= 100:
-            raise SettingsError("profile_requests must be in [0, 100]")
-        if self.producer_grace_seconds < 0:
-            raise SettingsError("producer_grace_seconds must be >= 0")
 
 
 @dataclass
@@ -385,37 +366,31 @@ class GatewaySettings(BaseSettings):
     public_base_url: str | None = field(
         default=None, metadata=_doc("base URL for url responses when a proxy rewrites the Host header")
     )
-    health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period"))
+    health_interval_seconds: float = field(default=2.0, metadata=_doc("backend health poll period", gt=0))
     health_timeout_seconds: float = field(
         default=1.0,
         metadata=_doc("deadline of one backend health probe: a stage that does not answer within it "
-                      "is marked down; twice in a row, hung (its requests are retried elsewhere)"),
+                      "is marked down; twice in a row, hung (its requests are retried elsewhere)", gt=0),
     )
     header_timeout_seconds: float = field(
         default=10.0,
         metadata=_doc("a connection must deliver each request's complete head (request line and "
-                      "headers) within this many seconds, else it is closed"),
+                      "headers) within this many seconds, else it is closed", gt=0),
     )
     body_timeout_seconds: float = field(
         default=30.0,
         metadata=_doc("a request body must arrive completely within this many seconds after its "
-                      "head, else the connection is closed"),
+                      "head, else the connection is closed", gt=0),
     )
     max_connections: int = field(
         default=1024,
         metadata=_doc("open HTTP connections, at most (also kept below the open-file limit); a "
-                      "connection over it gets 503 and is closed before anything is read"),
+                      "connection over it gets 503 and is closed before anything is read", ge=1),
     )
     section: typing.ClassVar[str] = "gateway"
 
     def validate(self) -> None:
         super().validate()
-        if self.health_interval_seconds <= 0 or self.health_timeout_seconds <= 0:
-            raise SettingsError("health_interval_seconds and health_timeout_seconds must be > 0")
-        if self.header_timeout_seconds <= 0 or self.body_timeout_seconds <= 0:
-            raise SettingsError("header_timeout_seconds and body_timeout_seconds must be > 0")
-        if self.max_connections < 1:
-            raise SettingsError("max_connections must be >= 1")
         _validate_limits(self)
 
 
@@ -433,50 +408,74 @@ def _validate_limits(settings: BaseSettings) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _field_type(cls: type, f: dataclasses.Field) -> Any:
-    hints = typing.get_type_hints(cls)
-    return hints[f.name]
+def _split_commas(value: Any) -> Any:
+    """``"a:1, b:2"`` (a flag or environment value) -> ``["a:1", "b:2"]``; anything else as is."""
+    return [v for v in (p.strip() for p in value.split(",")) if v] if isinstance(value, str) else value
 
 
-def _coerce(name: str, value: Any, typ: Any, source: str) -> Any:
-    """Convert ``value`` (str from env/CLI, or a YAML scalar/list) to ``typ``."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    try:
-        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-            non_none = [a for a in args if a is not type(None)]
-            if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
-                return None
-            return _coerce(name, value, non_none[0], source)
-        if origin is list:
-            (item,) = args
-            if isinstance(value, str):
-                value = [v for v in (s.strip() for s in value.split(",")) if v]
-            if not isinstance(value, (list, tuple)):
-                raise TypeError("expected a list")
-            return [_coerce(name, v, item, source) for v in value]
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise TypeError("expected a boolean")
-        if typ is int:
-            if isinstance(value, bool):
-                raise TypeError("expected an integer")
-            if isinstance(value, float) and not value.is_integer():
-                raise TypeError("expected an integer")
-            return int(value)
-        if typ is float:
-            return float(value)
-        if typ is str:
-            return str(value)
-    except (TypeError, ValueError) as exc:
-        raise SettingsError(f"setting {name!r} from {source}: {value!r} is invalid ({exc})") from exc
+def _none_words(value: Any) -> Any:
+    """``""``, ``"none"``, ``"null"`` (any case) -> None; anything else as is."""
+    return None if isinstance(value, str) and value.strip().lower() in ("", "none", "null") else value
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
     return value
+
+
+def _annotation(hint: Any, meta: Mapping[str, Any]) -> Any:
+    """The pydantic type of a field: its type hint with the metadata's choices and bounds."""
+    bounds = {k: meta[k] for k in ("ge", "gt", "le", "lt") if k in meta}
+    base = Literal[tuple(meta["choices"])] if "choices" in meta else hint
+    optional = type(None) in typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        base = Annotated[hint, pydantic.BeforeValidator(_split_commas)]
+    if hint in (int, float):
+        base = Annotated[base, pydantic.BeforeValidator(_not_a_bool)]
+    if bounds:
+        base = Annotated[base, pydantic.Field(**bounds)]
+    return Annotated[base, pydantic.BeforeValidator(_none_words)] if optional else base
+
+
+@functools.cache
+def _values_model(cls: type) -> type[pydantic.BaseModel]:
+    """A pydantic model with one optional field per settings field of ``cls`` (type, choices,
+    bounds): validates the values given, any subset of the fields."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (_annotation(hints[f.name], f.metadata), None) for f in dataclasses.fields(cls)}
+    config = pydantic.ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    return pydantic.create_model(f"{cls.__name__}Values", __config__=config, **fields)
+
+
+def _validate_values(cls: type, values: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """``name -> (raw value, source)`` -> ``name -> typed value``.
+
+    Raises:
+        SettingsError: naming every bad value: ``setting 'slots' from env MAMMOTH_SLOTS: '0' is
+            invalid (Input should be greater than or equal to 1)``, one such line per value.
+    """
+    try:
+        model = _values_model(cls).model_validate({k: v for k, (v, _) in values.items()})
+    except pydantic.ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = str(err["loc"][0])
+            raw, source = values[name]
+            why = err["msg"].removeprefix("Value error, ")
+            lines.append(f"setting {name!r} from {source}: {raw!r} is invalid ({why})")
+        raise SettingsError("; ".join(dict.fromkeys(lines))) from None
+    return {k: getattr(model, k) for k in values}
+
+
+def check_fields(settings: BaseSettings) -> None:
+    """Validate every field's value of ``settings`` against its type, choices and bounds.
+
+    Raises:
+        SettingsError: naming each bad value (source ``value``).
+    """
+    values = {f.name: (getattr(settings, f.name), "value") for f in dataclasses.fields(settings)}
+    _validate_values(type(settings), values)
 
 
 def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
@@ -499,7 +498,8 @@ def unknown_config_keys(path: str | os.PathLike) -> list[str]:
     """Keys of a YAML settings file that no component reads, each with a suggestion when one is close.
 
     A flat key is known when any of `ARSettings`, `DiTSettings`, `GatewaySettings` has it; a key in
-    an ``ar:``/``dit:``/``gateway:`` section when that component has it (``operator:`` is not checked).
+    an ``ar:``/``dit:``/``gateway:`` section when that component has it; a key in an ``operator:``
+    section never (no component reads it: the operator takes flags and ``MAMMOTH_OPERATOR_*``).
     Returns lines such as ``"'slot' (did you mean 'slots'?)"`` or ``"gateway.prot (did you mean 'port'?)"``.
     """
     import difflib
@@ -520,7 +520,9 @@ def unknown_config_keys(path: str | os.PathLike) -> list[str]:
         if key in classes and isinstance(value, dict):
             for sub in value:
                 check(str(sub), classes[key], f"{key}.{sub}")
-        elif key != "operator":
+        elif key == "operator" and isinstance(value, dict):
+            found += [f"operator.{sub} (no component reads an operator: section)" for sub in value]
+        else:
             check(str(key), everything, repr(key))
     return found
 
@@ -562,23 +564,21 @@ def resolve_settings(
     cli = dict(cli or {})
     env = os.environ if env is None else env
     config_file = cli.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, tuple[Any, str]] = {}  # name -> (raw value, where it came from)
     if config_file:
         for unknown in unknown_config_keys(config_file) if warn_unknown_keys else ():
             logger.warning("config file %s: unknown key %s is ignored", config_file, unknown)
         for key, value in read_config_file(config_file, cls.section).items():
             if key in names:
-                values[key] = _coerce(key, value, _field_type(cls, names[key]), str(config_file))
-            else:
+                values[key] = (value, str(config_file))
+            else:  # another component's key (a shared file); a key of none was warned about above
                 logger.debug("config file %s: key %r is not a %s setting", config_file, key, cls.__name__)
-    for name, f in names.items():
+    for name in names:
         env_key = ENV_PREFIX + name.upper()
         if env_key in env:
-            values[name] = _coerce(name, env[env_key], _field_type(cls, f), f"env {env_key}")
-    for name, value in cli.items():
-        if name in names:
-            values[name] = _coerce(name, value, _field_type(cls, names[name]), f"--{name}")
-    settings = cls(**values)
+            values[name] = (env[env_key], f"env {env_key}")
+    values.update({name: (value, f"--{name}") for name, value in cli.items() if name in names})
+    settings = cls(**_validate_values(cls, values))
     settings.validate()
     return settings
