@@ -491,7 +491,7 @@ async def test_unknown_fields_are_ignored_and_minor_versions_mix(dit):
         md = metadata(n)
         md.protocol_minor = 7  # a newer sender
         msg = chunk(token, "future", 0, 0, hidden, ids, 0, metadata=md,
-                    end=pb.StreamEnd(total_rows=n, crc32c=wire.crc32(wire.encode_rows(hidden))))
+                    end=pb.StreamEnd(total_rows=n, crc32c=wire.crc32c(wire.encode_rows(hidden))))
         # Field 99 (varint 42) and field 100 (bytes) do not exist in this DiT's schema.
         raw = msg.SerializeToString() + b"\x98\x06\x2a" + b"\xa2\x06\x03abc"
         assert pb.HiddenStateChunk.FromString(raw).UnknownFields is not None
