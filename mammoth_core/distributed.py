@@ -1,7 +1,7 @@
 """One process's place in a ``torch.distributed`` group, and the collectives the stages use.
 
-The parallel modes of issue 21 (AR tensor parallel in `stage_ar.tensor_parallel`, DiT CFG- and
-sequence-parallel in `stage_dit.parallel`) run one process per GPU in one group: NCCL on GPUs,
+The parallel modes of issue 21 (the AR's tensor parallelism, the DiT's CFG- and sequence
+parallelism, each in its stage's package) run one process per GPU in one group: NCCL on GPUs,
 gloo in the CPU tests. This module holds only the group handle and thin collective wrappers, so a
 stage's sharding code states *what* it exchanges, not how.
 """
