@@ -1,7 +1,7 @@
 """The served AR path: a real ``mammoth ar`` process, requests over gRPC, rows pushed to a sink DiT.
 
 Measures what a user's request pays on the AR (issue 17, "served = benchmarked"): the process is
-started from the source tree (``python -m mammoth_core.cli ar``), its readiness waited for (model
+started from the source tree (``python -m mammoth_app.cli ar``), its readiness waited for (model
 load, graph capture and warm-up all happen before it), then ``--requests`` requests are sent one
 after another through ``AR.Generate`` (gRPC, the real servicer, engine, sender); the AR pushes every
 hidden-state row to a sink DiT in this process (a ``DiT.PushConditions`` servicer that accepts and
@@ -32,7 +32,7 @@ import grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mammoth_core.local import free_port, stop_pipeline  # noqa: E402
+from mammoth_app.local import free_port, stop_pipeline  # noqa: E402
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc  # noqa: E402
 

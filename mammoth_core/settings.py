@@ -231,9 +231,9 @@ class StageSettings(BaseSettings):
         return getattr(torch, self.dtype)
 
 
-#: ``ar.weights_dtype`` values (the one list: `stage_ar.linear` and the CRD's ``ar.weightsDtype`` use it).
+#: ``ar.weights_dtype`` values (the one list: the AR's linear layers and the CRD's ``ar.weightsDtype`` use it).
 AR_WEIGHTS_DTYPES = ("auto", "fp8")
-#: ``ar.linear_backend`` values (`stage_ar.linear.select_backend`).
+#: ``ar.linear_backend`` values (the AR chooses its linear backend from them).
 AR_LINEAR_BACKENDS = ("auto", "torch", "gemv")
 
 

@@ -107,7 +107,7 @@ def test_load_ar_with_fp8_weights_decodes(tiny_checkpoint, tmp_path):
 
 
 def test_the_flag_reaches_the_settings():
-    from mammoth_core.cli import build_parser
+    from mammoth_app.cli import build_parser
     from mammoth_core.settings import ARSettings, SettingsError, resolve_settings
 
     args = build_parser().parse_args(["ar", "--weights-dtype", "fp8", "--linear-backend", "torch"])
