@@ -47,7 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mammoth_core.decoding import ARDecoding, DecodingOptions  # noqa: E402
-from mammoth_core.make_checkpoint import preview_config  # noqa: E402
+from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.attention import WindowGEMMAttention  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402

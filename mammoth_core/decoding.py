@@ -2,7 +2,7 @@
 
 `DecodingOptions` is the one typed value the gateway (request field ``ar_decoding`` and friends,
 deployment defaults), the wire (`mammoth.v1.ARRequest`'s decoding fields) and the AR engine
-(`stage_ar.speculative`) share. Torch-free and stage-free.
+(its speculative decoding) share. Torch-free and stage-free.
 
 * ``sequential`` (default): one image token per forward, the engine as it always was.
 * ``jacobi``: speculative Jacobi decoding (SJD, Teng et al. 2024): a window of ``window`` tokens

@@ -27,7 +27,7 @@ JACOBI = {"ar_decoding": "jacobi", "jacobi_window": 4, "jacobi_spatial_init": Tr
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_core.inprocess import InProcessModel
+    from mammoth_app.inprocess import InProcessModel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
