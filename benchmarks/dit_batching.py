@@ -52,7 +52,7 @@ def build_pipeline(tiny: bool):
     the tiny dimensions on the CPU (float32)."""
     import torch
 
-    from mammoth_core.make_checkpoint import PREVIEW_TOKENS, preview_config, tiny_config
+    from mammoth_app.make_checkpoint import PREVIEW_TOKENS, preview_config, tiny_config
     from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
 
     if tiny:
