@@ -52,8 +52,8 @@ class WireError(Exception):
         code: the `grpc.StatusCode` the receiver answers with (INVALID_ARGUMENT, DATA_LOSS,
             FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED).
         message: what was wrong, for the caller.
-        reason: a ``mammoth.v1.RefusalReason`` when the code alone does not say why (sent in the
-            trailers, `mammoth_core.refusals`); 0 otherwise.
+        reason: a ``mammoth.v1.RefusalReason`` when the code alone does not say why (sent as the
+            ``google.rpc.Status`` detail, `mammoth_core.errors`); 0 otherwise.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: int = 0):

@@ -179,12 +179,6 @@ class DiTGenerateResponse(_message.Message):
     conditions_complete: ConditionsComplete
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., progress: _Optional[_Union[DiTProgress, _Mapping]] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., conditions_complete: _Optional[_Union[ConditionsComplete, _Mapping]] = ...) -> None: ...
 
-class Refusal(_message.Message):
-    __slots__ = ("reason",)
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    reason: RefusalReason
-    def __init__(self, reason: _Optional[_Union[RefusalReason, str]] = ...) -> None: ...
-
 class StreamMetadata(_message.Message):
     __slots__ = ("protocol_major", "protocol_minor", "hidden_size", "dtype", "answer_start_index", "expected_rows", "expected_negative_rows", "answer_boundary")
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]

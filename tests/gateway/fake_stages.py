@@ -3,7 +3,8 @@
 They speak the real ``mammoth.v1`` contract over real sockets, so the gateway under test runs its
 real code path (reservation, AR start with the DiT address and token, concurrent streams, retries,
 cancellation), with knobs the real model servers do not have: step delays, a slow AR, an AR that
-dies mid-push (``os._exit``), a DiT that answers RESOURCE_EXHAUSTED. The "image" is deterministic
+dies mid-push (``os._exit``), a DiT that answers RESOURCE_EXHAUSTED or refuses the first pushes, an AR
+that refuses every request. Their aborts carry the stages' `mammoth_core.errors` origin. The "image" is deterministic
 noise from (seed, token ids): same seed + prompt -> same bytes, whichever AR produced the tokens.
 
 Each process writes one line per event to ``--events FILE`` (``reserved``, ``cancelled``,
@@ -36,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc  # noqa: E402
-from mammoth_core.refusals import refusal_of, refusal_trailers  # noqa: E402
+from mammoth_core import errors  # noqa: E402
+from mammoth_core.errors import Reason, Stage  # noqa: E402
 
 HIDDEN = 4
 
@@ -148,8 +150,14 @@ class FakeDiT(pb_grpc.DiTServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown reservation")
             epoch = chunk.header.epoch
             if slot.complete.is_set():
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "conditions already complete",
-                                    trailing_metadata=refusal_trailers(pb.CONDITIONS_COMPLETE))
+                await errors.abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                                   "conditions already complete", stage=Stage.DIT,
+                                   reason=Reason.CONDITIONS_COMPLETE)
+            if epoch < self.args.reject_push_epochs:
+                self.log.write("push_rejected", request_id=slot.request_id, epoch=epoch)
+                await errors.abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"row_offset {chunk.header.row_offset + 1} out of order",
+                                   stage=Stage.DIT, reason=Reason.CHUNK_REJECTED)
             if epoch < slot.epoch:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
             if epoch > slot.epoch:  # a new epoch starts fresh
@@ -171,6 +179,10 @@ class FakeAR(pb_grpc.ARServicer):
     async def Generate(self, request, context):
         if not check_auth(context, self.args.auth_token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad stage token")
+        if self.args.reject_request:
+            self.log.write("rejected", request_id=request.request_id)
+            await errors.abort(context, grpc.StatusCode.INVALID_ARGUMENT, self.args.reject_request,
+                               stage=Stage.AR, reason=Reason.INVALID_REQUEST)
         if self.running >= self.args.max_running:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
         self.running += 1
@@ -221,8 +233,9 @@ class FakeAR(pb_grpc.ARServicer):
                 try:
                     await push
                 except grpc.aio.AioRpcError as exc:
-                    await context.abort(exc.code(), f"pushing to the DiT failed: {exc.details()}",
-                                        trailing_metadata=refusal_trailers(refusal_of(exc)))
+                    origin = errors.origin_of(exc) or errors.Origin(Stage.DIT, Reason.PUSH_FAILED)
+                    await errors.abort(context, exc.code(), f"push failed: {exc.details()}",
+                                       stage=origin.stage, reason=origin.reason)
                 if self.args.fail_after_push:  # an AR that dies after the DiT acknowledged
                     self.log.write("failing_after_push", request_id=request.request_id)
                     await context.abort(grpc.StatusCode.ABORTED, "failed after the push")
@@ -250,6 +263,10 @@ async def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-at-row", type=int)
     parser.add_argument("--fail-after-push", action="store_true")
     parser.add_argument("--complete-event-delay", type=float, default=0.0)
+    parser.add_argument("--reject-push-epochs", type=int, default=0,
+                        help="DiT: refuse the pushes of epochs below this (INVALID_ARGUMENT)")
+    parser.add_argument("--reject-request", help="AR: refuse every Generate with INVALID_ARGUMENT "
+                        "and this message (the AR's own rejection)")
     args = parser.parse_args(argv)
     log = EventLog(args.events)
     server = grpc.aio.server()

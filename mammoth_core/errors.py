@@ -1,0 +1,122 @@
+"""Where a stage error came from: a ``google.rpc.Status`` detail on every stage abort.
+
+A status code says *how* a call failed; a caller that must act on *where* and *why* (the gateway:
+is this INVALID_ARGUMENT the client's fault, is this UNAVAILABLE the AR's or the DiT's behind it,
+did the DiT refuse a push because the conditions are already complete) reads the `Origin` the
+failing stage attached, never the message text. The stages abort with `abort`, which sends the
+gRPC standard rich status: trailing metadata ``grpc-status-details-bin`` holding a serialized
+``google.rpc.Status`` (code, message) whose details carry one ``google.rpc.ErrorInfo`` with
+``domain`` `DOMAIN`, ``reason`` (a `Reason`) and ``metadata["stage"]`` (a `Stage`). The caller
+reads it back with `origin_of`. A relay keeps the origin: the AR answering its own ``Generate``
+after the DiT refused its push aborts with the DiT's origin (stage ``dit``), so the gateway sees
+that the failure arose behind the AR.
+
+Uses the ``google.rpc`` protos of ``googleapis-common-protos`` (what ``grpcio-status`` builds on).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+#: ``google.rpc.ErrorInfo.domain`` of every origin this project sends.
+DOMAIN = "mammoth.dev"
+#: The gRPC standard trailing-metadata key of the rich status (``-bin``: base64 on the wire).
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class Stage(enum.StrEnum):
+    """The stage an error arose in (``ErrorInfo.metadata["stage"]``)."""
+
+    AR = "ar"
+    DIT = "dit"
+
+
+class Reason(enum.StrEnum):
+    """Why a stage refused or failed a call (``ErrorInfo.reason``, UPPER_SNAKE_CASE)."""
+
+    #: The request's own fields are invalid (the caller's fault; no retry helps).
+    INVALID_REQUEST = "INVALID_REQUEST"
+    #: The model is still loading.
+    LOADING = "LOADING"
+    #: The stage drains (SIGTERM) and takes nothing new.
+    DRAINING = "DRAINING"
+    #: No room now: the AR's engine or the DiT's slot pool is full.
+    FULL = "FULL"
+    #: The call's deadline passed in the stage.
+    DEADLINE = "DEADLINE"
+    #: The AR may not dial this ``dit_address`` (``dit_allow_list``).
+    DIT_NOT_ALLOWED = "DIT_NOT_ALLOWED"
+    #: The AR's decode loop failed.
+    DECODE_FAILED = "DECODE_FAILED"
+    #: Pushing the hidden states failed (the DiT went away or closed the stream early).
+    PUSH_FAILED = "PUSH_FAILED"
+    #: The DiT refused a push: the slot already holds complete conditions (no AR is needed).
+    CONDITIONS_COMPLETE = "CONDITIONS_COMPLETE"
+    #: The DiT refused a chunk (a wire-contract rule: INVALID_ARGUMENT, DATA_LOSS, ...).
+    CHUNK_REJECTED = "CHUNK_REJECTED"
+    #: The DiT's producer (the AR's push) broke and no retry began in time.
+    PRODUCER_LOST = "PRODUCER_LOST"
+    #: The DiT's pipeline refused the received conditions (e.g. no image rows).
+    CONDITIONS_REJECTED = "CONDITIONS_REJECTED"
+    #: The DiT's pipeline failed.
+    GENERATION_FAILED = "GENERATION_FAILED"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an error arose: ``stage`` (a `Stage` value, ``"ar"``/``"dit"``) and ``reason`` (a
+    `Reason` value, or another UPPER_SNAKE string a newer stage sent)."""
+
+    stage: str
+    reason: str
+
+
+def status_trailers(code: grpc.StatusCode, message: str, origin: Origin) -> tuple[tuple[str, bytes]]:
+    """Trailing metadata carrying the rich status of an abort with ``code``/``message`` from
+    ``origin`` (one ``google.rpc.ErrorInfo`` detail)."""
+    info = error_details_pb2.ErrorInfo(reason=str(origin.reason), domain=DOMAIN,
+                                       metadata={"stage": str(origin.stage)})
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(info)
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, *,
+                stage: Stage | str, reason: Reason | str) -> NoReturn:
+    """Abort the RPC of ``context`` with ``code``/``message`` and the `Origin` ``(stage, reason)``.
+
+    Raises:
+        grpc.aio.AbortError: always (what ``context.abort`` raises).
+    """
+    await context.abort(code, message,
+                        trailing_metadata=status_trailers(code, message, Origin(str(stage), str(reason))))
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def origin_of(error: Any) -> Origin | None:
+    """The `Origin` in the trailers of a failed call (``grpc.aio.AioRpcError``, or anything with
+    ``trailing_metadata()``); None when it has none, it does not parse, or its domain is not ours.
+    """
+    trailers = getattr(error, "trailing_metadata", None)
+    try:
+        items = trailers() if callable(trailers) else ()
+    except Exception:  # noqa: BLE001 - a call without trailers
+        return None
+    for key, value in items or ():
+        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # noqa: BLE001 - a malformed status is no origin
+            return None
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info) and info.domain == DOMAIN:
+                return Origin(info.metadata.get("stage", ""), info.reason)
+    return None
+
