@@ -188,7 +188,7 @@ async def readyz(request: Request) -> JSONResponse:
     body: dict[str, Any] = {"draining": state.gateway_state.draining}
     ready = serving is not None and not state.gateway_state.draining
     for stage in ("ar", "dit"):
-        pool = getattr(serving.orchestrator, f"{stage}_pool") if serving is not None else None
+        pool = getattr(serving.engine, f"{stage}_pool") if serving is not None else None
         up = len(pool.serving()) if pool is not None else 0
         body[stage] = {"serving": up, "known": len(pool.backends) if pool is not None else 0}
         ready = ready and up >= 1

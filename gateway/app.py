@@ -27,7 +27,10 @@ from gateway.backends import BackendPool, format_address
 from gateway.errors import GatewayError, PayloadTooLargeError, create_error_response, outcome_of
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
-from gateway.serving import GatewayState, OpenAIServingImages, Orchestrator, new_request_id
+from gateway.admission import GatewayState
+from gateway.engine_client import EngineClient
+from gateway.image_job import new_request_id
+from gateway.serving import OpenAIServingImages
 from gateway.slow_clients import guarded_protocol, quiet_logs
 from mammoth_core import grpc_common, tracing
 from mammoth_core.logging import request_id_var
@@ -216,9 +219,9 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                                probe_timeout_seconds=settings.health_timeout_seconds)
         await ar_pool.start()
         await dit_pool.start()
-        orchestrator = Orchestrator(settings, ar_pool, dit_pool, metrics,
-                                    settings.client_token(grpc_common.ROLE_GATEWAY))
-        app.state.serving = OpenAIServingImages(settings, orchestrator, store, metrics,
+        engine = EngineClient(settings, ar_pool, dit_pool, metrics,
+                              settings.client_token(grpc_common.ROLE_GATEWAY))
+        app.state.serving = OpenAIServingImages(settings, engine, store, metrics,
                                                 app.state.gateway_state)
         sweeper = asyncio.create_task(store.run_sweeper())
         try:
@@ -335,7 +338,7 @@ async def _wait_backends_ready(app: FastAPI, serve_task: asyncio.Task) -> None:
     """Return once >= 1 AR and >= 1 DiT are SERVING (or the server stopped)."""
     while not serve_task.done():
         serving = getattr(app.state, "serving", None)
-        if serving is not None and serving.orchestrator.ar_pool.serving() \
-                and serving.orchestrator.dit_pool.serving():
+        if serving is not None and serving.engine.ar_pool.serving() \
+                and serving.engine.dit_pool.serving():
             return
         await asyncio.sleep(0.05)

@@ -8,7 +8,7 @@ and never a 422. `create_error_response` maps exception classes to HTTP status c
 exception                       status  ``type``                   ``code``
 ==============================  ======  =========================  ==========================
 `InvalidRequestError`           400     ``invalid_request_error``  per case (e.g. ``invalid_size``)
-pydantic / FastAPI validation   400     ``invalid_request_error``  ``invalid_value``
+pydantic / FastAPI validation   400     ``invalid_request_error``  ``invalid_value`` or the rule's
 `AuthenticationError`           401     ``authentication_error``   ``invalid_api_key``
 `NotFoundError`                 404     ``invalid_request_error``  ``model_not_found`` / ``not_found``
 `OverloadedError`               429     ``rate_limit_error``       ``queue_full`` (+ Retry-After)
@@ -198,6 +198,10 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
         loc = tuple(first.get("loc", ()))
         param = _validation_param(loc)
         msg = first.get("msg", "invalid request")
+        rule = first.get("ctx") or {}
+        if "param" in rule and "message" in rule:  # a request rule (`gateway.protocol.rule_error`)
+            return 400, ErrorInfo(message=str(rule["message"]), type="invalid_request_error",
+                                  param=str(rule["param"]), code=first.get("type")), headers
         if first.get("type") == "json_invalid":
             return 400, ErrorInfo(
                 message=f"request body is not valid JSON: {_json_error_position(first)}",

@@ -8,7 +8,7 @@ average of the gaps seen on this call). When no message has come for ``STALL_FAC
 gap (at least ``MIN_STALL_SECONDS``) it asks the backend's `HealthMonitor` for a probe at once;
 a slow step is not a fault (the stage answers the probe and the call goes on), a stage that answers
 no probe within its deadline twice in a row is hung, and the read fails with ``UNAVAILABLE``: the
-orchestrator treats it like a broken stream and retries the request on another replica within its
+engine client treats it like a broken stream and retries the request on another replica within its
 budget.
 """
 

@@ -1,26 +1,43 @@
 """Pydantic models of the OpenAI images API as the gateway speaks it (requests, responses, SSE events).
 
-Types and ranges are checked here, strictly (``true`` is not a number, ``"5"`` not an integer:
-what the OpenAPI document says is what is accepted); checks that need settings (prompt length, pixel limits, model
-name, step cap) and cross-field rules live in `gateway.serving.resolve_request`, which raises
-`gateway.errors.InvalidRequestError` naming the field. Unknown request fields are accepted by the
-parser (so a newer official client never meets a 422) and then answered with a 400
-``unknown_parameter`` naming them: nothing the client sends is silently dropped.
+The request rules live on the request model. Types and ranges are checked strictly by the fields
+(``true`` is not a number, ``"5"`` not an integer: what the OpenAPI document says is what is
+accepted); the cross-field rules that need no settings (unsupported OpenAI fields, conflicting
+fields, a blank prompt, ``partial_images`` without ``stream``, ...) are model validators raising
+`rule_error` (a ``PydanticCustomError``), rendered as the 400 naming its ``param`` and ``code``;
+the rules that need the settings (prompt length, pixel limits, model name, step cap, the AR grid)
+run in `ImageGenerationRequest.to_image_job`, which raises `gateway.errors.InvalidRequestError`
+and returns the `gateway.image_job.ImageJob` with every default applied.
+
+Unknown request fields are accepted and ignored, and logged with a warning naming them
+(`OpenAIBaseModel`, vLLM's idea): a newer official client sending a field this gateway does not
+know still gets its image. Fields known to be unsupported (`UNSUPPORTED_OPENAI_FIELDS`) are refused.
 
 Extensions (not in OpenAI's API) may be given at the top level or inside an ``extra_body`` object
-(raw HTTP clients copying SDK code); see `EXTENSION_FIELDS`. docs/API.md documents every field.
+(raw HTTP clients copying SDK code); see `EXTENSION_FIELDS`. An unknown key inside ``extra_body`` is
+refused: the SDKs never send that object, so a key there is a typo of an extension. docs/API.md
+documents every field.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator,
                       model_validator)
+from pydantic_core import PydanticCustomError
 
-from mammoth_core.decoding import JACOBI_WINDOW_RANGE
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.image_job import (DEFAULT_OUTPUT_COMPRESSION, NATURAL_GUIDANCE_FACTOR, QUALITY_ECHO,
+                               QUALITY_STEP_FACTORS, ImageJob, check_prompt_length,
+                               limit_errors, parse_size, resolve_ar_grid)
+from mammoth_core import limits
+from mammoth_core.decoding import JACOBI_WINDOW_RANGE, DecodingOptions
 from mammoth_core.limits import DIT_CACHE_THRESHOLD_RANGE, GUIDANCE_SCALE_RANGE
+from mammoth_core.settings import GatewaySettings
+from mammoth_core.text import is_blank
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +73,24 @@ UNSUPPORTED_OPENAI_FIELDS = {
 Quality = Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"]
 
 
+def rule_error(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
+    """A request-rule violation raised by a model validator: error type ``code``, context
+    ``param`` and ``message`` (`gateway.errors.error_info` renders it as the 400 naming ``param``)."""
+    return PydanticCustomError(code, "{message}", {"param": param, "message": message})
+
+
 class OpenAIBaseModel(BaseModel):
-    """Base of the request models: accepts unknown fields (kept in ``model_extra``)."""
+    """Base of the request models: accepts unknown fields (kept in ``model_extra``) and logs a
+    warning naming them, once per request."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_extra_fields(self) -> "OpenAIBaseModel":
+        if self.model_extra:
+            logger.warning("ignored request fields not in this API: %s",
+                           ", ".join(repr(name) for name in sorted(self.model_extra)))
+        return self
 
 
 class DiTCacheOptions(BaseModel):
@@ -199,6 +230,124 @@ class ImageGenerationRequest(OpenAIBaseModel):
             if not (0.0 <= start <= end <= 1.0):
                 raise ValueError("cfg_range must be [start, end] with 0 <= start <= end <= 1")
         return value
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> "ImageGenerationRequest":
+        """Known-unsupported OpenAI fields and ``extra_body`` values that contradict the top level."""
+        for name, why in UNSUPPORTED_OPENAI_FIELDS.items():
+            if getattr(self, name) is not None:
+                raise rule_error(name, f"'{name}' is not supported: {why}",
+                                       "unsupported_parameter")
+        for key, value in (self.extra_body or {}).items():
+            top = getattr(self, key)
+            same = top == value
+            if key == "cfg_range" and isinstance(value, (list, tuple)) and top is not None:
+                same = len(value) == 2 and tuple(float(v) for v in value) == tuple(top)
+            if not same:
+                raise rule_error(key, f"extra_body.{key}={value!r} conflicts with {key}={top!r} "
+                                       "given at the top level", "conflicting_parameter")
+        return self
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "ImageGenerationRequest":
+        """The cross-field rules that need no settings."""
+        if is_blank(self.prompt):
+            raise rule_error("prompt", "prompt must not be blank (it has no visible character)")
+        if self.output_compression is not None and (self.output_format or "png") == "png":
+            raise rule_error("output_compression", "output_compression applies to jpeg and "
+                                   "webp only (png is lossless)")
+        if self.background == "transparent":
+            raise rule_error("background", "background 'transparent' is not supported: the "
+                                   "model paints opaque images (use 'opaque' or 'auto')")
+        if self.num_inference_steps is not None and self.quality not in (None, "auto"):
+            raise rule_error("quality", "give either quality or num_inference_steps, not both",
+                                   "conflicting_parameter")
+        if self.text_guidance_scale is not None and self.style is not None:
+            raise rule_error("style", "give either style or text_guidance_scale, not both",
+                                   "conflicting_parameter")
+        if self.partial_images and not self.stream:
+            raise rule_error("partial_images", "partial_images needs stream=true")
+        if self.stream_progress and not self.stream:
+            raise rule_error("stream_progress", "stream_progress needs stream=true")
+        if self.seed is not None and self.seed + (self.n or 1) - 1 > INT64_MAX:
+            raise rule_error("seed", "seed + n - 1 must fit in a signed 64-bit integer")
+        return self
+
+    # --- the rules that need the deployment's settings ---
+
+    def to_image_job(self, settings: GatewaySettings, request_id: str) -> ImageJob:
+        """Check the request against ``settings`` and fill every default.
+
+        Raises:
+            InvalidRequestError: a limit of ``settings`` is exceeded (``param`` names the field).
+            NotFoundError: ``model`` is not the served model (``code="model_not_found"``).
+        """
+        if self.model is not None and self.model != settings.model_name:
+            raise NotFoundError(f"the model '{self.model}' does not exist; this gateway serves "
+                                f"'{settings.model_name}'", param="model", code="model_not_found")
+        negative = self.negative_prompt or ""
+        check_prompt_length("prompt", self.prompt, settings)
+        check_prompt_length("negative_prompt", negative, settings)
+        width, height = parse_size(self.size, settings)
+        grid = resolve_ar_grid(self.ar_grid, width, height, self.prompt, negative, settings)
+        steps = self._steps(settings)
+        with limit_errors():
+            limits.check_image(width, height, steps, limits.from_settings(settings))
+        partial_images = self.partial_images or 0
+        if partial_images > steps:
+            raise InvalidRequestError(f"partial_images ({partial_images}) exceeds the number of "
+                                      f"denoising steps ({steps})", param="partial_images")
+        dit_cache = self._dit_cache(steps)
+        output_format = self.output_format or "png"
+        compression = 0 if output_format == "png" else (
+            DEFAULT_OUTPUT_COMPRESSION if self.output_compression is None
+            else self.output_compression)
+        cfg_range = self.cfg_range if self.cfg_range is not None else settings.default_cfg_range
+        return ImageJob(
+            request_id=request_id, prompt=self.prompt, negative_prompt=negative, width=width,
+            height=height, ar_grid=grid, n=self.n or 1,
+            seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
+            num_inference_steps=steps, text_guidance_scale=self._guidance(settings),
+            cfg_range=(float(cfg_range[0]), float(cfg_range[1])),
+            ar_guidance_scale=float(self.ar_guidance_scale or 0.0),
+            decoding=DecodingOptions.resolve(
+                self.ar_decoding, self.jacobi_window, self.jacobi_token_reuse,
+                self.jacobi_spatial_init,
+                DecodingOptions(settings.default_ar_decoding, settings.default_jacobi_window)),
+            output_format=output_format,
+            output_compression=compression, partial_images=partial_images,
+            response_format=self.response_format or "b64_json", stream=bool(self.stream),
+            quality=QUALITY_ECHO[self.quality or "auto"],
+            safety_identifier=self.safety_identifier or self.user or None, dit_cache=dit_cache,
+            stream_progress=bool(self.stream_progress))
+
+    def _steps(self, settings: GatewaySettings) -> int:
+        """``num_inference_steps``, else the default scaled by ``quality`` (capped by max_steps)."""
+        if self.num_inference_steps is not None:
+            return self.num_inference_steps
+        steps = max(1, round(settings.default_steps * QUALITY_STEP_FACTORS[self.quality or "auto"]))
+        return min(steps, settings.max_steps)
+
+    def _dit_cache(self, steps: int) -> tuple[float, int] | None:
+        """``(threshold, warmup_steps)`` of an enabled ``dit_cache``, or None (off).
+
+        Raises:
+            InvalidRequestError: ``warmup_steps`` exceeds ``steps`` (``param="dit_cache"``).
+        """
+        if self.dit_cache is None or self.dit_cache.threshold <= 0:
+            return None
+        if self.dit_cache.warmup_steps > steps:
+            raise InvalidRequestError(f"dit_cache.warmup_steps ({self.dit_cache.warmup_steps}) exceeds "
+                                      f"the number of denoising steps ({steps})", param="dit_cache")
+        return float(self.dit_cache.threshold), int(self.dit_cache.warmup_steps)
+
+    def _guidance(self, settings: GatewaySettings) -> float:
+        """``text_guidance_scale``, else the default (halved, at least 1, for ``style: natural``)."""
+        if self.text_guidance_scale is not None:
+            return float(self.text_guidance_scale)
+        if self.style == "natural":
+            return max(1.0, settings.default_guidance_scale * NATURAL_GUIDANCE_FACTOR)
+        return float(settings.default_guidance_scale)
 
 
 class ImageObject(BaseModel):

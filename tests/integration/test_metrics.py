@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.serving import STAGES
+from gateway.rendering import STAGES
 
 K = 3
 STEPS = 3

@@ -1,0 +1,289 @@
+"""The gateway's calls to the stages: reserve a DiT slot, read the DiT stream, run one AR attempt.
+
+Each call carries ``timeout = deadline - now`` and the stage token; every failure goes through
+`gateway.stage_errors.classify` (one classifier), so a call either returns, raises a
+`gateway.errors.GatewayError` for the client, or raises a retryable
+`gateway.stage_errors.StageFailure`. The retry policy around them is
+`gateway.engine_client.EngineClient`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.admission import require_available
+from gateway.backends import Backend, BackendPool
+from gateway.errors import DeadlineExceededError, GatewayError
+from gateway.events import Emit, PartialImage, Progress
+from gateway.image_job import ImageJob
+from gateway.metrics import GatewayMetrics
+from gateway.progress_watch import ProgressWatch
+from gateway.stage_errors import StageFailure, classify
+from mammoth_core import decoding, tracing
+from mammoth_core.pb import mammoth_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SlotState:
+    """What the two streams of one held DiT slot share."""
+
+    #: Set when the DiT said ``ConditionsComplete`` (or refused a push for it): no AR retry after.
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    ar_address: str = ""
+    ar_done: pb.ARDone | None = None
+    ar_started_unix_ms: float = 0.0
+    excluded_ars: set[str] = field(default_factory=set)
+
+    @property
+    def conditions_complete(self) -> bool:
+        return self.complete.is_set()
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (event-loop time)."""
+    return deadline - asyncio.get_running_loop().time()
+
+
+def deadline_error(what: str) -> DeadlineExceededError:
+    """The 504 saying where the request's time ran out."""
+    return DeadlineExceededError(f"the request's time budget ran out {what}")
+
+
+def image_params(job: ImageJob, seed: int) -> pb.ImageParams:
+    """The DiT's ``ImageParams`` of ``job``'s image with ``seed``."""
+    return pb.ImageParams(
+        width=job.width, height=job.height, num_inference_steps=job.num_inference_steps,
+        text_guidance_scale=job.text_guidance_scale, cfg_range_start=job.cfg_range[0],
+        cfg_range_end=job.cfg_range[1], seed=seed, output_format=job.output_format,
+        output_compression=job.output_compression, partial_images=job.partial_images,
+        has_negative=bool(job.negative_prompt),
+        dit_cache=None if job.dit_cache is None else pb.DiTCache(threshold=job.dit_cache[0],
+                                                                 warmup_steps=job.dit_cache[1]))
+
+
+class StageCalls:
+    """The AR and DiT calls of one gateway.
+
+    Args:
+        ar_pool, dit_pool: the stage backends.
+        metrics: gateway metrics.
+        metadata: call metadata (the stage token, `mammoth_core.grpc_common.auth_metadata`).
+        health_interval_seconds: the backends' health interval (``no_backend``'s Retry-After).
+    """
+
+    def __init__(self, ar_pool: BackendPool, dit_pool: BackendPool, metrics: GatewayMetrics,
+                 metadata: tuple[tuple[str, str], ...], health_interval_seconds: float) -> None:
+        self.ar_pool = ar_pool
+        self.dit_pool = dit_pool
+        self.metrics = metrics
+        self._metadata = metadata
+        self._health_interval = health_interval_seconds
+        self._slot_freed = asyncio.Event()
+
+    # ---------------------------------------------------------------- DiT
+
+    async def reserve(self, job: ImageJob, pipeline_id: str, seed: int, deadline: float,
+                      stack: contextlib.AsyncExitStack
+                      ) -> tuple[Backend, grpc.aio.UnaryStreamCall, pb.Reserved]:
+        """Open ``DiT.Generate`` on some replica until one answers ``Reserved``; when every
+        replica is full, wait (woken when this gateway frees a slot or a backend changes health,
+        at most 1 s between tries) until the deadline.
+
+        The call, its in-flight lease and the ``slots_in_use`` gauge are released by ``stack``.
+
+        Raises:
+            GatewayError: 504 at the deadline, 503 with no DiT available, or what `classify` says.
+        """
+        request = pb.DiTGenerateRequest(request_id=pipeline_id, params=image_params(job, seed))
+        metadata = tracing.inject(self._metadata)  # the image's span is the DiT's parent
+        backoff = 0.05
+        while True:
+            tried: set[str] = set()
+            while (dit := self.dit_pool.pick(exclude=tried)) is not None:
+                tried.add(dit.address)
+                if remaining(deadline) <= 0:
+                    raise deadline_error("waiting for a DiT slot")
+                held = await self._try_reserve(dit, request, metadata, deadline)
+                if held is not None:
+                    lease, call, reserved = held
+                    stack.callback(lease.__exit__, None, None, None)
+                    stack.callback(self._release_slot, call)
+                    self.metrics.slots_in_use.inc()
+                    return dit, call, reserved
+            left = remaining(deadline)
+            if left <= 0:
+                raise deadline_error("waiting for a DiT slot")
+            require_available(self.dit_pool, "DiT", self._health_interval)
+            await self._wait_for_capacity(min(backoff, left))
+            backoff = min(backoff * 2, 1.0)
+
+    async def _try_reserve(self, dit: Backend, request: pb.DiTGenerateRequest, metadata,
+                           deadline: float):
+        """``(lease, call, Reserved)`` from ``dit``, or None when it cannot take the image now."""
+        lease = self.dit_pool.lease(dit)
+        lease.__enter__()
+        call = dit.stub.Generate(request, timeout=remaining(deadline), metadata=metadata)
+        try:
+            first = await ProgressWatch(call, dit.health).read()
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            lease.__exit__(None, None, None)
+            verdict = classify(exc, "dit", dit.address, "waiting for a DiT slot")
+            if isinstance(verdict, GatewayError):
+                raise verdict from exc
+            if verdict.down:
+                self.dit_pool.mark_failed(dit)
+            if not verdict.full:
+                logger.warning("DiT %s refused a reservation: %s", dit.address, verdict)
+            return None
+        except BaseException:
+            call.cancel()
+            lease.__exit__(None, None, None)
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("event") != "reserved":
+            call.cancel()
+            lease.__exit__(None, None, None)
+            logger.warning("DiT %s answered Generate without Reserved", dit.address)
+            return None
+        return lease, call, first.reserved
+
+    def _release_slot(self, call: grpc.aio.UnaryStreamCall) -> None:
+        call.cancel()
+        self.metrics.slots_in_use.dec()
+        self._slot_freed.set()
+        self._slot_freed = asyncio.Event()
+
+    async def _wait_for_capacity(self, timeout: float) -> None:
+        """Wait until this gateway frees a slot, a backend changes health, or ``timeout`` s."""
+        waiters = [asyncio.ensure_future(self._slot_freed.wait()),
+                   asyncio.ensure_future(self.dit_pool.wait_changed(timeout))]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def consume_dit(self, call: grpc.aio.UnaryStreamCall, state: SlotState, index: int,
+                          dit: Backend, emit: Emit) -> pb.Image:
+        """Read the DiT stream after ``Reserved`` until the final image.
+
+        Raises:
+            StageFailure: the DiT failed (the caller starts over with a new slot).
+            GatewayError: what `classify` says (deadline, configuration).
+        """
+        stream = ProgressWatch(call, dit.health)
+        try:
+            while True:
+                msg = await stream.read()
+                if msg is grpc.aio.EOF:
+                    raise StageFailure("dit", "EOF", "stream ended without an image", dit.address)
+                image = self._dit_event(msg, state, index, emit)
+                if image is not None:
+                    return image
+        except grpc.aio.AioRpcError as exc:
+            verdict = classify(exc, "dit", dit.address, "in the DiT stage")
+            raise verdict from exc
+        finally:
+            call.cancel()
+
+    @staticmethod
+    def _dit_event(msg: pb.DiTGenerateResponse, state: SlotState, index: int,
+                   emit: Emit) -> pb.Image | None:
+        """Handle one DiT stream message; the final image when it is one."""
+        kind = msg.WhichOneof("event")
+        if kind == "conditions_complete":
+            state.complete.set()
+        elif kind == "progress":
+            p = msg.progress
+            phase = {pb.DiTProgress.DENOISING: "denoising",
+                     pb.DiTProgress.DECODING: "vae_decoding"}.get(p.phase)
+            if phase is not None:
+                emit(Progress(index, "dit", phase, step=p.step, total_steps=p.total_steps))
+        elif kind == "image":
+            if msg.image.partial:
+                emit(PartialImage(index, msg.image.partial_index, msg.image.data))
+                return None
+            state.complete.set()
+            return msg.image
+        return None
+
+    # ---------------------------------------------------------------- AR
+
+    async def run_ar(self, job: ImageJob, index: int, seed: int, pipeline_id: str, epoch: int,
+                     dit: Backend, token: str, deadline: float, state: SlotState,
+                     emit: Emit) -> pb.ARDone:
+        """One AR attempt (``epoch``): pick a replica (not a failed one), stream it to ARDone.
+
+        A replica answering ``RESOURCE_EXHAUSTED`` of its own (`StageFailure.full`) moves the
+        attempt to another replica, waiting within the deadline when all are full (same epoch:
+        nothing was pushed).
+
+        Raises:
+            StageFailure: the attempt failed (the caller decides on a retry).
+            GatewayError: what `classify` says, 504 at the deadline, 503 with no AR available.
+        """
+        request = pb.ARGenerateRequest(
+            request_id=pipeline_id, epoch=epoch, prompt=job.prompt,
+            negative_prompt=job.negative_prompt, width=job.width, height=job.height, seed=seed,
+            sampling=pb.SamplingParams(), ar_guidance_scale=job.ar_guidance_scale,
+            dit_address=dit.address, reservation_token=token, grid_width=job.ar_grid[0],
+            grid_height=job.ar_grid[1], decoding=decoding.to_proto(job.decoding))
+        backoff = 0.05
+        full: set[str] = set()
+        while True:
+            left = remaining(deadline)
+            if left <= 0:
+                raise deadline_error("waiting for an AR replica")
+            ar = (self.ar_pool.pick(exclude=state.excluded_ars | full)
+                  or self.ar_pool.pick(exclude=full))
+            if ar is None:
+                require_available(self.ar_pool, "AR", self._health_interval)
+                full.clear()
+                await self.ar_pool.wait_changed(min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            try:
+                return await self._ar_call(ar, request, epoch, index, deadline, state, emit)
+            except StageFailure as failure:
+                if not failure.full:
+                    raise
+                full.add(ar.address)
+
+    async def _ar_call(self, ar: Backend, request: pb.ARGenerateRequest, epoch: int, index: int,
+                       deadline: float, state: SlotState, emit: Emit) -> pb.ARDone:
+        """``AR.Generate`` on ``ar`` to its ``ARDone``, relaying token progress."""
+        state.ar_address = ar.address
+        state.ar_started_unix_ms = time.time() * 1e3
+        with self.ar_pool.lease(ar), tracing.span(
+                "mammoth.v1.AR/Generate", kind="CLIENT",
+                attributes={"mammoth.epoch": epoch, "server.address": ar.address}):
+            call = ar.stub.Generate(request, timeout=remaining(deadline),
+                                    metadata=tracing.inject(self._metadata))
+            stream = ProgressWatch(call, ar.health)
+            try:
+                while True:
+                    msg = await stream.read()
+                    if msg is grpc.aio.EOF:
+                        raise StageFailure("ar", "EOF", "stream ended without ARDone", ar.address)
+                    kind = msg.WhichOneof("event")
+                    if kind == "progress":
+                        emit(Progress(index, "ar", "decoding_tokens",
+                                      tokens_generated=msg.progress.tokens_generated,
+                                      total_tokens=msg.progress.total_tokens, epoch=epoch))
+                    elif kind == "done":
+                        return msg.done
+            except grpc.aio.AioRpcError as exc:
+                verdict = classify(exc, "ar", ar.address, "in the AR stage")
+                if isinstance(verdict, StageFailure) and verdict.down:
+                    self.ar_pool.mark_failed(ar)
+                raise verdict from exc
+            finally:
+                call.cancel()
