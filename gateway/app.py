@@ -187,6 +187,50 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+def _lifespan(settings: GatewaySettings, metrics: GatewayMetrics, store: ImageStore):
+    """The app's lifespan: backend pools (discovery and health watches), the engine client with
+    the stage token, ``app.state.serving`` and the image-store sweeper; all stopped on exit."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.gateway_state = GatewayState()
+        credentials = settings.grpc_channel_credentials()
+        ar_pool, dit_pool = (
+            BackendPool(stage, targets, service, stub, metrics, settings.health_interval_seconds,
+                        _channel_options(settings), credentials,
+                        probe_timeout_seconds=settings.health_timeout_seconds)
+            for stage, targets, service, stub in (("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub),
+                                                  ("dit", settings.dit, DIT_SERVICE,
+                                                   pb_grpc.DiTStub)))
+        await ar_pool.start()
+        await dit_pool.start()
+        engine = EngineClient(settings, ar_pool, dit_pool, metrics,
+                              settings.client_token(grpc_common.ROLE_GATEWAY))
+        app.state.serving = OpenAIServingImages(settings, engine, store, metrics,
+                                                app.state.gateway_state)
+        sweeper = asyncio.create_task(store.run_sweeper())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await ar_pool.close()
+            await dit_pool.close()
+            store.clear()
+
+    return lifespan
+
+
+async def _handle_error(request: Request, exc: Exception):
+    """Every error as the OpenAI envelope; a failed image request is counted by its outcome."""
+    if request.url.path == GENERATIONS_PATH and request.method == "POST":
+        serving = getattr(request.app.state, "serving", None)
+        if serving is not None:
+            serving.record(outcome_of(exc), getattr(request.state, "started", time.perf_counter()))
+    return create_error_response(exc, getattr(request.state, "request_id", None))
+
+
 def build_app(settings: GatewaySettings) -> FastAPI:
     """The gateway FastAPI app for ``settings``.
 
@@ -205,35 +249,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                        max_bytes=int(getattr(settings, "image_store_max_bytes", 1 << 30)),
                        on_change=on_store_change)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.gateway_state = GatewayState()
-        credentials = settings.grpc_channel_credentials()
-        ar_pool = BackendPool("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub, metrics,
-                              settings.health_interval_seconds, _channel_options(settings),
-                              credentials,
-                              probe_timeout_seconds=settings.health_timeout_seconds)
-        dit_pool = BackendPool("dit", settings.dit, DIT_SERVICE, pb_grpc.DiTStub, metrics,
-                               settings.health_interval_seconds, _channel_options(settings),
-                               credentials,
-                               probe_timeout_seconds=settings.health_timeout_seconds)
-        await ar_pool.start()
-        await dit_pool.start()
-        engine = EngineClient(settings, ar_pool, dit_pool, metrics,
-                              settings.client_token(grpc_common.ROLE_GATEWAY))
-        app.state.serving = OpenAIServingImages(settings, engine, store, metrics,
-                                                app.state.gateway_state)
-        sweeper = asyncio.create_task(store.run_sweeper())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            await ar_pool.close()
-            await dit_pool.close()
-            store.clear()
-
+    lifespan = _lifespan(settings, metrics, store)
     app = FastAPI(
         title="Mammoth Pipeline gateway",
         version="0.1.0",
@@ -250,15 +266,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.state.created = int(time.time())
     app.state.gateway_state = GatewayState()
 
-    async def handle(request: Request, exc: Exception):
-        if request.url.path == GENERATIONS_PATH and request.method == "POST":
-            serving = getattr(request.app.state, "serving", None)
-            if serving is not None:
-                serving.record(outcome_of(exc), getattr(request.state, "started", time.perf_counter()))
-        return create_error_response(exc, getattr(request.state, "request_id", None))
-
     for exc_class in (Exception, RequestValidationError, StarletteHTTPException, GatewayError):
-        app.add_exception_handler(exc_class, handle)
+        app.add_exception_handler(exc_class, _handle_error)
     app.include_router(router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)

@@ -182,6 +182,56 @@ def _is_json_object(data: Any) -> bool:
         return False
 
 
+def _validation_info(exc: RequestValidationError | ValidationError
+                     ) -> tuple[int, ErrorInfo, dict[str, str]]:
+    """`error_info` of a pydantic / FastAPI validation error: the 400 naming the field (a request
+    rule's ``param`` and ``code``, `gateway.protocol.rule_error`), or ``invalid_json``."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    param = _validation_param(loc)
+    msg = first.get("msg", "invalid request")
+    rule = first.get("ctx") or {}
+    if "param" in rule and "message" in rule:  # a request rule (`gateway.protocol.rule_error`)
+        return 400, ErrorInfo(message=str(rule["message"]), type="invalid_request_error",
+                              param=str(rule["param"]), code=first.get("type")), {}
+    if first.get("type") == "json_invalid":
+        return 400, ErrorInfo(
+            message=f"request body is not valid JSON: {_json_error_position(first)}",
+            type="invalid_request_error",
+            code="invalid_json",
+        ), {}
+    if first.get("type") == "missing" and param is None:
+        # the body itself is missing (empty request body)
+        return 400, ErrorInfo(
+            message="the request body is empty: send a JSON object such as {\"prompt\": \"...\"} "
+                    "with content-type application/json",
+            type="invalid_request_error",
+            code="invalid_json",
+        ), {}
+    if first.get("type") in ("dict_type", "model_type", "model_attributes_type") and param is None:
+        if _is_json_object(first.get("input")):
+            return 400, ErrorInfo(
+                message="the request body is a JSON object but was not sent as JSON: add the header "
+                        "content-type: application/json (curl -d alone sends "
+                        "application/x-www-form-urlencoded)",
+                type="invalid_request_error",
+                code="invalid_json",
+            ), {}
+        return 400, ErrorInfo(
+            message=f"the request body must be a JSON object (content-type application/json): {msg}",
+            type="invalid_request_error",
+            code="invalid_json",
+        ), {}
+    if first.get("type") == "missing":
+        text = f"missing required parameter: '{param}'"
+        code = "missing_required_parameter"
+    else:
+        text = f"invalid value for '{param}': {msg}" if param else msg
+        code = "invalid_value"
+    return 400, ErrorInfo(message=text, type="invalid_request_error", param=param, code=code), {}
+
+
 def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
     """Status, envelope body and extra headers for ``exc`` (see the module table)."""
     headers: dict[str, str] = {}
@@ -193,50 +243,7 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo, dict[str, str]]:
         info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
         return exc.status_code, info, headers
     if isinstance(exc, (RequestValidationError, ValidationError)):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = tuple(first.get("loc", ()))
-        param = _validation_param(loc)
-        msg = first.get("msg", "invalid request")
-        rule = first.get("ctx") or {}
-        if "param" in rule and "message" in rule:  # a request rule (`gateway.protocol.rule_error`)
-            return 400, ErrorInfo(message=str(rule["message"]), type="invalid_request_error",
-                                  param=str(rule["param"]), code=first.get("type")), headers
-        if first.get("type") == "json_invalid":
-            return 400, ErrorInfo(
-                message=f"request body is not valid JSON: {_json_error_position(first)}",
-                type="invalid_request_error",
-                code="invalid_json",
-            ), headers
-        if first.get("type") == "missing" and param is None:
-            # the body itself is missing (empty request body)
-            return 400, ErrorInfo(
-                message="the request body is empty: send a JSON object such as {\"prompt\": \"...\"} "
-                        "with content-type application/json",
-                type="invalid_request_error",
-                code="invalid_json",
-            ), headers
-        if first.get("type") in ("dict_type", "model_type", "model_attributes_type") and param is None:
-            if _is_json_object(first.get("input")):
-                return 400, ErrorInfo(
-                    message="the request body is a JSON object but was not sent as JSON: add the header "
-                            "content-type: application/json (curl -d alone sends "
-                            "application/x-www-form-urlencoded)",
-                    type="invalid_request_error",
-                    code="invalid_json",
-                ), headers
-            return 400, ErrorInfo(
-                message=f"the request body must be a JSON object (content-type application/json): {msg}",
-                type="invalid_request_error",
-                code="invalid_json",
-            ), headers
-        if first.get("type") == "missing":
-            text = f"missing required parameter: '{param}'"
-            code = "missing_required_parameter"
-        else:
-            text = f"invalid value for '{param}': {msg}" if param else msg
-            code = "invalid_value"
-        return 400, ErrorInfo(message=text, type="invalid_request_error", param=param, code=code), headers
+        return _validation_info(exc)
     if isinstance(exc, StarletteHTTPException):
         status = exc.status_code
         if status == 400:  # FastAPI could not parse the body (e.g. JSON nested too deeply)

@@ -61,9 +61,79 @@ def connection_cap(max_connections: int) -> int:
     return max(1, min(max_connections, soft - FD_HEADROOM))
 
 
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with header/body deadlines and a connection cap; `guarded_protocol`
+    makes the subclass that carries the bounds."""
+
+    header_timeout: float
+    body_timeout: float
+    cap: int
+    closed: Counter
+    refusal: bytes
+    _phase: str | None = None
+    _timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.cap:
+            self.closed.labels("over_capacity").inc()
+            logger.warning("refused a connection: %d open (the cap is %d)", len(self.connections),
+                           self.cap)
+            transport.write(self.refusal)
+            transport.close()
+            return
+        self._track()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_phase(None)
+        super().connection_lost(exc)
+
+    def _track(self) -> None:
+        """Arm the deadline of the phase the client is in (h11's view of its side)."""
+        if self.transport is None or self.transport.is_closing():
+            return self._set_phase(None)
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            self._set_phase("header")
+        elif state is h11.SEND_BODY:
+            self._set_phase("body")
+        else:
+            self._set_phase(None)
+
+    def _set_phase(self, phase: str | None) -> None:
+        if phase == self._phase:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._phase = phase
+        if phase is not None:
+            seconds = self.header_timeout if phase == "header" else self.body_timeout
+            self._timer = self.loop.call_later(seconds, self._expire, phase)
+
+    def _expire(self, phase: str) -> None:
+        self._timer = None
+        if self._phase != phase or self.transport.is_closing():
+            return
+        self.closed.labels(f"{phase}_timeout").inc()
+        logger.warning("closed a connection: request %s not received within %.1f s", phase,
+                       self.header_timeout if phase == "header" else self.body_timeout)
+        if phase == "header":
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.transport.close()
+
+
 def guarded_protocol(header_timeout: float, body_timeout: float, max_connections: int,
                      registry: CollectorRegistry | None = None) -> type[H11Protocol]:
-    """A uvicorn ``http`` protocol class enforcing the module's bounds.
+    """A uvicorn ``http`` protocol class enforcing the module's bounds (`GuardedH11Protocol`).
 
     Args:
         header_timeout: seconds for a request head (see the module docstring).
@@ -76,73 +146,10 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
                      ["reason"], registry=registry)
     for reason in CLOSE_REASONS:
         closed.labels(reason)
-    cap = connection_cap(max_connections)
-    refusal = _over_capacity_response()
-
-    class GuardedH11Protocol(H11Protocol):
-        """uvicorn's h11 protocol with header/body deadlines and a connection cap."""
-
-        _phase: str | None = None
-        _timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > cap:
-                closed.labels("over_capacity").inc()
-                logger.warning("refused a connection: %d open (the cap is %d)", len(self.connections), cap)
-                transport.write(refusal)
-                transport.close()
-                return
-            self._track()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._track()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._track()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._set_phase(None)
-            super().connection_lost(exc)
-
-        def _track(self) -> None:
-            """Arm the deadline of the phase the client is in (h11's view of its side)."""
-            if self.transport is None or self.transport.is_closing():
-                return self._set_phase(None)
-            state = self.conn.their_state
-            if state is h11.IDLE:
-                self._set_phase("header")
-            elif state is h11.SEND_BODY:
-                self._set_phase("body")
-            else:
-                self._set_phase(None)
-
-        def _set_phase(self, phase: str | None) -> None:
-            if phase == self._phase:
-                return
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self._phase = phase
-            if phase is not None:
-                seconds = header_timeout if phase == "header" else body_timeout
-                self._timer = self.loop.call_later(seconds, self._expire, phase)
-
-        def _expire(self, phase: str) -> None:
-            self._timer = None
-            if self._phase != phase or self.transport.is_closing():
-                return
-            reason = f"{phase}_timeout"
-            closed.labels(reason).inc()
-            logger.warning("closed a connection: request %s not received within %.1f s", phase,
-                           header_timeout if phase == "header" else body_timeout)
-            if phase == "header":
-                self.transport.write(_REQUEST_TIMEOUT)
-            self.transport.close()
-
-    return GuardedH11Protocol
+    bounds = {"header_timeout": header_timeout, "body_timeout": body_timeout,
+              "cap": connection_cap(max_connections), "closed": closed,
+              "refusal": _over_capacity_response()}
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), bounds)
 
 
 class RateLimitFilter(logging.Filter):
