@@ -164,8 +164,6 @@ class EngineClient:
                     logger.warning("request %s image %d: DiT %s failed (%s); %s", job.request_id,
                                    index, dit.address, failure,
                                    "giving up" if give_up else "retrying from scratch")
-                    if failure.down:
-                        self.dit_pool.mark_failed(dit)
                     if give_up is not None:
                         raise give_up from failure
                     self.metrics.retries_total.labels("dit", failure.code).inc()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import grpc
 
@@ -179,20 +180,8 @@ class StageCalls:
             StageFailure: the DiT failed (the caller starts over with a new slot).
             GatewayError: what `classify` says (deadline, configuration).
         """
-        stream = ProgressWatch(call, dit.health)
-        try:
-            while True:
-                msg = await stream.read()
-                if msg is grpc.aio.EOF:
-                    raise StageFailure("dit", "EOF", "stream ended without an image", dit.address)
-                image = self._dit_event(msg, state, index, emit)
-                if image is not None:
-                    return image
-        except grpc.aio.AioRpcError as exc:
-            verdict = classify(exc, "dit", dit.address, "in the DiT stage")
-            raise verdict from exc
-        finally:
-            call.cancel()
+        return await self._read(call, dit, self.dit_pool, "dit", "an image", "in the DiT stage",
+                                lambda msg: self._dit_event(msg, state, index, emit))
 
     @staticmethod
     def _dit_event(msg: pb.DiTGenerateResponse, state: SlotState, index: int,
@@ -267,23 +256,43 @@ class StageCalls:
                 attributes={"mammoth.epoch": epoch, "server.address": ar.address}):
             call = ar.stub.Generate(request, timeout=remaining(deadline),
                                     metadata=tracing.inject(self._metadata))
-            stream = ProgressWatch(call, ar.health)
-            try:
-                while True:
-                    msg = await stream.read()
-                    if msg is grpc.aio.EOF:
-                        raise StageFailure("ar", "EOF", "stream ended without ARDone", ar.address)
-                    kind = msg.WhichOneof("event")
-                    if kind == "progress":
-                        emit(Progress(index, "ar", "decoding_tokens",
-                                      tokens_generated=msg.progress.tokens_generated,
-                                      total_tokens=msg.progress.total_tokens, epoch=epoch))
-                    elif kind == "done":
-                        return msg.done
-            except grpc.aio.AioRpcError as exc:
-                verdict = classify(exc, "ar", ar.address, "in the AR stage")
-                if isinstance(verdict, StageFailure) and verdict.down:
-                    self.ar_pool.mark_failed(ar)
-                raise verdict from exc
-            finally:
-                call.cancel()
+
+            def on_message(msg: pb.ARGenerateResponse) -> pb.ARDone | None:
+                kind = msg.WhichOneof("event")
+                if kind == "progress":
+                    emit(Progress(index, "ar", "decoding_tokens",
+                                  tokens_generated=msg.progress.tokens_generated,
+                                  total_tokens=msg.progress.total_tokens, epoch=epoch))
+                return msg.done if kind == "done" else None
+
+            return await self._read(call, ar, self.ar_pool, "ar", "ARDone", "in the AR stage",
+                                    on_message)
+
+    @staticmethod
+    async def _read(call: grpc.aio.UnaryStreamCall, backend: Backend, pool: BackendPool,
+                    stage: str, what: str, during: str,
+                    on_message: Callable[[Any], Any]) -> Any:
+        """Read the stream of ``call`` (under `ProgressWatch`) until ``on_message`` returns
+        something other than None, and return that; the call is cancelled on the way out.
+
+        Raises:
+            StageFailure: the stream ended without ``what``, or `classify` says retry (a replica
+                ``down`` is marked failed in ``pool`` first).
+            GatewayError: what `classify` says.
+        """
+        stream = ProgressWatch(call, backend.health)
+        try:
+            while True:
+                msg = await stream.read()
+                if msg is grpc.aio.EOF:
+                    raise StageFailure(stage, "EOF", f"stream ended without {what}", backend.address)
+                result = on_message(msg)
+                if result is not None:
+                    return result
+        except grpc.aio.AioRpcError as exc:
+            verdict = classify(exc, stage, backend.address, during)
+            if isinstance(verdict, StageFailure) and verdict.down:
+                pool.mark_failed(backend)
+            raise verdict from exc
+        finally:
+            call.cancel()
