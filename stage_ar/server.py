@@ -23,7 +23,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from mammoth_core import decoding, drain, grpc_common, limits, tracing
+from mammoth_core import decoding, drain, errors, grpc_common, limits, tracing
+from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -92,7 +93,8 @@ class ARServicer(pb_grpc.ARServicer):
         except CallFailed as failure:
             if session is None and failure.outcome:
                 metrics.REQUESTS.labels(failure.outcome).inc()
-            await context.abort(failure.code, failure.details, trailing_metadata=failure.trailers)
+            await errors.abort(context, failure.code, failure.details, stage=failure.origin.stage,
+                               reason=failure.origin.reason)
         finally:
             if session is not None:
                 session.close()
@@ -135,10 +137,10 @@ class ARServicer(pb_grpc.ARServicer):
                 PERMISSION_DENIED for a DiT this AR may not dial.
         """
         if self.bundle is None or self.engine is None:
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE, "the AR model is still loading", outcome=None)
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE, "the AR model is still loading", None, Reason.LOADING)
         problem = validate_request(request)
         if problem:
-            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, problem, "invalid")
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, problem, "invalid", Reason.INVALID_REQUEST)
         await self._check_dit_address(request.dit_address)
         tok = self.bundle.tokenizer
         ar_w, ar_h = _grid(request)
@@ -149,7 +151,7 @@ class ARServicer(pb_grpc.ARServicer):
         if total_rows > max_pos:
             raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
                              f"{request.width}x{request.height} with a {ar_w}x{ar_h} grid needs {total_rows} "
-                             f"positions; the model has {max_pos}", "invalid")
+                             f"positions; the model has {max_pos}", "invalid", Reason.INVALID_REQUEST)
         return ARPlan(request, prompt_ids, negative_ids, (ar_w, ar_h), total_rows)
 
     async def _check_dit_address(self, address: str) -> None:
@@ -157,10 +159,11 @@ class ARServicer(pb_grpc.ARServicer):
         try:
             why = await self.allowed_dits.check(address)
         except ValueError as exc:
-            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid") from None
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid",
+                             Reason.INVALID_REQUEST) from None
         if why is not None:
             logger.warning("refused dit_address %r: %s", address, why)
-            raise CallFailed(grpc.StatusCode.PERMISSION_DENIED, why, "refused_dit")
+            raise CallFailed(grpc.StatusCode.PERMISSION_DENIED, why, "refused_dit", Reason.DIT_NOT_ALLOWED)
 
 
 def validate_request(request: pb.ARGenerateRequest) -> str | None:

@@ -25,7 +25,8 @@ import grpc
 
 from mammoth_core import decoding, tracing
 from mammoth_core.pb import mammoth_pb2 as pb
-from mammoth_core.refusals import refusal_of, refusal_trailers
+from mammoth_core import errors
+from mammoth_core.errors import Reason, Stage
 from mammoth_core.request_trace import write_request_trace
 from stage_ar import metrics
 from stage_ar.engine import (
@@ -87,12 +88,15 @@ SessionEvent = Union[DecodeProgress, DecodeFinished, PushEnded]
 
 class CallFailed(Exception):
     """The call ends with ``code`` and ``details``; ``outcome`` labels it in
-    ``mammoth_ar_requests_total`` (None: not counted, the model is still loading); ``trailers`` go
-    with the status (refusal reasons)."""
+    ``mammoth_ar_requests_total`` (None: not counted, the model is still loading); ``origin`` is
+    where the error arose and why (`mammoth_core.errors`: this AR, or the DiT behind a failed push),
+    sent with the status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, outcome: str | None, trailers: tuple = ()) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, outcome: str | None,
+                 reason: Reason | str, stage: Stage | str = Stage.AR) -> None:
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details, self.outcome, self.trailers = code, details, outcome, trailers
+        self.code, self.details, self.outcome = code, details, outcome
+        self.origin = errors.Origin(str(stage), str(reason))
 
 
 class ProtoRoleSink:
@@ -178,9 +182,11 @@ class ARSession:
         try:
             self.engine.submit(self.job)
         except EngineFull as exc:
-            raise self._failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected_full") from None
+            raise self._failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected_full",
+                               Reason.FULL) from None
         except EngineStopped as exc:
-            raise self._failed(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected_draining") from None
+            raise self._failed(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected_draining",
+                               Reason.DRAINING) from None
         metrics.RUNNING.set(self.engine.running)
         self._push = asyncio.create_task(self.sender.run(), name=f"push-{self.plan.request.request_id}")
         self._push.add_done_callback(lambda task: self._events.put_nowait(PushEnded()))
@@ -188,9 +194,10 @@ class ARSession:
             self._push.add_done_callback(lambda t: tracing.end_span(
                 self.push_span, error=None if not t.cancelled() and t.exception() is None else "push failed"))
 
-    def _failed(self, code: grpc.StatusCode, details: str, outcome: str, trailers: tuple = ()) -> CallFailed:
+    def _failed(self, code: grpc.StatusCode, details: str, outcome: str, reason: Reason | str,
+                stage: Stage | str = Stage.AR) -> CallFailed:
         self.outcome = outcome
-        return CallFailed(code, details, outcome, trailers)
+        return CallFailed(code, details, outcome, reason, stage)
 
     async def progress(self) -> AsyncIterator[pb.ARProgress]:
         """`ARProgress` while the engine decodes, until decoding finished and the DiT acknowledged
@@ -217,18 +224,20 @@ class ARSession:
 
     def _raise_failure(self, decoded: bool, error: BaseException | None) -> None:
         if isinstance(error, EngineDeadlineExceeded):
-            raise self._failed(grpc.StatusCode.DEADLINE_EXCEEDED, str(error), "deadline")
+            raise self._failed(grpc.StatusCode.DEADLINE_EXCEEDED, str(error), "deadline", Reason.DEADLINE)
         if error is not None:
             logger.error("decode failed: %s", error)
-            raise self._failed(grpc.StatusCode.INTERNAL, f"AR decode failed: {error}", "failed")
+            raise self._failed(grpc.StatusCode.INTERNAL, f"AR decode failed: {error}", "failed",
+                               Reason.DECODE_FAILED)
         push_error = self._push.exception() if self._push.done() else None
         if push_error is not None:
-            code, details = push_status(push_error)
+            code, details, origin = push_status(push_error)
             logger.warning("push to %s failed: %s %s", self.plan.request.dit_address, code.name, details)
             raise self._failed(code, f"pushing hidden states to the DiT failed: {details}", "push_failed",
-                               refusal_trailers(refusal_of(push_error)))
+                               origin.reason, origin.stage)
         if not decoded:
-            raise self._failed(grpc.StatusCode.ABORTED, "the DiT closed the condition stream early", "push_failed")
+            raise self._failed(grpc.StatusCode.ABORTED, "the DiT closed the condition stream early", "push_failed",
+                               Reason.PUSH_FAILED, Stage.DIT)
 
     def done_message(self) -> pb.ARDone:
         """After `progress` finished: count the decode, write the trace, and the `ARDone`."""
@@ -288,18 +297,15 @@ def _record_engine_spans(server_span, stats: JobStats | None) -> None:
                         {"mammoth.generated_tokens": stats.generated_tokens})
 
 
-def push_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Status code and details for a failed push (the DiT's own status when it answered one)."""
+def push_status(exc: BaseException) -> tuple[grpc.StatusCode, str, errors.Origin]:
+    """Status code, details and origin for a failed push: a status the DiT (or the channel to it)
+    answered is relayed unchanged with the DiT's origin (its own `mammoth_core.errors.Origin` when
+    it sent one), so the gateway tells a DiT failure behind this AR from the AR's own; a failure on
+    this side is the AR's (INTERNAL)."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            # ABORTED, not UNAVAILABLE: the gateway reads UNAVAILABLE as "this AR is down" and
-            # takes a healthy AR out of rotation when only the DiT went away.
-            return grpc.StatusCode.ABORTED, f"DiT unavailable: {exc.details()}"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return grpc.StatusCode.DEADLINE_EXCEEDED, exc.details() or "deadline exceeded"
-        return grpc.StatusCode.ABORTED, f"{code.name}: {exc.details()}"
+        origin = errors.origin_of(exc) or errors.Origin(Stage.DIT, Reason.PUSH_FAILED)
+        return exc.code(), exc.details() or exc.code().name, origin
     code = getattr(exc, "code", None)
     if isinstance(code, grpc.StatusCode):
-        return grpc.StatusCode.ABORTED, f"{code.name}: {exc}"
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return grpc.StatusCode.ABORTED, f"{code.name}: {exc}", errors.Origin(Stage.DIT, Reason.PUSH_FAILED)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", errors.Origin(Stage.AR, Reason.PUSH_FAILED)

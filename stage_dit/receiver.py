@@ -22,7 +22,8 @@ from mammoth_core import chunk_stream, tracing, wire
 from mammoth_core import transport_metrics as metrics
 from mammoth_core.logging import request_id_var
 from mammoth_core.pb import mammoth_pb2 as pb
-from mammoth_core.refusals import refusal_trailers
+from mammoth_core import errors
+from mammoth_core.errors import Reason, Stage
 from mammoth_core.wire import WireError
 from stage_dit.chunk_validator import ChunkValidator
 from stage_dit.slots import ChunkResult, Slot, SlotConditions, SlotState, SlotTimings
@@ -165,8 +166,9 @@ async def receive_push(pool: SlotPool, request_iterator: AsyncIterator[bytes | p
     and the conditions are resident on the device (`Slot.finish`).
 
     A violation aborts the call with the rule's status (`stage_dit.chunk_validator`; NOT_FOUND for
-    an unknown token; FAILED_PRECONDITION with the refusal reason CONDITIONS_COMPLETE in the
-    trailers once the conditions are complete, `mammoth_core.refusals`); a stream that ends or
+    an unknown token; FAILED_PRECONDITION with the reason CONDITIONS_COMPLETE in its
+    ``google.rpc.Status`` detail once the conditions are complete, `mammoth_core.errors`; every
+    abort names the DiT as its origin); a stream that ends or
     breaks before its `StreamEnd` marks the slot's producer lost (the consumer retires the slot
     unless an AR retry begins within the producer grace).
     """
@@ -203,7 +205,9 @@ async def receive_push(pool: SlotPool, request_iterator: AsyncIterator[bytes | p
         metrics.STREAMS.labels(side="receive", result="rejected").inc()
         if slot is not None and err.code == grpc.StatusCode.DATA_LOSS:
             slot.mark_producer_lost(token)
-        await context.abort(err.code, err.message, trailing_metadata=refusal_trailers(err.reason))
+        await errors.abort(context, err.code, err.message, stage=Stage.DIT,
+                           reason=Reason.CONDITIONS_COMPLETE if err.reason == pb.CONDITIONS_COMPLETE
+                           else Reason.CHUNK_REJECTED)
     except asyncio.CancelledError:
         metrics.STREAMS.labels(side="receive", result="lost").inc()
         if slot is not None:

@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from mammoth_core import drain, grpc_common, limits, tracing
+from mammoth_core import drain, errors, grpc_common, limits, tracing
+from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
 from mammoth_core.request_trace import write_request_trace
@@ -144,7 +145,8 @@ class DiTServicer(pb_grpc.DiTServicer):
         try:
             slot = await self.pool.reserve(request.request_id, request.params, timeout=0)
         except WireError as err:
-            await context.abort(err.code, err.message)
+            await _abort(context, err.code, err.message,
+                         Reason.FULL if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED else Reason.DRAINING)
         session = GenerateSession(self, request, context, slot)
         session.span = tracing.start_span(  # None when tracing is off
             "mammoth.v1.DiT/Generate", tracing.extract(context.invocation_metadata()), kind="SERVER",
@@ -160,12 +162,12 @@ class DiTServicer(pb_grpc.DiTServicer):
             raise
         except ValueError as err:  # the pipeline refused these conditions (e.g. no image rows)
             session.outcome = "rejected"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.CONDITIONS_REJECTED)
         except (grpc.aio.AbortError, GeneratorExit):
             raise
         except Exception:
             logger.exception("request %s: DiT generation failed", request.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, "DiT generation failed")
+            await _abort(context, grpc.StatusCode.INTERNAL, "DiT generation failed", Reason.GENERATION_FAILED)
         finally:
             session.close(session.outcome)
             DIT_REQUESTS.labels(session.outcome).inc()
@@ -175,19 +177,19 @@ class DiTServicer(pb_grpc.DiTServicer):
         """Abort a call that cannot be served: no model yet, draining, no request id, parameters
         outside the limits, no deadline."""
         if self.pipeline is None or self.pool is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "model is loading", Reason.LOADING)
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "DiT is draining")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "DiT is draining", Reason.DRAINING)
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", Reason.INVALID_REQUEST)
         why = validate_params(request.params, self.request_limits)
         if why:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, why, Reason.INVALID_REQUEST)
         if context.time_remaining() is None:
             # A slot lives as long as this stream: without the caller's deadline, two bare calls
             # could hold the whole pool until condition_timeout_s.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "DiT.Generate needs a deadline (the caller's request budget)")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "DiT.Generate needs a deadline (the caller's request budget)", Reason.INVALID_REQUEST)
 
     def _image_done(self, session: GenerateSession) -> None:
         """Log, trace spans and the request trace file of a completed call."""
@@ -241,7 +243,7 @@ class DiTServicer(pb_grpc.DiTServicer):
         self, request_iterator: AsyncIterator[pb.HiddenStateChunk], context: grpc.aio.ServicerContext
     ) -> pb.PushConditionsResponse:
         if self.pool is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is loading")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "model is loading", Reason.LOADING)
         return await receive_push(self.pool, request_iterator, context)
 
 
@@ -254,6 +256,12 @@ def _record_model_spans(span, timings: pb.DiTTimings, end_ns: int) -> None:
     tracing.record_span("dit.denoise", span, denoise_start, vae_start)
     tracing.record_span("dit.vae", span, vae_start, encode_start)
     tracing.record_span("dit.encode", span, encode_start, end_ns)
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                 reason: Reason) -> None:
+    """Abort with this stage (DiT) as the error's origin (`mammoth_core.errors`)."""
+    await errors.abort(context, code, message, stage=errors.Stage.DIT, reason=reason)
 
 
 def _expired(context: grpc.aio.ServicerContext) -> bool:

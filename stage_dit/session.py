@@ -13,7 +13,8 @@ import time
 
 import grpc
 
-from mammoth_core import tracing
+from mammoth_core import errors, tracing
+from mammoth_core.errors import Reason, Stage
 from mammoth_core.pb import mammoth_pb2 as pb
 from stage_dit.conditions import compute_answer_start_index
 from stage_dit.denoise import ImageRequest
@@ -92,12 +93,14 @@ class GenerateSession:
                 last_rows, last_sent = rows, now
             if now >= wait_until:
                 self.outcome = servicer.waiting_outcome(slot, timed_out=True)
-                await self.context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         f"conditions incomplete after {budget:.1f} s ({self.outcome})")
+                await errors.abort(self.context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"conditions incomplete after {budget:.1f} s ({self.outcome})",
+                                   stage=Stage.DIT, reason=Reason.DEADLINE)
             if servicer.producer_gone(slot, now):
                 self.outcome = "producer_lost"
-                await self.context.abort(grpc.StatusCode.ABORTED, "the producer's stream broke and no retry "
-                                         f"began within {servicer.producer_grace_s:.1f} s")
+                await errors.abort(self.context, grpc.StatusCode.ABORTED, "the producer's stream broke and no "
+                                   f"retry began within {servicer.producer_grace_s:.1f} s",
+                                   stage=Stage.DIT, reason=Reason.PRODUCER_LOST)
             await slot.wait_changed(min(wait_until - now, servicer.progress_interval_s))
         conds = self.conds = slot.conditions()
         negative_rows = 0 if conds.negative is None else conds.negative.shape[0]
