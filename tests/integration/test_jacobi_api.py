@@ -17,7 +17,6 @@ import torch
 from openai import OpenAI
 
 from gateway.protocol import ImageGenerationRequest
-from gateway.serving import resolve_request
 from mammoth_core.decoding import ARDecoding, DecodingOptions
 from mammoth_core.settings import GatewaySettings
 
@@ -69,9 +68,9 @@ def test_bad_window_is_refused_naming_the_field(pipeline):
 
 def test_deployment_default_applies_to_requests_without_the_field():
     settings = GatewaySettings(default_ar_decoding="jacobi", default_jacobi_window=8)
-    job = resolve_request(ImageGenerationRequest(prompt="x", size="64x64"), settings, "r")
+    job = ImageGenerationRequest(prompt="x", size="64x64").to_image_job(settings, "r")
     assert job.decoding == DecodingOptions(ARDecoding.JACOBI, window=8)
-    job = resolve_request(ImageGenerationRequest(prompt="x", size="64x64", ar_decoding="sequential"), settings, "r")
+    job = ImageGenerationRequest(prompt="x", size="64x64", ar_decoding="sequential").to_image_job(settings, "r")
     assert not job.decoding.jacobi
-    assert resolve_request(ImageGenerationRequest(prompt="x", size="64x64"), GatewaySettings(), "r").decoding \
+    assert ImageGenerationRequest(prompt="x", size="64x64").to_image_job(GatewaySettings(), "r").decoding \
         == DecodingOptions()
