@@ -11,8 +11,9 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   core group and ``v1/namespaces``, so ``kubectl`` can map kinds to resources;
 * for custom resources whose CRD was created: structural defaulting, pruning of unknown fields,
   validation against the ``openAPIV3Schema`` (``jsonschema``) and evaluation of the
-  ``x-kubernetes-validations`` CEL rules (``cel-python``); a violation answers 422 ``Invalid`` like
-  the real API server;
+  ``x-kubernetes-validations`` CEL rules (``cel-python``), with the operator's own implementation
+  (:mod:`mammoth_operator.validation`, so admission here and the operator's re-check cannot drift);
+  a violation answers 422 ``Invalid`` like the real API server;
 * a request log of writes (``writes``) to count what a client changed;
 * what a real API server does where the operator's faults live: built-in defaulting
   (``emulator_semantics``: a null Deployment ``replicas`` becomes 1 ...), ``PUT`` updates,
@@ -27,18 +28,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-import functools
 import ipaddress
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import attrs
-import celpy
-import celpy.adapter
 import jsonpatch
 import jsonpointer
-import jsonschema
 import kmock
 from kmock._internal import dicts, enums, k8s, parsing
 
@@ -47,6 +44,7 @@ from emulator_discovery import (BUILTIN_RESOURCES, EXTRA_BUILTINS, RESOURCE_VERS
                                 DiscoveryMixin)
 from emulator_lifecycle import LifecycleMixin, Permission, request_permission, resource_key  # noqa: F401 (re-exported)
 from emulator_semantics import default_builtin
+from mammoth_operator.validation import validate_custom_resource
 
 _original_parse_path = parsing.parse_path
 
@@ -87,124 +85,6 @@ def _invalid(kind: str, name: str, causes: list[str]) -> k8s.KubernetesError:
         message=f'{kind} "{name}" is invalid: ' + "; ".join(causes),
         details={"name": name, "kind": kind, "causes": [{"message": c} for c in causes]},
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# Structural schema helpers (the subset CRDs use)
-
-
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Fill ``default`` values of absent properties, recursively (as the API server does)."""
-    if isinstance(value, dict) and schema.get("type") == "object":
-        props = schema.get("properties") or {}
-        for key, sub in props.items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-        for key, sub in props.items():
-            if key in value:
-                value[key] = apply_defaults(sub, value[key])
-        extra = schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in value:
-                if key not in props:
-                    value[key] = apply_defaults(extra, value[key])
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [apply_defaults(schema["items"], v) for v in value]
-    return value
-
-
-def prune(schema: dict[str, Any], value: Any, path: str, pruned: list[str], root: bool = False) -> Any:
-    """Drop fields the structural schema does not declare (unless it preserves unknown fields)."""
-    if isinstance(value, dict) and schema.get("type") == "object":
-        if schema.get("x-kubernetes-preserve-unknown-fields"):
-            return value
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties")
-        result = {}
-        for key, sub in value.items():
-            if root and key in ("apiVersion", "kind", "metadata"):
-                result[key] = sub
-            elif key in props:
-                result[key] = prune(props[key], sub, f"{path}.{key}", pruned)
-            elif isinstance(extra, dict):
-                result[key] = prune(extra, sub, f"{path}.{key}", pruned)
-            elif extra is True:
-                result[key] = sub
-            else:
-                pruned.append(f"{path}.{key}".lstrip("."))
-        return result
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [prune(schema["items"], v, f"{path}[{i}]", pruned) for i, v in enumerate(value)]
-    return value
-
-
-def _to_cel(schema: dict[str, Any], value: Any) -> Any:
-    """JSON -> CEL values, with ``number`` fields as doubles (as Kubernetes types them)."""
-    if isinstance(value, dict):
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
-        return celpy.celtypes.MapType({
-            celpy.celtypes.StringType(k): _to_cel(props.get(k, extra), v) for k, v in value.items()})
-    if isinstance(value, list):
-        return celpy.celtypes.ListType([_to_cel(schema.get("items") or {}, v) for v in value])
-    if schema.get("type") == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return celpy.celtypes.DoubleType(float(value))
-    return celpy.adapter.json_to_cel(value)
-
-
-@functools.lru_cache(maxsize=None)
-def _cel_program(rule: str) -> Any:
-    env = celpy.Environment()
-    return env.program(env.compile(rule))
-
-
-def evaluate_rule(rule: str, self_value: Any, schema: dict[str, Any]) -> bool:
-    """Evaluate one ``x-kubernetes-validations`` rule with ``self`` bound; errors count as failures."""
-    try:
-        result = _cel_program(rule).evaluate({"self": _to_cel(schema, self_value)})
-    except celpy.CELEvalError:
-        return False
-    if isinstance(result, celpy.CELEvalError):
-        return False
-    return bool(result)
-
-
-def cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Every failing CEL rule under ``schema`` for ``value``, as ``path: message`` strings."""
-    found: list[str] = []
-    for rule in schema.get("x-kubernetes-validations") or []:
-        if not evaluate_rule(rule["rule"], value, schema):
-            field = path + rule.get("fieldPath", "")
-            found.append(f"{field.lstrip('.') or '<root>'}: Invalid value: {rule.get('message') or rule['rule']}")
-    if isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key in value and isinstance(sub, dict):
-                found.extend(cel_violations(sub, value[key], f"{path}.{key}"))
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            found.extend(cel_violations(schema["items"], item, f"{path}[{i}]"))
-    return found
-
-
-def schema_violations(schema: dict[str, Any], value: Any) -> list[str]:
-    """jsonschema errors of ``value`` against an OpenAPI v3 structural schema (x-kubernetes-* ignored)."""
-    validator = jsonschema.Draft7Validator(schema)
-    return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-            for e in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))]
-
-
-def validate_custom_resource(crd: dict[str, Any], obj: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(defaulted+pruned object, pruned field paths, violations) for a custom resource and its CRD."""
-    version = obj.get("apiVersion", "").split("/")[-1]
-    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version)
-    pruned: list[str] = []
-    result = prune(schema, copy.deepcopy(obj), "", pruned, root=True)
-    result = apply_defaults(schema, result)
-    violations = schema_violations(schema, result) + cel_violations(schema, result)
-    return result, pruned, violations
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 def _now() -> str:

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from emulator_harness import CRD_FILE, EXAMPLE_FILE, load_yaml
-from mammoth_emulator import cel_violations, validate_custom_resource
+from mammoth_operator.validation import cel_violations, validate_custom_resource
 from mammoth_operator import builders, status
 from mammoth_operator.config import OperatorConfig
 from mammoth_operator.crd import load_crd, openapi_schema
-from mammoth_operator.spec import DEFAULTS, InvalidSpec, parse_spec
+from mammoth_operator.spec import InvalidSpec, parse_spec
 
 IMAGES = OperatorConfig.from_env({}).images
 
@@ -68,36 +68,51 @@ def _crd_default(schema: dict[str, Any], dotted: str) -> Any:
     return node["default"]
 
 
-@pytest.mark.parametrize("key,crd_path", [
-    ("stage.replicas", "ar.replicas"), ("stage.gpus", "dit.gpus"),
-    ("stage.startupTimeoutSeconds", "ar.startupTimeoutSeconds"),
-    ("stage.rollout.maxSurge", "ar.rollout.maxSurge"), ("stage.rollout.maxUnavailable", "dit.rollout.maxUnavailable"),
-    ("gateway.rollout.maxSurge", "gateway.rollout.maxSurge"),
-    ("gateway.rollout.maxUnavailable", "gateway.rollout.maxUnavailable"),
-    ("pdb.enabled", "ar.podDisruptionBudget.enabled"), ("pdb.maxUnavailable", "gateway.podDisruptionBudget.maxUnavailable"),
-    ("autoscaling.enabled", "ar.autoscaling.enabled"), ("autoscaling.minReplicas", "dit.autoscaling.minReplicas"),
-    ("autoscaling.maxReplicas", "ar.autoscaling.maxReplicas"), ("autoscaling.metric.type", "ar.autoscaling.metric.type"),
-    ("ar.autoscaling.metric.name", "ar.autoscaling.metric.name"),
-    ("dit.autoscaling.metric.name", "dit.autoscaling.metric.name"),
-    ("ar.maxRunningSequences", "ar.maxRunningSequences"), ("dit.slots", "dit.slots"),
-    ("imagePullPolicy", "ar.imagePullPolicy"), ("gateway.replicas", "gateway.replicas"),
-    ("gateway.service.type", "gateway.service.type"), ("gateway.service.port", "gateway.service.port"),
-    ("gateway.queueSize", "gateway.queueSize"), ("model.cache.sizeLimit", "model.cache.sizeLimit"),
-    ("transport.chunkRows", "transport.chunkRows"), ("transport.maxMessageBytes", "transport.maxMessageBytes"),
-    ("requestDefaults.steps", "requestDefaults.steps"), ("requestDefaults.guidanceScale", "requestDefaults.guidanceScale"),
-    ("requestDefaults.cfgRange", "requestDefaults.cfgRange"), ("requestDefaults.maxPixels", "requestDefaults.maxPixels"),
-    ("requestDefaults.minPixels", "requestDefaults.minPixels"),
-    ("requestDefaults.maxPromptChars", "requestDefaults.maxPromptChars"),
-    ("requestDefaults.requestTimeoutSeconds", "requestDefaults.requestTimeoutSeconds"),
-    ("requestDefaults.arGrid", "requestDefaults.arGrid"),
-    ("requestDefaults.arDecoding", "requestDefaults.arDecoding"),
-    ("requestDefaults.jacobiWindow", "requestDefaults.jacobiWindow"),
-    ("runtime.device", "runtime.device"), ("runtime.dtype", "runtime.dtype"),
-    ("logging.format", "logging.format"), ("logging.level", "logging.level"),
-    ("networkPolicy.enabled", "networkPolicy.enabled"), ("ar.weightsDtype", "ar.weightsDtype"),
-])
-def test_operator_defaults_equal_crd_defaults(crd, key, crd_path):
-    assert DEFAULTS[key] == _crd_default(openapi_schema(crd), crd_path)
+# (CRD path under spec, the parsed value of an empty spec): the operator takes every default from the CRD.
+PARSED_DEFAULTS = [
+    ("ar.replicas", lambda s: s.ar.replicas), ("dit.gpus", lambda s: s.dit.gpus),
+    ("ar.startupTimeoutSeconds", lambda s: s.ar.startup_timeout_seconds),
+    ("ar.rollout.maxSurge", lambda s: s.ar.rollout.max_surge),
+    ("dit.rollout.maxUnavailable", lambda s: s.dit.rollout.max_unavailable),
+    ("gateway.rollout.maxSurge", lambda s: s.gateway.rollout.max_surge),
+    ("gateway.rollout.maxUnavailable", lambda s: s.gateway.rollout.max_unavailable),
+    ("ar.podDisruptionBudget.enabled", lambda s: s.ar.disruption.enabled),
+    ("gateway.podDisruptionBudget.maxUnavailable", lambda s: s.gateway.disruption.max_unavailable),
+    ("ar.autoscaling.enabled", lambda s: s.ar.autoscaling.enabled),
+    ("dit.autoscaling.minReplicas", lambda s: s.dit.autoscaling.min_replicas),
+    ("ar.autoscaling.maxReplicas", lambda s: s.ar.autoscaling.max_replicas),
+    ("ar.autoscaling.metric.type", lambda s: s.ar.autoscaling.metric_type),
+    ("ar.autoscaling.metric.name", lambda s: s.ar.autoscaling.metric_name),
+    ("dit.autoscaling.metric.name", lambda s: s.dit.autoscaling.metric_name),
+    ("ar.maxRunningSequences", lambda s: s.ar.capacity), ("dit.slots", lambda s: s.dit.capacity),
+    ("ar.imagePullPolicy", lambda s: s.ar.placement.image_pull_policy),
+    ("gateway.replicas", lambda s: s.gateway.replicas),
+    ("gateway.service.type", lambda s: s.gateway.service_type),
+    ("gateway.service.port", lambda s: s.gateway.service_port),
+    ("gateway.queueSize", lambda s: s.gateway.queue_size),
+    ("model.cache.sizeLimit", lambda s: s.model.cache_size_limit),
+    ("transport.chunkRows", lambda s: s.transport.chunk_rows),
+    ("transport.maxMessageBytes", lambda s: s.transport.max_message_bytes),
+    ("requestDefaults.steps", lambda s: s.request_defaults.steps),
+    ("requestDefaults.guidanceScale", lambda s: s.request_defaults.guidance_scale),
+    ("requestDefaults.cfgRange", lambda s: list(s.request_defaults.cfg_range)),
+    ("requestDefaults.maxPixels", lambda s: s.request_defaults.max_pixels),
+    ("requestDefaults.minPixels", lambda s: s.request_defaults.min_pixels),
+    ("requestDefaults.maxPromptChars", lambda s: s.request_defaults.max_prompt_chars),
+    ("requestDefaults.requestTimeoutSeconds", lambda s: s.request_defaults.request_timeout_seconds),
+    ("requestDefaults.arGrid", lambda s: s.request_defaults.ar_grid),
+    ("requestDefaults.arDecoding", lambda s: s.request_defaults.ar_decoding),
+    ("requestDefaults.jacobiWindow", lambda s: s.request_defaults.jacobi_window),
+    ("runtime.device", lambda s: s.device), ("runtime.dtype", lambda s: s.dtype),
+    ("logging.format", lambda s: s.log_format), ("logging.level", lambda s: s.log_level),
+    ("networkPolicy.enabled", lambda s: s.network_policy), ("ar.weightsDtype", lambda s: s.ar.weights_dtype),
+]
+
+
+@pytest.mark.parametrize("crd_path,parsed", PARSED_DEFAULTS, ids=[p for p, _ in PARSED_DEFAULTS])
+def test_an_empty_spec_parses_to_the_crd_defaults(crd, crd_path, parsed):
+    spec = parse_spec("tiny", "default", {"model": {"source": "builtin://tiny"}}, IMAGES)
+    assert parsed(spec) == _crd_default(openapi_schema(crd), crd_path)
 
 
 def test_status_schema_declares_every_field_the_operator_writes(crd):

@@ -10,7 +10,7 @@ import yaml
 
 from emulator_harness import (EXAMPLE_FILE, PIPELINES, Api, OperatorProcess, child_path, child_writes, condition,
                       example_pipeline, load_yaml, wait_for)
-from mammoth_emulator import validate_custom_resource
+from mammoth_operator.validation import validate_custom_resource
 
 EXPECTED_CHILDREN = {
     ("ConfigMap", "tiny-config"),
