@@ -4,12 +4,15 @@ One concern per handler:
 
 * :func:`configure` (startup): kopf settings (annotation prefixes, progress kept in annotations,
   watch and request timeouts, events) and the API client with a timeout on every call.
+* one index per child kind (``@kopf.index``, :mod:`~mammoth_operator.observed`): Secrets,
+  ConfigMaps, Services, Deployments, PDBs, HPAs, NetworkPolicies with our ``managed-by`` label,
+  keyed by namespace and name; every convergence reads the children from them, not from list calls.
 * :func:`reconcile` (create, update, resume of a pipeline): one :func:`~mammoth_operator.reconcile.converge`
-  with kopf's retries: an invalid spec fails permanently (until the spec changes); a refused or
-  failed apply (403, 409, 422, 5xx, timeouts) and a name conflict are retried with backoff.
-* :func:`observe_child` (every event of an owned child: Deployments, Services, ConfigMaps, Secrets,
-  PDBs, HPAs, NetworkPolicies with our ``managed-by`` label): converge the owning pipeline again, so
-  a child deleted or edited by hand is repaired within seconds and the status follows the
+  of every child with kopf's retries: an invalid spec fails permanently (until the spec changes); a
+  refused or failed apply (403, 409, 422, 5xx, timeouts) and a name conflict are retried with backoff.
+* :func:`observe_child`, one handler per child kind (``observe_<plural>``): a child changed or went
+  away, so converge that child of its pipeline again (a Secret: every child) and write the status,
+  so a child deleted or edited by hand is repaired within seconds and the status follows the
   Deployments' status. No timer and no deletion handler: kopf puts no finalizer on pipelines, so
   deleting a pipeline (or its namespace, or the CRD) never waits for the operator.
 * :func:`probe_progress` (liveness): fails when no reconcile or API call succeeded for
@@ -28,8 +31,10 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from mammoth_operator import builders, kube, metrics, reconcile as convergence
+from mammoth_operator import builders, kube, metrics, observed
+from mammoth_operator import reconcile as convergence
 from mammoth_operator.config import GROUP, PLURAL, VERSION, OperatorConfig
+from mammoth_operator.coordination import Health, Serializer
 from mammoth_operator.spec import InvalidSpec
 
 FINALIZER = f"{GROUP}/finalizer"  # kept for the settings; no handler requires a finalizer
@@ -38,10 +43,6 @@ APPLY_RETRY_DELAY = 2.0
 MAX_RETRY_DELAY = 300.0
 #: Seconds the liveness probe's own API call may take.
 PROBE_TIMEOUT_SECONDS = 5.0
-#: Kinds of children whose events trigger a convergence of their pipeline (kopf resource selectors).
-CHILD_RESOURCES = (("v1", "configmaps"), ("v1", "services"), ("v1", "secrets"), ("apps/v1", "deployments"),
-                   ("policy/v1", "poddisruptionbudgets"), ("autoscaling/v2", "horizontalpodautoscalers"),
-                   ("networking.k8s.io/v1", "networkpolicies"))
 
 
 def backoff(retry: int) -> float:
@@ -63,8 +64,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: Operator
     settings.execution.max_workers = 8
     memo.config = config
     memo.children = kube.Children(kube.new_api_client(), timeout=config.request_timeout)
-    memo.serializer = convergence.Serializer()
-    memo.health = convergence.Health()
+    memo.serializer = Serializer()
+    memo.health = Health()
 
 
 def _announce(body: kopf.Body, outcome: convergence.Outcome, name: str) -> None:
@@ -82,7 +83,7 @@ def _announce(body: kopf.Body, outcome: convergence.Outcome, name: str) -> None:
 
 
 def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger,
-              retry: int = 0, **_: Any) -> None:
+              retry: int = 0, **kwargs: Any) -> None:
     """Level-triggered reconcile for create, update and resume: make the children equal the spec.
 
     Raises:
@@ -93,7 +94,8 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
     config: OperatorConfig = memo.config
     with memo.serializer.exclusive((namespace, name)), memo.health.running():
         try:
-            outcome = convergence.converge(memo.children, body, config.images)
+            view = observed.View(memo.children, observed.indices_of(kwargs))
+            outcome = convergence.converge(view, body, config.images)
         except InvalidSpec as e:
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             raise kopf.PermanentError(f"invalid spec: {e}") from e
@@ -123,7 +125,8 @@ def owner_name(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _repair(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
+def _repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str, changed: frozenset[Any],
+            logger: logging.Logger) -> None:
     config: OperatorConfig = memo.config
     with memo.health.running():
         body = memo.children.read_pipeline(namespace, name)
@@ -132,7 +135,8 @@ def _repair(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) 
         if (body.get("status") or {}).get("observedGeneration") != int(body["metadata"].get("generation") or 1):
             return  # the pipeline's own handler has this generation (with kopf's retries)
         try:
-            outcome = convergence.converge(memo.children, body, config.images)
+            view = observed.View(memo.children, indices)
+            outcome = convergence.converge(view, body, config.images, only=changed)
         except (InvalidSpec, kube.NameConflict) as e:
             logger.warning("Pipeline %s/%s not repaired: %s", namespace, name, e)
             return
@@ -144,13 +148,17 @@ def _repair(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) 
 
 
 def observe_child(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo, logger: logging.Logger,
-                  **_: Any) -> None:
-    """An owned child changed or went away: converge its pipeline (coalesced per pipeline)."""
+                  **kwargs: Any) -> None:
+    """An owned child changed or went away: converge that child of its pipeline and write the status
+    (coalesced per pipeline: events during a run make it run once more, with their children)."""
     name = owner_name(body) or (body.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/instance")
     if type is None or not name:
         return  # the initial listing: resume handlers converge every pipeline anyway
+    indices = observed.indices_of(kwargs)
+    child = (str(body.get("kind")), str(body["metadata"]["name"]))
     try:
-        memo.serializer.request((namespace, name), lambda: _repair(memo, namespace, name, logger))
+        memo.serializer.request((namespace, name), [child],
+                                lambda changed: _repair(memo, indices, namespace, name, changed, logger))
     except Exception as e:  # the status says Degraded/ApplyFailed; the next event or retry repairs
         logger.warning("Repairing %s/%s failed: %s", namespace, name, convergence.describe(e))
 
@@ -204,8 +212,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
     kopf.on.create(*resource, registry=registry, id="reconcile")(reconcile_timed)
     kopf.on.update(*resource, registry=registry, id="reconcile")(reconcile_timed)
     observe_timed = metrics.timed("observe_child")(observe_child)
-    for api_version, plural in CHILD_RESOURCES:
-        kopf.on.event(api_version, plural, registry=registry, id=f"observe_{plural}",
-                      labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY})(observe_timed)
+    managed = {"app.kubernetes.io/managed-by": builders.MANAGED_BY}
+    for kind in observed.CHILD_KINDS:
+        kopf.index(kind.api_version, kind.plural, registry=registry, id=kind.index_id, labels=managed)(
+            observed.index_child)
+        kopf.on.event(kind.api_version, kind.plural, registry=registry, id=f"observe_{kind.plural}",
+                      labels=managed)(observe_timed)
     kopf.on.probe(registry=registry, id="progress")(probe_progress)
     return registry

@@ -30,9 +30,11 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from mammoth_operator.builders import Child, ChildRef, canonical_json
+from mammoth_operator.config import GROUP as PIPELINE_GROUP
+from mammoth_operator.config import PLURAL as PIPELINE_PLURAL
+from mammoth_operator.config import VERSION as PIPELINE_VERSION
 
 LAST_APPLIED_ANNOTATION = "mammoth.dev/last-applied"
-PIPELINE_GROUP, PIPELINE_VERSION, PIPELINE_PLURAL = "mammoth.dev", "v1alpha1", "mammothpipelines"
 MERGE_PATCH = "application/merge-patch+json"
 
 logger = logging.getLogger(__name__)
@@ -53,12 +55,14 @@ _APIS: dict[tuple[str, str], tuple[type, str]] = {
 
 @dataclasses.dataclass(frozen=True)
 class ApplyResult:
-    """What :func:`apply` did to one child: ``action`` is ``created``, ``patched`` or ``unchanged``."""
+    """What :func:`apply` did to one child: ``action`` is ``created``, ``patched`` or ``unchanged``;
+    ``patch`` the merge patch sent; ``obj`` the child afterwards (the API's answer, or as observed)."""
 
     kind: str
     name: str
     action: str
     patch: Mapping[str, Any] | None = None
+    obj: Mapping[str, Any] | None = None
 
 
 class NameConflict(Exception):
@@ -140,11 +144,13 @@ class Children:
         return json.loads(response.data)
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create ``manifest`` (namespace from its metadata); returns the object as the API stored it."""
         method = self._method(manifest["apiVersion"], manifest["kind"], "create")
         response = method(manifest["metadata"]["namespace"], manifest, _preload_content=False)
         return json.loads(response.data)
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """Send a JSON merge patch; returns the object as the API stored it."""
         method = self._method(api_version, kind, "patch")
         response = method(name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False)
         return json.loads(response.data)
@@ -249,8 +255,8 @@ def apply(children: Children, child: Child, observed: Mapping[str, Any] | None, 
     namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     managed = _with_last_applied(_without(manifest, child.create_only))
     if observed is None:
-        children.create(copy.deepcopy(dict(manifest)) | {"metadata": managed["metadata"]})
-        return ApplyResult(kind, name, "created")
+        created = children.create(copy.deepcopy(dict(manifest)) | {"metadata": managed["metadata"]})
+        return ApplyResult(kind, name, "created", obj=created)
     if not controlled_by(observed, owner_uid):
         raise NameConflict(kind, name)
     raw_last = (observed.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED_ANNOTATION)
@@ -261,16 +267,17 @@ def apply(children: Children, child: Child, observed: Mapping[str, Any] | None, 
     # A create-only field recorded before it became create-only must not turn into a null.
     patch = merge_patch(_without(last, child.create_only), managed, observed)
     if not patch:
-        return ApplyResult(kind, name, "unchanged")
-    children.patch(api_version, kind, namespace, name, patch)
-    return ApplyResult(kind, name, "patched", patch)
+        return ApplyResult(kind, name, "unchanged", obj=observed)
+    patched = children.patch(api_version, kind, namespace, name, patch)
+    return ApplyResult(kind, name, "patched", patch, patched)
 
 
-def delete_unwanted(children: Children, namespace: str, owner_uid: str, refs: list[ChildRef]) -> list[ChildRef]:
-    """Delete the optional children a spec no longer wants, if this owner owns them; returns those deleted."""
+def delete_unwanted(children: Children, namespace: str, owner_uid: str,
+                    wanted_gone: list[tuple[ChildRef, Mapping[str, Any] | None]]) -> list[ChildRef]:
+    """Delete the optional children a spec no longer wants (each with its observed object, None when
+    absent), if this owner controls them; returns those deleted."""
     deleted = []
-    for ref in refs:
-        observed = children.read(ref.api_version, ref.kind, namespace, ref.name)
+    for ref, observed in wanted_gone:
         if observed is None:
             continue
         if controlled_by(observed, owner_uid):

@@ -1,12 +1,12 @@
-"""One convergence step of a pipeline, shared by the pipeline's own handlers and the child observers.
+"""One convergence of a pipeline, shared by the pipeline's own handlers and the child handlers.
 
-:func:`converge` reads the children, refuses objects it does not own (``NameConflict``), reports a
-missing child (``Degraded/ChildMissing``) before recreating it, creates or patches every child,
-deletes the optional ones the spec no longer wants, and writes the status. It is level-triggered:
-called again with nothing changed, it writes nothing.
-
-:class:`Serializer` runs at most one convergence per pipeline at a time and coalesces the requests
-that arrive meanwhile into one more run; :class:`Health` is what the liveness probe reads.
+:func:`converge` parses the spec (the CRD's rules), builds the desired children, reads them from the
+:class:`~mammoth_operator.observed.View` (kopf's indexes), refuses objects it does not own
+(``NameConflict``), reports a missing child (``Degraded/ChildMissing``) before recreating it,
+creates or patches every child that differs, deletes the optional ones the spec no longer wants, and
+writes the status through :func:`write_status`, the one status writer. It is level-triggered:
+called again with nothing changed, it writes nothing. A child event converges only the children it
+names (``only``), so a child is compared with the state its own event delivered.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import copy
 import dataclasses
 import logging
 import secrets
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import kopf
 
 from mammoth_operator import builders, kube
 from mammoth_operator import status as pipeline_status
+from mammoth_operator.observed import View
 from mammoth_operator.spec import ROLE_TOKEN_KEYS, InvalidSpec, PipelineSpec, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -35,123 +34,39 @@ logger = logging.getLogger(__name__)
 TOKEN_BYTES = 32
 
 
-class Health:
-    """Time of the last successful reconcile or API observation, and the runs in progress (monotonic s)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.last_success = time.monotonic()
-        self._running: dict[int, float] = {}
-
-    def succeeded(self) -> None:
-        with self._lock:
-            self.last_success = time.monotonic()
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        token = id(threading.current_thread())
-        with self._lock:
-            self._running[token] = time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running.pop(token, None)
-
-    def problem(self, stale_seconds: float) -> str | None:
-        """Why the operator looks stuck (None: healthy): no success for ``stale_seconds``, or a run that long."""
-        now = time.monotonic()
-        with self._lock:
-            age = now - self.last_success
-            longest = max((now - t for t in self._running.values()), default=0.0)
-        if age > stale_seconds:
-            return f"no successful reconcile or API call for {age:.0f} s (limit {stale_seconds:.0f} s)"
-        if longest > stale_seconds:
-            return f"a reconcile has been running for {longest:.0f} s (limit {stale_seconds:.0f} s)"
-        return None
-
-
-class Serializer:
-    """At most one convergence per key at a time; requests meanwhile coalesce into one more run."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._pending: set[tuple[str, str]] = set()
-
-    def _lock(self, key: tuple[str, str]) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
-
-    @contextlib.contextmanager
-    def exclusive(self, key: tuple[str, str]) -> Iterator[None]:
-        """Wait for the key's running convergence, then hold it (the pipeline's own handlers)."""
-        with self._lock(key):
-            with self._guard:
-                self._pending.discard(key)
-            yield
-
-    def request(self, key: tuple[str, str], run: Callable[[], None]) -> None:
-        """Run ``run`` now, or, when a run of ``key`` is in flight, make that one run once more."""
-        lock = self._lock(key)
-        with self._guard:
-            self._pending.add(key)
-        while True:
-            if not lock.acquire(blocking=False):
-                return  # the holder sees the pending flag
-            try:
-                while self._take(key):
-                    run()
-            finally:
-                lock.release()
-            with self._guard:
-                if key not in self._pending:
-                    return
-
-    def _take(self, key: tuple[str, str]) -> bool:
-        with self._guard:
-            if key in self._pending:
-                self._pending.discard(key)
-                return True
-            return False
-
-
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What one convergence did: the apply results and the optional children deleted."""
 
     results: list[kube.ApplyResult]
-    deleted: list[Any]
+    deleted: list[builders.ChildRef]
 
 
 def _autoscaled(spec: PipelineSpec) -> frozenset[str]:
     return frozenset(stage.component for stage in (spec.ar, spec.dit) if stage.autoscaling.enabled)
 
 
-def observe(children: kube.Children, namespace: str, name: str, autoscaled: frozenset[str]) -> pipeline_status.Observed:
-    """Read the children the status is computed from: three Deployments and the gateway Service."""
-    names = builders.child_names(name)
-    deployments = {
-        component: children.read("apps/v1", "Deployment", namespace, child)
-        for component, child in (("ar", names.ar), ("dit", names.dit), ("gateway", names.gateway))
-    }
-    service = children.read("v1", "Service", namespace, names.gateway)
-    return pipeline_status.Observed(deployments=deployments, gateway_service=service, autoscaled=autoscaled)
+def write_status(view: View, body: Mapping[str, Any], problem: pipeline_status.Problem | None,
+                 autoscaled: frozenset[str], applied: bool) -> None:
+    """The one status writer: compute the status of the pipeline ``body`` from its three Deployments
+    and the gateway Service as ``view`` observes them now, and patch the keys that changed (nothing
+    when none did). Only an ``applied`` convergence writes ``observedGeneration``.
 
-
-def status_changes(current: Mapping[str, Any] | None, generation: int, observed_generation: int | None,
-                   observed: pipeline_status.Observed, problem: pipeline_status.Problem | None,
-                   applied: bool) -> dict[str, Any]:
-    """The status keys that changed (empty when nothing changed); ``current`` must be a snapshot.
-
-    Only a successful apply (``applied``) writes ``observedGeneration``.
+    Raises:
+        kubernetes.client.exceptions.ApiException: the status patch was refused.
     """
-    desired = pipeline_status.compute_status(generation, observed_generation, observed, problem)
-    desired["conditions"] = pipeline_status.merge_conditions((current or {}).get("conditions"), desired["conditions"],
-                                                             pipeline_status.now_iso())
-    if applied:
-        desired["observedGeneration"] = generation
-    return pipeline_status.status_changes(current, desired)
+    meta = body.get("metadata") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    names = builders.child_names(name)
+    observed = pipeline_status.Observed(
+        deployments={c: view.get("Deployment", namespace, names.component(c)) for c in pipeline_status.COMPONENTS},
+        gateway_service=view.get("Service", namespace, names.gateway),
+        autoscaled=autoscaled,
+    )
+    current = copy.deepcopy(dict(body.get("status") or {}))
+    changes = pipeline_status.status_patch(current, int(meta.get("generation") or 1), observed, problem, applied,
+                                           pipeline_status.now_iso())
+    view.children.patch_pipeline_status(namespace, name, changes)
 
 
 def stage_tokens(observed_secret: Mapping[str, Any] | None) -> dict[str, str]:
@@ -165,24 +80,46 @@ def stage_tokens(observed_secret: Mapping[str, Any] | None) -> dict[str, str]:
     return tokens
 
 
-def report(children: kube.Children, body: Mapping[str, Any], problem: pipeline_status.Problem | None,
-           autoscaled: frozenset[str], applied: bool) -> None:
-    """Write the status computed from the children as they are now (nothing when unchanged)."""
-    meta = body.get("metadata") or {}
-    current = copy.deepcopy(dict(body.get("status") or {}))
-    generation = int(meta.get("generation") or 1)
-    observed_generation = generation if applied else current.get("observedGeneration")
-    observed = observe(children, meta["namespace"], meta["name"], autoscaled)
-    children.patch_pipeline_status(meta["namespace"], meta["name"], status_changes(
-        current, generation, observed_generation, observed, problem, applied))
+def _desired(view: View, body: Mapping[str, Any], pipeline: PipelineSpec) -> list[builders.Child]:
+    """Every desired child, adopted (namespace, owner reference, labels) and with the stage tokens of
+    the Secret this pipeline controls (fresh ones when there is none)."""
+    meta = body["metadata"]
+    tokens = None
+    if pipeline.transport.generated_role_tokens:
+        secret = view.get("Secret", meta["namespace"], builders.child_names(meta["name"]).stage_tokens)
+        tokens = stage_tokens(secret if secret is None or kube.controlled_by(secret, meta["uid"]) else None)
+    desired = builders.build_children(pipeline, tokens)
+    kopf.adopt([child.manifest for child in desired], owner=dict(body))
+    return desired
 
 
-def _missing(desired: list[builders.Child], observed: dict[tuple[str, str], Any]) -> list[str]:
-    return [f"{c.kind} {c.name}" for c in desired if observed[(c.kind, c.name)] is None]
+def _targets(desired: list[builders.Child], only: Collection[tuple[str, str]] | None) -> list[builders.Child]:
+    """The children to converge: all of them, or those ``only`` names. A change of the token Secret
+    converges all (new tokens roll every Deployment)."""
+    if only is None or any(kind == "Secret" for kind, _ in only):
+        return desired
+    return [child for child in desired if (child.kind, child.name) in only]
 
 
-def converge(children: kube.Children, body: Mapping[str, Any], images: Mapping[str, str]) -> Outcome:
-    """Make the children of the pipeline ``body`` equal its spec, then write its status.
+def _apply(view: View, body: Mapping[str, Any], targets: list[builders.Child], unwanted: list[builders.ChildRef],
+           observed: Mapping[tuple[str, str], Any]) -> Outcome:
+    namespace, uid = body["metadata"]["namespace"], body["metadata"]["uid"]
+    results = []
+    for child in targets:
+        result = kube.apply(view.children, child, observed[(child.kind, child.name)], uid)
+        view.wrote(child.kind, namespace, child.name, result.obj)
+        results.append(result)
+    gone = [(ref, view.get(ref.kind, namespace, ref.name)) for ref in unwanted]
+    deleted = kube.delete_unwanted(view.children, namespace, uid, gone)
+    for ref in deleted:
+        view.wrote(ref.kind, namespace, ref.name, None)
+    return Outcome(results, deleted)
+
+
+def converge(view: View, body: Mapping[str, Any], images: Mapping[str, str],
+             only: Collection[tuple[str, str]] | None = None) -> Outcome:
+    """Make the children of the pipeline ``body`` (all, or the ``(kind, name)`` pairs in ``only``)
+    equal its spec, then write its status.
 
     Raises:
         InvalidSpec: the spec breaks a rule (status written: ``Degraded/InvalidSpec``).
@@ -192,39 +129,32 @@ def converge(children: kube.Children, body: Mapping[str, Any], images: Mapping[s
             (status written, when possible: ``Degraded/ApplyFailed``).
     """
     meta = body["metadata"]
-    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    generation = int(meta.get("generation") or 1)
+    namespace, name = meta["namespace"], meta["name"]
     try:
         pipeline = parse_spec(name, namespace, body.get("spec"), images)
     except InvalidSpec as e:
-        report(children, body, pipeline_status.Problem("InvalidSpec", str(e)), frozenset(), applied=True)
+        write_status(view, body, pipeline_status.Problem("InvalidSpec", str(e)), frozenset(), applied=True)
         raise
     autoscaled = _autoscaled(pipeline)
-    tokens = None
-    if pipeline.transport.generated_role_tokens:
-        secret = children.read("v1", "Secret", namespace, builders.child_names(name).stage_tokens)
-        tokens = stage_tokens(secret if secret is None or kube.controlled_by(secret, uid) else None)
-    desired = builders.build_children(pipeline, tokens)
-    kopf.adopt([child.manifest for child in desired], owner=dict(body))
-    observed = {(c.kind, c.name): children.read(c.manifest["apiVersion"], c.kind, namespace, c.name) for c in desired}
-    missing = _missing(desired, observed)
-    applied_before = (body.get("status") or {}).get("observedGeneration") == generation
-    if missing and applied_before:
+    targets = _targets(_desired(view, body, pipeline), only)
+    unwanted = [r for r in builders.unwanted_children(pipeline) if only is None or (r.kind, r.name) in only]
+    observed = {(c.kind, c.name): view.get(c.kind, namespace, c.name) for c in targets}
+    missing = [f"{c.kind} {c.name}" for c in targets if observed[(c.kind, c.name)] is None]
+    if missing and (body.get("status") or {}).get("observedGeneration") == int(meta.get("generation") or 1):
         message = f"{', '.join(missing)} missing (deleted by hand?); recreating"
-        report(children, body, pipeline_status.Problem("ChildMissing", message), autoscaled, applied=False)
+        write_status(view, body, pipeline_status.Problem("ChildMissing", message), autoscaled, applied=False)
         kopf.warn(dict(body), reason="ChildMissing", message=message)
     try:
-        results = [kube.apply(children, c, observed[(c.kind, c.name)], uid) for c in desired]
-        deleted = kube.delete_unwanted(children, namespace, uid, builders.unwanted_children(pipeline))
+        outcome = _apply(view, body, targets, unwanted, observed)
     except kube.NameConflict as e:
-        report(children, body, pipeline_status.Problem("NameConflict", str(e)), autoscaled, applied=False)
+        write_status(view, body, pipeline_status.Problem("NameConflict", str(e)), autoscaled, applied=False)
         raise
     except Exception as e:
         with contextlib.suppress(Exception):
-            report(children, body, pipeline_status.Problem("ApplyFailed", describe(e)), autoscaled, applied=False)
+            write_status(view, body, pipeline_status.Problem("ApplyFailed", describe(e)), autoscaled, applied=False)
         raise
-    report(children, body, None, autoscaled, applied=True)
-    return Outcome(results, deleted)
+    write_status(view, body, None, autoscaled, applied=True)
+    return outcome
 
 
 def describe(error: BaseException) -> str:

@@ -88,13 +88,6 @@ def rollout_state(deployment: Mapping[str, Any]) -> tuple[bool, str]:
     return False, f"{available} of {desired} pods available"
 
 
-def _deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    for cond in (deployment.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return cond
-    return None
-
-
 def endpoint_url(service: Mapping[str, Any] | None) -> str:
     """The gateway URL: the load balancer's address when it has one, else the in-cluster DNS name."""
     if not service:
@@ -116,6 +109,66 @@ def _cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
+def _component_condition(component: str, deployment: Mapping[str, Any] | None, autoscaled: bool) -> dict[str, Any]:
+    """``<Component>Ready`` from the component's Deployment (None: not created)."""
+    title = COMPONENT_TITLES[component]
+    if deployment is None:
+        return _cond(f"{title}Ready", False, "NotCreated", f"the {title} Deployment does not exist")
+    counts = replica_counts(deployment, autoscaled)
+    available = counts["availableReplicas"]
+    if available >= 1:
+        return _cond(f"{title}Ready", True, "MinimumReplicasAvailable",
+                     f"{available} of {counts['desiredReplicas']} pods available")
+    if counts["desiredReplicas"] == 0:
+        return _cond(f"{title}Ready", False, "ScaledToZero", "the Deployment has 0 replicas")
+    return _cond(f"{title}Ready", False, "NoReplicasAvailable",
+                 f"0 of {counts['desiredReplicas']} pods available (loading the model or unschedulable)")
+
+
+def _stalled(component: str, deployment: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(reason, message) of a Deployment past its progress deadline or failing to create pods."""
+    title = COMPONENT_TITLES[component]
+    found = []
+    progressing = condition(deployment.get("status"), "Progressing")
+    if progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded":
+        found.append((f"{title}RolloutStalled", progressing.get("message") or "progress deadline exceeded"))
+    failure = condition(deployment.get("status"), "ReplicaFailure")
+    if failure and failure.get("status") == "True":
+        found.append((f"{title}ReplicaFailure", failure.get("message") or "replica failure"))
+    return found
+
+
+def _summary_conditions(generation: int, observed_generation: int | None, observed: Observed,
+                        problem: Problem | None, ready: Mapping[str, bool]) -> tuple[dict[str, Any], ...]:
+    """``Ready``, ``Progressing`` and ``Degraded`` from the components and the operator's problem."""
+    present = {c: d for c, d in observed.deployments.items() if d is not None}
+    rolling = [f"{c}: {message}" for c in COMPONENTS if c in present
+               for is_rolling, message in [rollout_state(present[c])] if is_rolling]
+    stalled = [s for c in COMPONENTS if c in present for s in _stalled(c, present[c])]
+    if problem is not None and problem.reason == "InvalidSpec" and not present:
+        ready_cond = _cond("Ready", False, "InvalidSpec", problem.message)
+    elif all(ready.values()):
+        ready_cond = _cond("Ready", True, "AllComponentsReady", "AR, DiT and gateway have available pods")
+    else:
+        missing = ", ".join(COMPONENT_TITLES[c] for c in COMPONENTS if not ready[c])
+        ready_cond = _cond("Ready", False, "ComponentsNotReady", f"not ready: {missing}")
+    if problem is not None:
+        progressing = _cond("Progressing", False, problem.reason, problem.message)
+        degraded = _cond("Degraded", True, problem.reason, problem.message)
+        return ready_cond, progressing, degraded
+    if observed_generation is None or observed_generation < generation:
+        progressing = _cond("Progressing", True, "Reconciling", f"applying generation {generation}")
+    elif rolling:
+        progressing = _cond("Progressing", True, "RollingUpdate", "; ".join(rolling))
+    else:
+        progressing = _cond("Progressing", False, "RolloutComplete", "every component runs the current spec")
+    if stalled:
+        degraded = _cond("Degraded", True, stalled[0][0], "; ".join(m for _, m in stalled))
+    else:
+        degraded = _cond("Degraded", False, "AsExpected", "no problem observed")
+    return ready_cond, progressing, degraded
+
+
 def compute_status(generation: int, observed_generation: int | None, observed: Observed,
                    problem: Problem | None) -> dict[str, Any]:
     """The desired ``status`` (without ``lastTransitionTime``; see :func:`merge_conditions`).
@@ -126,64 +179,11 @@ def compute_status(generation: int, observed_generation: int | None, observed: O
         observed: the children as read from the API.
         problem: why the latest spec could not be applied, if it could not.
     """
-    conditions: list[dict[str, Any]] = []
-    ready: dict[str, bool] = {}
-    rolling: list[str] = []
-    stalled: list[tuple[str, str]] = []
-    for component in COMPONENTS:
-        title = COMPONENT_TITLES[component]
-        deployment = observed.deployments.get(component)
-        if deployment is None:
-            ready[component] = False
-            conditions.append(_cond(f"{title}Ready", False, "NotCreated", f"the {title} Deployment does not exist"))
-            continue
-        counts = replica_counts(deployment, component in observed.autoscaled)
-        available = counts["availableReplicas"]
-        ready[component] = available >= 1
-        if available >= 1:
-            conditions.append(_cond(f"{title}Ready", True, "MinimumReplicasAvailable",
-                                    f"{available} of {counts['desiredReplicas']} pods available"))
-        elif counts["desiredReplicas"] == 0:
-            conditions.append(_cond(f"{title}Ready", False, "ScaledToZero", "the Deployment has 0 replicas"))
-        else:
-            conditions.append(_cond(f"{title}Ready", False, "NoReplicasAvailable",
-                                    f"0 of {counts['desiredReplicas']} pods available (loading the model or unschedulable)"))
-        is_rolling, message = rollout_state(deployment)
-        if is_rolling:
-            rolling.append(f"{component}: {message}")
-        progressing = _deployment_condition(deployment, "Progressing")
-        if progressing and progressing.get("status") == "False" and progressing.get("reason") == "ProgressDeadlineExceeded":
-            stalled.append((f"{title}RolloutStalled", progressing.get("message") or "progress deadline exceeded"))
-        failure = _deployment_condition(deployment, "ReplicaFailure")
-        if failure and failure.get("status") == "True":
-            stalled.append((f"{title}ReplicaFailure", failure.get("message") or "replica failure"))
-
-    if problem is not None and problem.reason == "InvalidSpec" and not any(observed.deployments.values()):
-        ready_cond = _cond("Ready", False, "InvalidSpec", problem.message)
-    elif all(ready.values()):
-        ready_cond = _cond("Ready", True, "AllComponentsReady", "AR, DiT and gateway have available pods")
-    else:
-        missing = ", ".join(COMPONENT_TITLES[c] for c in COMPONENTS if not ready[c])
-        ready_cond = _cond("Ready", False, "ComponentsNotReady", f"not ready: {missing}")
-
-    if problem is not None:
-        progressing_cond = _cond("Progressing", False, problem.reason, problem.message)
-    elif observed_generation is None or observed_generation < generation:
-        progressing_cond = _cond("Progressing", True, "Reconciling", f"applying generation {generation}")
-    elif rolling:
-        progressing_cond = _cond("Progressing", True, "RollingUpdate", "; ".join(rolling))
-    else:
-        progressing_cond = _cond("Progressing", False, "RolloutComplete", "every component runs the current spec")
-
-    if problem is not None:
-        degraded_cond = _cond("Degraded", True, problem.reason, problem.message)
-    elif stalled:
-        degraded_cond = _cond("Degraded", True, stalled[0][0], "; ".join(m for _, m in stalled))
-    else:
-        degraded_cond = _cond("Degraded", False, "AsExpected", "no problem observed")
-
+    components = [_component_condition(c, observed.deployments.get(c), c in observed.autoscaled) for c in COMPONENTS]
+    ready = {c: cond["status"] == "True" for c, cond in zip(COMPONENTS, components)}
+    ready_cond, progressing, degraded = _summary_conditions(generation, observed_generation, observed, problem, ready)
     status: dict[str, Any] = {
-        "conditions": [ready_cond, *conditions, progressing_cond, degraded_cond],
+        "conditions": [ready_cond, *components, progressing, degraded],
         "endpoint": endpoint_url(observed.gateway_service),
     }
     for component in COMPONENTS:
@@ -207,14 +207,22 @@ def merge_conditions(old: Sequence[Mapping[str, Any]] | None, new: Sequence[dict
     return merged
 
 
-def status_changes(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
-    """The top-level status keys whose value differs (what to put in the status patch)."""
-    current = current or {}
+def status_patch(current: Mapping[str, Any], generation: int, observed: Observed, problem: Problem | None,
+                 applied: bool, now: str) -> dict[str, Any]:
+    """The status keys to patch (empty when nothing changed): :func:`compute_status` for the observed
+    children, ``lastTransitionTime`` kept where a condition did not flip (else ``now``), and
+    ``observedGeneration`` = ``generation`` only when the convergence ``applied`` this generation.
+    ``current`` is the status as read (a snapshot, not modified)."""
+    observed_generation = generation if applied else current.get("observedGeneration")
+    desired = compute_status(generation, observed_generation, observed, problem)
+    desired["conditions"] = merge_conditions(current.get("conditions"), desired["conditions"], now)
+    if applied:
+        desired["observedGeneration"] = generation
     return {key: value for key, value in desired.items() if current.get(key) != value}
 
 
 def condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
-    """The condition of ``type_`` in a status, or None."""
+    """The condition of ``type_`` in a status (a pipeline's or a Deployment's), or None."""
     for cond in (status or {}).get("conditions") or []:
         if cond.get("type") == type_:
             return cond
