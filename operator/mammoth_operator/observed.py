@@ -10,7 +10,9 @@ no entry for. Such a child is either absent (the usual case: about to be created
 hand), created moments ago (its watch event not delivered yet), or an object with the child's name
 that does not carry our label (a name conflict): only the ``GET`` tells these apart. The objects the
 convergence itself wrote are recorded with :meth:`View.wrote` and win over the indexes for the rest
-of that convergence, so the status it writes reflects its own writes.
+of that convergence, so the status it writes reflects its own writes. An optional child the spec
+no longer wants is looked up in its index only: one of ours carries the label, and one created so
+recently that its event is still on the way is deleted when that event arrives.
 """
 
 from __future__ import annotations
@@ -74,18 +76,23 @@ class View:
         self._indices = indices
         self._written: dict[tuple[str, str, str], dict[str, Any] | None] = {}
 
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        """The child as last observed (a dict as served), or None when it does not exist.
-
-        Raises:
-            kubernetes.client.exceptions.ApiException: the fallback ``GET`` failed (other than 404).
-        """
+    def indexed(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The child as this convergence wrote it or as its index holds it; None when neither has it."""
         key = (kind, namespace, name)
         if key in self._written:
             return self._written[key]
         store = self._indices[KINDS_BY_NAME[kind].index_id].get((namespace, name))
-        found = next(iter(store), None) if store else None
-        if found is not None:
+        return next(iter(store), None) if store else None
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The child as last observed (a dict as served), or None when it does not exist: as
+        :meth:`indexed`, else from one ``GET``.
+
+        Raises:
+            kubernetes.client.exceptions.ApiException: the fallback ``GET`` failed (other than 404).
+        """
+        found = self.indexed(kind, namespace, name)
+        if found is not None or (kind, namespace, name) in self._written:
             return found
         return self.children.read(KINDS_BY_NAME[kind].api_version, kind, namespace, name)
 

@@ -109,7 +109,7 @@ def _apply(view: View, body: Mapping[str, Any], targets: list[builders.Child], u
         result = kube.apply(view.children, child, observed[(child.kind, child.name)], uid)
         view.wrote(child.kind, namespace, child.name, result.obj)
         results.append(result)
-    gone = [(ref, view.get(ref.kind, namespace, ref.name)) for ref in unwanted]
+    gone = [(ref, view.indexed(ref.kind, namespace, ref.name)) for ref in unwanted]
     deleted = kube.delete_unwanted(view.children, namespace, uid, gone)
     for ref in deleted:
         view.wrote(ref.kind, namespace, ref.name, None)

@@ -14,7 +14,8 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   ``x-kubernetes-validations`` CEL rules (``cel-python``), with the operator's own implementation
   (:mod:`mammoth_operator.validation`, so admission here and the operator's re-check cannot drift);
   a violation answers 422 ``Invalid`` like the real API server;
-* a request log of writes (``writes``) to count what a client changed;
+* a request log of writes (``writes``) to count what a client changed, and of single-object reads
+  (``reads``);
 * what a real API server does where the operator's faults live: built-in defaulting
   (``emulator_semantics``: a null Deployment ``replicas`` becomes 1 ...), ``PUT`` updates,
   409 ``Conflict`` for a write carrying a stale ``metadata.resourceVersion``, the ``Table`` answer
@@ -115,6 +116,8 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     crds: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # "group/version/plural" -> CRD
     status_subresources: set[str] = attrs.field(factory=set)
     writes: list[dict[str, Any]] = attrs.field(factory=list)
+    #: ``GET`` requests of one named object (resource key, namespace, name), to count what a client read.
+    reads: list[tuple[str, str | None, str]] = attrs.field(factory=list)
     pruned: list[str] = attrs.field(factory=list)
     openapi_paths: dict[str, Any] = attrs.field(factory=dict)
     admission: bool = True  # False: store custom resources unchecked (an older CRD, a bypassed webhook)
@@ -146,6 +149,8 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         if self.stall is not None and (delay := self.stall(request)):
             await asyncio.sleep(delay)
+        if request.resource is not None and request.method == enums.method.GET and request.name:
+            self.reads.append((self._key(request), request.namespace, request.name))
         if request.resource is not None:
             self._server_side_apply(request)
             self._authorize_request(request)
