@@ -1,7 +1,8 @@
 """The CRD file: structure, defaults, status schema, and every CEL rule (accepted and rejected specs).
 
-The CEL rules run with ``cel-python`` (the emulator's admission code); every case also goes through
-the operator's own validation (:func:`mammoth_operator.spec.parse_spec`), which must agree.
+The CEL rules run with ``cel-python`` (:mod:`mammoth_operator.validation`, the code both the emulator's
+admission and the operator's re-check use); every case also goes through the operator's own parse
+(:func:`mammoth_operator.spec.parse_spec`), which must agree.
 """
 
 from __future__ import annotations
