@@ -9,6 +9,7 @@ Public entry point: :func:`run` (the ``mammoth operator`` command calls it). Mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 __all__ = ["run"]
@@ -39,10 +40,11 @@ def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None
     from mammoth_operator.handlers import register
     from mammoth_operator.metrics import start_metrics_server
 
-    config = OperatorConfig.from_env()
+    clusterwide = all_namespaces or not namespaces
+    patterns = any(c in ns for ns in namespaces or [] for c in "*?[!")
+    config = dataclasses.replace(OperatorConfig.from_env(), scan_cluster=clusterwide or patterns)
     start_metrics_server(metrics_port)
     registry = register(kopf.OperatorRegistry(), config)
-    clusterwide = all_namespaces or not namespaces
     if not all_namespaces and not namespaces:
         logger.info("No namespace given: serving all namespaces.")
     kopf.configure(verbose=False)

@@ -40,6 +40,7 @@ class OperatorConfig:
     ``images`` maps ``ar``/``dit``/``gateway`` to the image used when a pipeline leaves ``image`` empty.
     ``probe_stale_seconds``: the liveness probe fails when no reconcile or API call succeeded for
     that long (or one run takes that long). ``request_timeout`` bounds every API call (seconds).
+    ``scan_cluster``: see the field.
     Watch timeouts are in seconds:
     the server closes a watch after ``watch_server_timeout`` and the client gives up after
     ``watch_client_timeout`` (then kopf re-lists), so a silently dropped connection heals.
@@ -47,6 +48,11 @@ class OperatorConfig:
 
     images: Mapping[str, str]
     probe_stale_seconds: float = 300.0
+    #: kopf's dynamic scanning of namespaces and CRDs (needs cluster-wide list/watch on both). Off for
+    #: an operator serving named namespaces: it has no such permission, and kopf would retry the
+    #: denied listings for about a minute before serving (handlers wait for the child indexes,
+    #: whose watch streams start after that scan), then serve the named namespaces anyway.
+    scan_cluster: bool = True
     watch_server_timeout: float = 300.0
     watch_client_timeout: float = 330.0
     watch_connect_timeout: float = 10.0

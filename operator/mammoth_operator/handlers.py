@@ -62,6 +62,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: Operator
     settings.posting.level = logging.INFO
     settings.posting.reporting_component = "mammoth-operator"
     settings.execution.max_workers = 8
+    settings.scanning.disabled = not config.scan_cluster
     memo.config = config
     memo.children = kube.Children(kube.new_api_client(), timeout=config.request_timeout)
     memo.serializer = Serializer()
