@@ -8,6 +8,17 @@ environment that a newcomer would not have (no ``MAMMOTH_*``, no ``VIRTUAL_ENV``
 ``PYTHONPATH``). Only the first command runs: the second is the test command itself (this test is
 part of it). Marked ``readme`` (deselect with ``-m 'not readme'`` for a quick local run).
 
+The default run (``bash scripts/test.sh``) keeps the cheap equivalents; the two fresh-environment
+runs take minutes each and are marked ``slow`` (``bash scripts/test.sh -m slow``, docs/TESTING.md):
+
+* the set-up command's ``mammoth up --generate`` part runs in a fresh clone with an empty model
+  cache on this session's interpreter (default run); the whole command, ``scripts/setup.sh``
+  included, with a fresh ``.venv`` (``slow``; CI's own ``scripts/test.sh`` in a clean clone
+  creates a fresh ``.venv`` with the test extras every run);
+* the unit part's isolation: ``tests/unit/conftest.py`` gives the in-place unit run an empty
+  ``HOME`` and cache and fails on a skip that is not for hardware (default run); the run of
+  ``tests/unit`` in an isolated fresh clone (``slow``).
+
 The test command's unit part runs in a second fresh clone that has nothing beside it (an empty
 temporary folder, its own empty ``HOME`` and cache): 0 failures and no skip other than for missing
 hardware prove that no unit test reads data from outside the repository. It runs the pytest that
@@ -71,6 +82,7 @@ def fresh_clone(dest: pathlib.Path) -> pathlib.Path:
 HARDWARE_SKIPS = ("needs CUDA", "has no bfloat16")
 
 
+@pytest.mark.slow
 def test_readme_test_command_unit_part_in_an_isolated_clone(tmp_path_factory):
     commands = setup_commands((ROOT / "README.md").read_text())
     assert commands[1] == "bash scripts/test.sh"  # which runs `.venv/bin/python -m pytest "$@"`
@@ -102,6 +114,30 @@ def test_readme_test_command_unit_part_in_an_isolated_clone(tmp_path_factory):
     assert not not_hardware, f"skipped for another reason than missing hardware: {not_hardware}"
 
 
+#: The set-up command is ``bash scripts/setup.sh && <this part>``; the part after it is what
+#: :func:`test_readme_generate_part_in_a_fresh_clone` runs without a fresh ``.venv``.
+SETUP_PREFIX = "bash scripts/setup.sh && "
+
+
+def test_readme_generate_part_in_a_fresh_clone(tmp_path):
+    """The set-up command's ``mammoth up --generate`` part, as the README writes it, in a fresh clone
+    with an empty model cache; ``.venv`` is this session's environment, the clone's code first on
+    ``sys.path`` (the fresh ``.venv`` itself: the ``slow`` test below)."""
+    command = setup_commands((ROOT / "README.md").read_text())[0]
+    assert command.startswith(SETUP_PREFIX), command
+    clone = fresh_clone(tmp_path / "clone")
+    (clone / ".venv").symlink_to(pathlib.Path(sys.prefix), target_is_directory=True)
+    env = newcomer_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(clone), str(clone / "operator")])
+    generate = command[len(SETUP_PREFIX):]
+    proc = subprocess.run(["bash", "-c", generate], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (
+        f"`{generate}` failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    assert_generated(command, clone, proc.stdout)
+
+
+@pytest.mark.slow
 def test_readme_quick_start_in_a_fresh_clone(tmp_path):
     if shutil.which("git") is None:
         pytest.fail("git is needed to make a fresh clone")
@@ -117,7 +153,12 @@ def test_readme_quick_start_in_a_fresh_clone(tmp_path):
                           timeout=540)
     assert proc.returncode == 0, (
         f"`{command}` failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    assert_generated(command, clone, proc.stdout)
 
+
+def assert_generated(command: str, clone: pathlib.Path, stdout: str) -> None:
+    """The PNG that ``command``'s ``--output`` names exists in ``clone`` at its ``--size``, and
+    ``stdout`` has the banner and the "wrote" line."""
     output = re.search(r"--output (\S+)", command).group(1)
     size = re.search(r"--size (\d+)x(\d+)", command)
     from PIL import Image
@@ -125,4 +166,4 @@ def test_readme_quick_start_in_a_fresh_clone(tmp_path):
     data = (clone / shlex.split(output)[0]).read_bytes()
     image = Image.open(io.BytesIO(data))
     assert image.format == "PNG" and image.size == (int(size.group(1)), int(size.group(2)))
-    assert "Mammoth pipeline is up" in proc.stdout and f"wrote {output}" in proc.stdout
+    assert "Mammoth pipeline is up" in stdout and f"wrote {output}" in stdout

@@ -26,9 +26,16 @@ def observed_generation(api: Api, name: str, generation: int) -> bool:
     return bool(obj and (obj.get("status") or {}).get("observedGeneration") == generation)
 
 
-def wait_applied(api: Api, name: str, generation: int) -> dict[str, Any]:
-    wait_for(lambda: observed_generation(api, name, generation), what=f"{name} generation {generation} applied")
+def wait_applied(api: Api, name: str, generation: int, timeout: float = 20.0) -> dict[str, Any]:
+    wait_for(lambda: observed_generation(api, name, generation), timeout=timeout,
+             what=f"{name} generation {generation} applied")
     return api.pipeline(name)
+
+
+def reconcile_succeeded(log, since: int, name: str) -> bool:
+    """kopf logged "Handler 'reconcile' succeeded." for pipeline ``name`` in ``log.records[since:]``."""
+    return any((getattr(r, "k8s_ref", None) or {}).get("name") == name
+               and r.getMessage() == "Handler 'reconcile' succeeded." for r in log.records[since:])
 
 
 def patch_spec(api: Api, name: str, spec: dict[str, Any]) -> None:
@@ -141,17 +148,23 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
         for name in ("alpha", "beta", "gamma"):
             assert api.create(PIPELINES, example_pipeline(name)).status_code in (200, 201)
         for name in ("alpha", "beta", "gamma"):
-            wait_applied(api, name, 1)
+            # three pipelines' 36 children, each write admitted by the in-process emulator: give a
+            # loaded 2-core CI host time (20 s was not enough at load average 13)
+            wait_applied(api, name, 1, timeout=120.0)
     finally:
         operator.stop()
 
     patch_spec(api, "beta", {"ar": {"replicas": 3}})  # edited while the operator is down
     since = len(emulator.writes)
+    logged = len(operator_log.records)
     operator = OperatorProcess(operator_log)
     operator.start()
     try:
-        wait_applied(api, "beta", 2)
-        time.sleep(1.5)  # let resume handlers and a few status timers run for all three
+        wait_applied(api, "beta", 2, timeout=120.0)
+        # the resume handler has run to completion for all three (not a fixed sleep: under load a
+        # sleep could end before alpha's and gamma's resume ran, and the test would check nothing)
+        wait_for(lambda: all(reconcile_succeeded(operator_log, logged, n) for n in ("alpha", "beta", "gamma")),
+                 timeout=120.0, what="the resume handler succeeded for alpha, beta and gamma")
         for name in ("alpha", "gamma"):
             assert api.pipeline(name)["status"]["observedGeneration"] == 1
     finally:
