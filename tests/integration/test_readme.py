@@ -40,6 +40,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+from isolation import is_hardware_skip, newcomer_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,14 +62,6 @@ def test_readme_has_the_two_setup_commands():
     assert commands[1] == "bash scripts/test.sh"
 
 
-def newcomer_env(home: pathlib.Path) -> dict[str, str]:
-    """This session's environment without what a newcomer would not have (``MAMMOTH_*``, venvs)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MAMMOTH_", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA"))}
-    env["XDG_CACHE_HOME"] = str(home / ".cache")  # no built-in checkpoint from earlier runs
-    return env
-
-
 def fresh_clone(dest: pathlib.Path) -> pathlib.Path:
     """``git clone`` of this repository's committed HEAD into ``dest`` (checked: same commit)."""
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(dest)], check=True, timeout=120)
@@ -76,10 +69,6 @@ def fresh_clone(dest: pathlib.Path) -> pathlib.Path:
     assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=dest, capture_output=True,
                           text=True).stdout == head, "the clone is not of this checkout's HEAD"
     return dest
-
-
-#: Skip reasons that mean "this machine lacks the hardware", never "data is missing".
-HARDWARE_SKIPS = ("needs CUDA", "has no bfloat16")
 
 
 @pytest.mark.slow
@@ -110,7 +99,7 @@ def test_readme_test_command_unit_part_in_an_isolated_clone(tmp_path_factory):
     assert int(suite.get("failures")) == 0 and int(suite.get("errors")) == 0, tail
     assert int(suite.get("tests")) > 150, tail  # the unit tests were collected, not an empty run
     skips = [s.get("message", "") for s in suite.iter("skipped")]
-    not_hardware = [m for m in skips if not any(h in m for h in HARDWARE_SKIPS)]
+    not_hardware = [m for m in skips if not is_hardware_skip(m)]
     assert not not_hardware, f"skipped for another reason than missing hardware: {not_hardware}"
 
 
@@ -144,9 +133,7 @@ def test_readme_quick_start_in_a_fresh_clone(tmp_path):
     command = setup_commands((ROOT / "README.md").read_text())[0]
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MAMMOTH_", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA"))}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # no built-in checkpoint from earlier runs
+    env = newcomer_env(tmp_path)
     # pip's own download cache stays where it is (a newcomer's pip has one too)
     env.setdefault("PIP_CACHE_DIR", os.path.expanduser("~/.cache/pip"))
     proc = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True,
