@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, CI): set up .venv with test extras, fetch helm/kubectl, run pytest.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`. The default run leaves
+# out the tests marked `slow` (pyproject.toml addopts); `bash scripts/test.sh -m slow` runs only
+# those, `-m "slow or not slow"` everything (docs/TESTING.md). No test collected is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test

@@ -144,17 +144,19 @@ class Cluster:
         return self._spawn(role, argv)
 
     def gateway(self, ars: list[Proc], dits: list[Proc], *extra: str,
-                health_interval: float | None = 0.2, nofile: int | None = None) -> Proc:
+                health_interval: float | None = 0.2, nofile: int | None = None,
+                request_timeout: float = REQUEST_TIMEOUT) -> Proc:
         """Start ``mammoth gateway`` on a free port; ready once >= 1 AR and >= 1 DiT are SERVING.
 
         ``health_interval`` (seconds) is the gateway's health poll period; None keeps the default
         setting (the fault-timing tests measure at default settings). ``nofile``: the process's
-        open-file limit (``RLIMIT_NOFILE``), default inherited.
+        open-file limit (``RLIMIT_NOFILE``), default inherited. ``request_timeout``: the gateway's
+        request budget, seconds.
         """
         argv = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                 "--ar", ",".join(p.address for p in ars), "--dit", ",".join(p.address for p in dits),
                 "--default-steps", str(STEPS), "--default-size", SIZE, "--min-pixels", "1024",
-                "--request-timeout-seconds", str(REQUEST_TIMEOUT), *extra]
+                "--request-timeout-seconds", str(request_timeout), *extra]
         if health_interval is not None:
             argv += ["--health-interval-seconds", str(health_interval)]
         return self._spawn("gateway", argv, nofile=nofile)
