@@ -98,6 +98,7 @@ def test_rejects_mismatched_shapes(da):
                             pos, start, 64, 1.0)
 
 
+@pytest.mark.slow  # ~80 s in Triton's CPU interpreter (docs/TESTING.md)
 def test_batched_decoder_with_the_fused_kernel_matches_the_reference(da, request):
     """The decoder's vectorised path with the fused kernel: staggered requests of different grids
     give the B=1 reference's tokens, rows within float32 rounding."""
