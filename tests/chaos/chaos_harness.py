@@ -271,9 +271,17 @@ def sse_events(lines) -> list[dict]:
     return events
 
 
+#: ``reference_image`` results of this test session, by seed: every cluster serves the same tiny
+#: checkpoint at the same gateway defaults, so the image without faults is the same bytes on each.
+_REFERENCES: dict[int, str] = {}
+
+
 def reference_image(url: str, seed: int = 5) -> str:
     """``b64_json`` of the ``BIG`` image for ``seed`` from a run without faults (the image a run
-    with a failover must equal byte for byte)."""
-    response = image_request(url, seed=seed, size=BIG, timeout=120.0)
-    assert response.status_code == 200, response.text[:500]
-    return response.json()["data"][0]["b64_json"]
+    with a failover must equal byte for byte). Computed by the first test that asks (on its
+    cluster at ``url``), then reused: a ``BIG`` request fewer per test."""
+    if seed not in _REFERENCES:
+        response = image_request(url, seed=seed, size=BIG, timeout=120.0)
+        assert response.status_code == 200, response.text[:500]
+        _REFERENCES[seed] = response.json()["data"][0]["b64_json"]
+    return _REFERENCES[seed]
