@@ -162,9 +162,11 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
     try:
         wait_applied(api, "beta", 2, timeout=120.0)
         # the resume handler has run to completion for all three (not a fixed sleep: under load a
-        # sleep could end before alpha's and gamma's resume ran, and the test would check nothing)
+        # sleep could end before alpha's and gamma's resume ran, and the test would check nothing).
+        # Idle: about a second. At load average 13 the in-process emulator answered so slowly that
+        # the resume's API calls timed out and were retried for over 120 s.
         wait_for(lambda: all(reconcile_succeeded(operator_log, logged, n) for n in ("alpha", "beta", "gamma")),
-                 timeout=120.0, what="the resume handler succeeded for alpha, beta and gamma")
+                 timeout=240.0, what="the resume handler succeeded for alpha, beta and gamma")
         for name in ("alpha", "gamma"):
             assert api.pipeline(name)["status"]["observedGeneration"] == 1
     finally:
