@@ -390,8 +390,8 @@ def test_inline_engine_on_cuda_alone_equals_batched(model, tokenizer, padded, dt
     staggered batch (bucket mode: batch 1 alone, 2..8 batched, so every GEMV runs at another M).
 
     Not claimed: float32 bucket mode on the GPU (on the H200, 2026-12-01, its rows differed alone and
-    batched: float32 GEMMs there are cuBLAS calls whose kernel depends on M). The served mode is the
-    padded one, batch-invariant in both dtypes."""
+    batched; the cause is not found yet). The served mode is the padded one, batch-invariant in both
+    dtypes; bf16 bucket mode held too."""
     import copy
 
     gpu_model = copy.deepcopy(model).to("cuda", dtype)
