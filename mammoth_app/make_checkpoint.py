@@ -59,7 +59,13 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     64 with 2+2 layers, a 16-channel 8x VAE); the vocabulary comes from the tokenizer files written
     beside it (``tokens``, from `stage_ar.tokenization_mammoth.write_tokenizer_files`).
     """
-    llm = {
+    config = _tiny_model_config(_tiny_llm_config(tokens))
+    return config, _tiny_generation_config(tokens)
+
+
+def _tiny_llm_config(tokens: dict[str, Any]) -> dict[str, Any]:
+    """The tiny checkpoint's ``llm_config`` (hidden 64, 4 layers, experts on 2-3; ids from ``tokens``)."""
+    return {
         "architectures": ["Mammothmoda2Qwen2_5_VLForConditionalGeneration"],
         "model_type": "mammothmoda2_qwen2_5_vl",
         "attention_dropout": 0.0,
@@ -90,7 +96,12 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         "vision_end_token_id": tokens["vision_end_token_id"],
         "vision_config": _tiny_vision_config(),
     }
-    config = {
+
+
+def _tiny_model_config(llm: dict[str, Any]) -> dict[str, Any]:
+    """The tiny checkpoint's ``config.json`` around ``llm`` (DiT hidden 64 with 2+2 layers, a
+    16-channel 8x VAE, a 2-layer condition refiner)."""
+    return {
         "architectures": ["Mammothmoda2Model"],
         "model_type": "mammothmoda2",
         "torch_dtype": "float32",
@@ -147,7 +158,11 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
             "use_quant_conv": False,
         },
     }
-    generation = {
+
+
+def _tiny_generation_config(tokens: dict[str, Any]) -> dict[str, Any]:
+    """The tiny checkpoint's ``t2i_generation_config.json`` (grid ids from ``tokens``; sampling off)."""
+    return {
         "eol_token_id": tokens["eol_token_id"],
         "visual_token_start_id": tokens["visual_token_start_id"],
         "visual_token_end_id": tokens["visual_token_end_id"],
@@ -159,7 +174,6 @@ def tiny_config(tokens: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
         "top_p": 1.0,
         "cfg_scale": 0.0,
     }
-    return config, generation
 
 
 #: Token ids of the real MammothModa2-Preview tokenizer (MODEL.md; Qwen2.5 base vocabulary).

@@ -8,7 +8,7 @@ The YAML file holds flat ``snake_case`` keys that apply to every component, plus
 ``ar:``, ``dit:``, ``gateway:`` whose keys override the flat ones for that component. A flat key of
 another component is ignored silently (a shared ConfigMap carries keys for every component); a key
 that no component reads (a misspelling, or anything under an ``operator:`` section, which no
-component reads) is ignored with a warning naming it (`unknown_config_keys`).
+component reads) is ignored with a warning naming it (`mammoth_core.config_keys.unknown_config_keys`).
 
 Values are validated by pydantic against each field's type and the constraints in its metadata
 (``choices``, ``ge``/``gt``/``le``/``lt``): strings from flags and the environment become typed
@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from mammoth_core import limits
+from mammoth_core import config_keys, limits
 # SettingsError is defined with the validation and imported from here by every caller.
 from mammoth_core.settings_values import SettingsError, check_fields, validate_values  # noqa: F401
 
@@ -420,39 +420,6 @@ def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
     return flat
 
 
-def unknown_config_keys(path: str | os.PathLike) -> list[str]:
-    """Keys of a YAML settings file that no component reads, each with a suggestion when one is close.
-
-    A flat key is known when any of `ARSettings`, `DiTSettings`, `GatewaySettings` has it; a key in
-    an ``ar:``/``dit:``/``gateway:`` section when that component has it; a key in an ``operator:``
-    section never (no component reads it: the operator takes flags and ``MAMMOTH_OPERATOR_*``).
-    Returns lines such as ``"'slot' (did you mean 'slots'?)"`` or ``"gateway.prot (did you mean 'port'?)"``.
-    """
-    import difflib
-
-    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        return []
-    classes = {c.section: {f.name for f in dataclasses.fields(c)} for c in (ARSettings, DiTSettings, GatewaySettings)}
-    everything = set().union(*classes.values())
-    found = []
-
-    def check(key: str, known: set[str], shown: str) -> None:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            found.append(shown + (f" (did you mean {close[0]!r}?)" if close else ""))
-
-    for key, value in data.items():
-        if key in classes and isinstance(value, dict):
-            for sub in value:
-                check(str(sub), classes[key], f"{key}.{sub}")
-        elif key == "operator" and isinstance(value, dict):
-            found += [f"operator.{sub} (no component reads an operator: section)" for sub in value]
-        else:
-            check(str(key), everything, repr(key))
-    return found
-
-
 def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     """Add one ``--flag`` per settings field (default SUPPRESS, so explicit flags are detectable)."""
     parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file")
@@ -493,7 +460,7 @@ def resolve_settings(
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, tuple[Any, str]] = {}  # name -> (raw value, where it came from)
     if config_file:
-        for unknown in unknown_config_keys(config_file) if warn_unknown_keys else ():
+        for unknown in config_keys.unknown_config_keys(config_file) if warn_unknown_keys else ():
             logger.warning("config file %s: unknown key %s is ignored", config_file, unknown)
         for key, value in read_config_file(config_file, cls.section).items():
             if key in names:

@@ -235,7 +235,7 @@ def test_gateway_service_uses_client_ip_affinity_for_url_images():
 
 def test_every_key_the_operator_writes_is_read_by_a_component(tmp_path):
     """The ConfigMap's pipeline.yaml has no key the settings ignore (and so no hash over dead keys)."""
-    from mammoth_core.settings import unknown_config_keys
+    from mammoth_core.config_keys import unknown_config_keys
 
     for variant, spec in VARIANTS.items():
         path = tmp_path / f"{variant}.yaml"
