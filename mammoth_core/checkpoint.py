@@ -182,6 +182,20 @@ class Checkpoint:
 
     # -- loading ------------------------------------------------------------------------------
 
+    def _load_problems(self, prefix: str, wanted: dict[str, tuple[int, ...]], stored: dict[str, str]) -> list[str]:
+        """Every missing, unexpected and mis-shaped tensor of a strict load under ``prefix``
+        (``wanted``: the module's state-dict shapes; ``stored``: names minus prefix -> shard file)."""
+        problems = [f"missing tensor {prefix}{k}" for k in sorted(set(wanted) - set(stored))]
+        problems += [f"unexpected tensor {prefix}{k}" for k in sorted(set(stored) - set(wanted))]
+        infos = self.tensor_infos(prefix)  # raises when index and shards disagree
+        for key in sorted(set(wanted) & set(stored)):
+            got_shape = infos[prefix + key].shape
+            if wanted[key] != tuple(got_shape):
+                problems.append(
+                    f"mis-shaped tensor {prefix}{key}: checkpoint {list(got_shape)}, model expects {list(wanted[key])}"
+                )
+        return problems
+
     def load_module(
         self,
         module: Any,
@@ -212,16 +226,7 @@ class Checkpoint:
             for name, file in self._index.items()
             if name.startswith(prefix) and not name.startswith(skip)
         }
-        problems = [f"missing tensor {prefix}{k}" for k in sorted(set(wanted) - set(stored))]
-        problems += [f"unexpected tensor {prefix}{k}" for k in sorted(set(stored) - set(wanted))]
-        infos = self.tensor_infos(prefix)  # raises when index and shards disagree
-        for key in sorted(set(wanted) & set(stored)):
-            want_shape = tuple(wanted[key].shape)
-            got_shape = infos[prefix + key].shape
-            if want_shape != got_shape:
-                problems.append(
-                    f"mis-shaped tensor {prefix}{key}: checkpoint {list(got_shape)}, model expects {list(want_shape)}"
-                )
+        problems = self._load_problems(prefix, {k: tuple(v.shape) for k, v in wanted.items()}, stored)
         if problems:
             raise CheckpointError(self.path, problems)
 

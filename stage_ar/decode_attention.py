@@ -135,6 +135,21 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def _check_layout(q, k_new, v_new, k_cache, v_cache, length: int) -> None:  # noqa: ANN001 - tensors
+    """`decode_attention`'s shape and stride rules (its docstring); raises ValueError naming them."""
+    b, heads, head_dim = q.shape
+    kv_heads = k_new.shape[1]
+    if heads % kv_heads or k_cache.shape[1] != kv_heads or k_cache.shape[-1] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, cache {tuple(k_cache.shape)} do not match")
+    if length > k_cache.shape[2] or k_cache.shape[0] < b:
+        raise ValueError(f"length {length} / batch {b} beyond the cache {tuple(k_cache.shape)}")
+    for t in (q, k_new, v_new, k_cache, v_cache):
+        if t.stride(-1) != 1:
+            raise ValueError("decode_attention needs the head dimension contiguous")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("key and value caches must share one layout")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -170,17 +185,9 @@ def decode_attention(
     """
     if triton is None:
         raise RuntimeError("decode_attention needs triton (a CUDA build of torch ships it)")
+    _check_layout(q, k_new, v_new, k_cache, v_cache, length)
     b, heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
-    if heads % kv_heads or k_cache.shape[1] != kv_heads or k_cache.shape[-1] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, cache {tuple(k_cache.shape)} do not match")
-    if length > k_cache.shape[2] or k_cache.shape[0] < b:
-        raise ValueError(f"length {length} / batch {b} beyond the cache {tuple(k_cache.shape)}")
-    for t in (q, k_new, v_new, k_cache, v_cache):
-        if t.stride(-1) != 1:
-            raise ValueError("decode_attention needs the head dimension contiguous")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("key and value caches must share one layout")
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     n_splits = triton.cdiv(length, SPLIT)

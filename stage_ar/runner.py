@@ -97,6 +97,26 @@ class _Slot:
     needs_sort: bool = True  # top-k or top-p in use
 
 
+def _check_grid_ids(cfg, eol: int, vstart: int, vend: int, exact_rows: bool | None) -> bool | None:
+    """Validate the grid vocabulary against the model config; returns ``exact_rows`` (forced True,
+    with a warning, when the grid ids are not generation ids).
+
+    Raises:
+        ValueError: an empty visual range, ids past the vocabulary, or ``exact_rows=False`` with
+            grid ids that are not generation ids.
+    """
+    if not vstart < vend:
+        raise ValueError("empty visual range")
+    if min(eol, vstart) < cfg.gen_vocab_start_index:
+        if exact_rows is False:
+            raise ValueError("batched rows need EOL and visual codes to be generation ids")
+        logger.warning("grid ids are not generation ids: stepping each request with its own forward")
+        exact_rows = True
+    if vend > cfg.full_vocab_size:
+        raise ValueError(f"visual_token_end_id {vend} > vocabulary {cfg.full_vocab_size}")
+    return exact_rows
+
+
 class ARModelRunner:
     """Continuous-batching decode state over a `KVPool`.
 
@@ -143,15 +163,7 @@ class ARModelRunner:
         fused_attention: bool | None = None,
     ) -> None:
         cfg = model.config
-        if not visual_token_start_id < visual_token_end_id:
-            raise ValueError("empty visual range")
-        if min(eol_token_id, visual_token_start_id) < cfg.gen_vocab_start_index:
-            if exact_rows is False:
-                raise ValueError("batched rows need EOL and visual codes to be generation ids")
-            logger.warning("grid ids are not generation ids: stepping each request with its own forward")
-            exact_rows = True
-        if visual_token_end_id > cfg.full_vocab_size:
-            raise ValueError(f"visual_token_end_id {visual_token_end_id} > vocabulary {cfg.full_vocab_size}")
+        exact_rows = _check_grid_ids(cfg, eol_token_id, visual_token_start_id, visual_token_end_id, exact_rows)
         param = model.lm_head.weight
         self.model = model
         self.device, self.dtype = param.device, param.dtype
@@ -182,8 +194,15 @@ class ARModelRunner:
         self.scale = cfg.head_dim**-0.5
         self._slots: dict[int, _Slot] = {}  # by conditional slot
         self.steps_launched = 0
+        self._allocate_slot_state(num_slots)
+        # by (batch bucket, key length, sorted sampler)
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._graph_pool = None
+        self.jacobi = JacobiVerifier(self)  # the ``jacobi`` sequences' windows (stage_ar.jacobi)
 
-        dev, n = self.device, num_slots
+    def _allocate_slot_state(self, n: int) -> None:
+        """The persistent per-slot inputs the captured steps read and write (``n`` slots)."""
+        dev = self.device
         i64 = dict(device=dev, dtype=torch.long)
         self.next_token = torch.full((n,), self.eol, **i64)
         self.cache_pos = torch.zeros(n, **i64)
@@ -193,10 +212,6 @@ class ARModelRunner:
         self.rows = torch.arange(n, **i64)
         self.sampler = GridSampler(self.eol, self.vstart, self.vend, dev)
         self.sampling = SamplingState.allocate(n, self.vocab, self.capacity + 1, dev)
-        # by (batch bucket, key length, sorted sampler)
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self._graph_pool = None
-        self.jacobi = JacobiVerifier(self)  # the ``jacobi`` sequences' windows (stage_ar.jacobi)
 
     # ---- set-up ---------------------------------------------------------------------------------
 

@@ -210,22 +210,7 @@ def masked_attention(
     if key_lengths is not None:
         if len(key_lengths) != b:
             raise ValueError(f"key_lengths has {len(key_lengths)} entries for batch {b}")
-        lengths = [sk if n <= 0 else min(int(n), sk) for n in key_lengths]  # all masked -> all keys
-        if all(n == sk for n in lengths):
-            out = _sdpa(q, k, v, groups, scale)
-        else:
-            out = q.new_empty(b, heads, sq, d)
-            for n in sorted(set(lengths)):
-                idx = [i for i, m in enumerate(lengths) if m == n]
-                if len(idx) == b:
-                    out = _sdpa(q, k[:, :, :n], v[:, :, :n], groups, scale)
-                    break
-                if idx == list(range(idx[0], idx[-1] + 1)):
-                    rows = slice(idx[0], idx[-1] + 1)
-                    out[rows] = _sdpa(q[rows], k[rows, :, :n], v[rows, :, :n], groups, scale)
-                else:
-                    sel = torch.tensor(idx, device=q.device)
-                    out[sel] = _sdpa(q[sel], k[sel, :, :n], v[sel, :, :n], groups, scale)
+        out = _attention_by_lengths(q, k, v, key_lengths, groups, scale)
         return out.transpose(1, 2).reshape(b, sq, heads * d)
     attn_mask = None
     if key_mask is not None:
@@ -239,6 +224,30 @@ def masked_attention(
     else:
         out = _sdpa(q, k, v, groups, scale)
     return out.transpose(1, 2).reshape(b, sq, heads * d)
+
+
+def _attention_by_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: Sequence[int],
+                          groups: int, scale: float) -> torch.Tensor:
+    """`masked_attention`'s right-padding path over ``(b, heads, s, d)`` tensors: one unmasked SDPA
+    call per distinct key length (element ``i`` attends over its first ``key_lengths[i]`` keys; 0 or
+    fewer = all keys); returns ``(b, heads, s_q, d)``."""
+    b, heads, sq, d = q.shape
+    sk = k.shape[2]
+    lengths = [sk if n <= 0 else min(int(n), sk) for n in key_lengths]  # all masked -> all keys
+    if all(n == sk for n in lengths):
+        return _sdpa(q, k, v, groups, scale)
+    out = q.new_empty(b, heads, sq, d)
+    for n in sorted(set(lengths)):
+        idx = [i for i, m in enumerate(lengths) if m == n]
+        if len(idx) == b:
+            return _sdpa(q, k[:, :, :n], v[:, :, :n], groups, scale)
+        if idx == list(range(idx[0], idx[-1] + 1)):
+            rows = slice(idx[0], idx[-1] + 1)
+            out[rows] = _sdpa(q[rows], k[rows, :, :n], v[rows, :, :n], groups, scale)
+        else:
+            sel = torch.tensor(idx, device=q.device)
+            out[sel] = _sdpa(q[sel], k[sel, :, :n], v[sel, :, :n], groups, scale)
+    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale: float) -> torch.Tensor:

@@ -240,18 +240,11 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         temb_dim = min(hidden_size, 1024)
         patch_dim = patch_size * patch_size * in_channels
 
-        def blocks(modulation: bool) -> nn.ModuleList:
+        def blocks(count: int, modulation: bool = True) -> nn.ModuleList:
             return nn.ModuleList(
-                MammothTransformerBlock(
-                    hidden_size,
-                    num_attention_heads,
-                    num_kv_heads,
-                    multiple_of,
-                    ffn_dim_multiplier,
-                    norm_eps,
-                    modulation=modulation,
-                )
-                for _ in range(num_refiner_layers)
+                MammothTransformerBlock(hidden_size, num_attention_heads, num_kv_heads, multiple_of,
+                                        ffn_dim_multiplier, norm_eps, modulation=modulation)
+                for _ in range(count)
             )
 
         self.x_embedder = nn.Linear(patch_dim, hidden_size)
@@ -259,15 +252,10 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         self.time_caption_embed = CombinedTimestepCaptionEmbedding(
             hidden_size, llm_hidden_size or text_feat_dim, timestep_scale=timestep_scale
         )
-        self.noise_refiner = blocks(modulation=True)
-        self.ref_image_refiner = blocks(modulation=True)
-        self.context_refiner = blocks(modulation=False)
-        self.layers = nn.ModuleList(
-            MammothTransformerBlock(
-                hidden_size, num_attention_heads, num_kv_heads, multiple_of, ffn_dim_multiplier, norm_eps
-            )
-            for _ in range(num_layers)
-        )
+        self.noise_refiner = blocks(num_refiner_layers)
+        self.ref_image_refiner = blocks(num_refiner_layers)
+        self.context_refiner = blocks(num_refiner_layers, modulation=False)
+        self.layers = blocks(num_layers)
         self.norm_out = LayerNormContinuous(hidden_size, temb_dim, patch_size * patch_size * self.out_channels)
         self.image_index_embedding = nn.Parameter(torch.zeros(5, hidden_size))
         self._rope_cache: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
