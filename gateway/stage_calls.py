@@ -222,7 +222,7 @@ class StageCalls:
         request = pb.ARGenerateRequest(
             request_id=pipeline_id, epoch=epoch, prompt=job.prompt,
             negative_prompt=job.negative_prompt, width=job.width, height=job.height, seed=seed,
-            sampling=pb.SamplingParams(), ar_guidance_scale=job.ar_guidance_scale,
+            ar_guidance_scale=job.ar_guidance_scale,
             dit_address=dit.address, reservation_token=token, grid_width=job.ar_grid[0],
             grid_height=job.ar_grid[1], decoding=decoding.to_proto(job.decoding))
         backoff = 0.05

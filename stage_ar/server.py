@@ -184,9 +184,6 @@ def validate_request(request: pb.ARGenerateRequest) -> str | None:
         return "dit_address is required"
     if not request.reservation_token:
         return "reservation_token is required"
-    s = request.sampling
-    if s.temperature < 0 or s.top_p < 0 or s.top_p > 1:
-        return "sampling: temperature must be >= 0 and top_p in [0, 1]"
     try:
         decoding.from_proto(request.decoding)
     except ValueError as exc:

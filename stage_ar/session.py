@@ -151,11 +151,11 @@ class ARSession:
 
     def _job(self, deadline_s: float | None) -> DecodeJob:
         r, plan = self.plan.request, self.plan
-        s = r.sampling
         return DecodeJob(
             request_id=r.request_id, epoch=r.epoch, prompt_ids=plan.prompt_ids, negative_ids=plan.negative_ids,
-            ar_width=plan.grid[0], ar_height=plan.grid[1], seed=r.seed, temperature=s.temperature,
-            top_k=s.top_k, top_p=s.top_p, ar_guidance_scale=r.ar_guidance_scale, sink=ProtoRoleSink(self.sender),
+            ar_width=plan.grid[0], ar_height=plan.grid[1], seed=r.seed,
+            temperature=0.0, top_k=0, top_p=0.0,  # 0: the checkpoint's generation config samples
+            ar_guidance_scale=r.ar_guidance_scale, sink=ProtoRoleSink(self.sender),
             on_progress=lambda done, total: self._post(DecodeProgress(done, total)),
             on_done=self._on_done,
             deadline=None if deadline_s is None else time.monotonic() + deadline_s,

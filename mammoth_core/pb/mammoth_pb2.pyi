@@ -257,16 +257,6 @@ class PushConditionsResponse(_message.Message):
     chunks_accepted: int
     def __init__(self, rows_accepted: _Optional[int] = ..., negative_rows_accepted: _Optional[int] = ..., chunks_accepted: _Optional[int] = ...) -> None: ...
 
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
-
 class DecodingParams(_message.Message):
     __slots__ = ("mode", "window", "token_reuse", "spatial_init")
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -280,7 +270,7 @@ class DecodingParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[ARDecodingMode, str]] = ..., window: _Optional[int] = ..., token_reuse: _Optional[bool] = ..., spatial_init: _Optional[bool] = ...) -> None: ...
 
 class ARGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "sampling", "ar_guidance_scale", "dit_address", "reservation_token", "grid_width", "grid_height", "decoding")
+    __slots__ = ("request_id", "epoch", "prompt", "negative_prompt", "width", "height", "seed", "ar_guidance_scale", "dit_address", "reservation_token", "grid_width", "grid_height", "decoding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -288,7 +278,6 @@ class ARGenerateRequest(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     AR_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     DIT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -302,14 +291,13 @@ class ARGenerateRequest(_message.Message):
     width: int
     height: int
     seed: int
-    sampling: SamplingParams
     ar_guidance_scale: float
     dit_address: str
     reservation_token: str
     grid_width: int
     grid_height: int
     decoding: DecodingParams
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ..., grid_width: _Optional[int] = ..., grid_height: _Optional[int] = ..., decoding: _Optional[_Union[DecodingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., ar_guidance_scale: _Optional[float] = ..., dit_address: _Optional[str] = ..., reservation_token: _Optional[str] = ..., grid_width: _Optional[int] = ..., grid_height: _Optional[int] = ..., decoding: _Optional[_Union[DecodingParams, _Mapping]] = ...) -> None: ...
 
 class ARProgress(_message.Message):
     __slots__ = ("prompt_tokens", "tokens_generated", "total_tokens", "rows_sent")
