@@ -16,11 +16,16 @@ tests run 1 round in CI and 5 with ``MAMMOTH_CHAOS_FULL=1``.
 
 from __future__ import annotations
 
+import pytest
+
 import concurrent.futures
 import time
 
 from chaos_harness import (BIG, assert_envelope, count, image_request, reference_image,
                            sse_events, stream_until_ar_progress, wait_for)
+
+#: minutes of real-process kills per run: behind `slow` (docs/TESTING.md)
+pytestmark = pytest.mark.slow
 
 #: kill -9 rounds per test (the killed stage is restarted between rounds): 1 in CI, 5 in full.
 ROUNDS = count(1, 5)

@@ -4,6 +4,8 @@ failure before the DiT had every row) or fail fast with an OpenAI error envelope
 
 from __future__ import annotations
 
+import pytest
+
 import concurrent.futures
 import time
 
@@ -11,6 +13,9 @@ import httpx
 
 from chaos_harness import (BIG, assert_envelope, image_request, reference_image, sse_events,
                            stream_until_ar_progress, wait_for)
+
+#: minutes of real-process kills per run: behind `slow` (docs/TESTING.md)
+pytestmark = pytest.mark.slow
 
 
 def test_kill9_one_of_two_ars_mid_stream_succeeds_on_the_other(cluster):
