@@ -59,17 +59,10 @@ def build_pipeline(tiny: bool):
         config, _ = tiny_config(dict(PREVIEW_TOKENS))
         modules = build_dit_modules(config, device="cpu", dtype=torch.float32)
         return MammothDiTPipeline(modules, config, device="cpu", dtype=torch.float32)
-    from benchmarks.full_size import random_init_
+    from benchmarks.full_size import random_preview_dit_pipeline
 
     config, _ = preview_config()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        modules = build_dit_modules(config, device="cuda", dtype=torch.bfloat16)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    for i, module in enumerate(modules.named_modules_by_prefix().values()):
-        random_init_(module, 2 + i)
-    return MammothDiTPipeline(modules, config, device="cuda", dtype=torch.bfloat16)
+    return random_preview_dit_pipeline(config)
 
 
 def timed_ms(fn, repeat: int, cuda: bool) -> float:
