@@ -34,11 +34,7 @@ from mammoth_core.distributed import GroupRank
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 
-__all__ = ["RankARConfig", "TensorParallel", "shard_ar_model_"]
-
-
-#: This rank's place in the tensor-parallel group (`mammoth_core.distributed.GroupRank`).
-TensorParallel = GroupRank
+__all__ = ["RankARConfig", "shard_ar_model_"]
 
 
 @dataclass
@@ -58,7 +54,7 @@ class RankARConfig(MammothARConfig):
         return self.full_head_dim
 
 
-def _rank_config(config: MammothARConfig, tp: TensorParallel) -> RankARConfig:
+def _rank_config(config: MammothARConfig, tp: GroupRank) -> RankARConfig:
     n = tp.world_size
     kept = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     kept.update(
@@ -78,13 +74,13 @@ def _check_divisible(config: MammothARConfig, n: int) -> None:
             raise ValueError(f"tensor_parallel_size {n} does not divide {name} {value}")
 
 
-def _rank_rows(t: torch.Tensor, sizes: tuple[int, ...], tp: TensorParallel) -> torch.Tensor:
+def _rank_rows(t: torch.Tensor, sizes: tuple[int, ...], tp: GroupRank) -> torch.Tensor:
     """Of each consecutive part (``sizes`` rows along dim 0) keep this rank's ``1/N`` share."""
     parts = torch.split(t, list(sizes), dim=0)
     return torch.cat([p.chunk(tp.world_size, dim=0)[tp.rank] for p in parts], dim=0).contiguous()
 
 
-def _shard_output_(linear: nn.Linear, sizes: tuple[int, ...], tp: TensorParallel) -> None:
+def _shard_output_(linear: nn.Linear, sizes: tuple[int, ...], tp: GroupRank) -> None:
     """Column parallel: keep this rank's rows of each stacked part of ``weight`` and ``bias``."""
     linear.weight = nn.Parameter(_rank_rows(linear.weight.data, sizes, tp), requires_grad=False)
     if linear.bias is not None:
@@ -92,7 +88,7 @@ def _shard_output_(linear: nn.Linear, sizes: tuple[int, ...], tp: TensorParallel
     linear.out_features = linear.weight.shape[0]
 
 
-def _shard_input_(linear: nn.Linear, tp: TensorParallel) -> None:
+def _shard_input_(linear: nn.Linear, tp: GroupRank) -> None:
     """Row parallel: keep this rank's input columns; the partial outputs are summed by a forward
     hook (one all-reduce). A bias would be added ``N`` times, so there must be none."""
     if linear.bias is not None:
@@ -103,7 +99,7 @@ def _shard_input_(linear: nn.Linear, tp: TensorParallel) -> None:
     linear.register_forward_hook(lambda _module, _inputs, output: tp.all_reduce_(output))
 
 
-def shard_ar_model_(model: MammothARForCausalLM, tp: TensorParallel) -> MammothARForCausalLM:
+def shard_ar_model_(model: MammothARForCausalLM, tp: GroupRank) -> MammothARForCausalLM:
     """Shard ``model`` in place for ``tp`` (see the module docstring) and return it.
 
     Every rank must call it on identical weights. Afterwards ``model.config`` is this rank's

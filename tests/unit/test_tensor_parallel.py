@@ -69,11 +69,12 @@ def _worker(rank: int, init_file: str, tok_dir: str, result_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        from stage_ar.tensor_parallel import RankARConfig, TensorParallel, shard_ar_model_
+        from mammoth_core.distributed import GroupRank
+        from stage_ar.tensor_parallel import RankARConfig, shard_ar_model_
 
         model = _load()
         reference = _outputs(model, tok_dir)
-        tp = TensorParallel.from_group()
+        tp = GroupRank.from_group()
         shard_ar_model_(model, tp)
         assert isinstance(model.config, RankARConfig) and model.config.num_key_value_heads == 1
         sharded = _outputs(model, tok_dir)
@@ -112,9 +113,10 @@ def test_every_rank_holds_the_same_outputs(results):
 
 
 def test_sharding_refuses_what_it_cannot_split():
-    from stage_ar.tensor_parallel import TensorParallel, shard_ar_model_
+    from mammoth_core.distributed import GroupRank
+    from stage_ar.tensor_parallel import shard_ar_model_
 
     model = _load()  # 4 query heads, 2 key/value heads
     with pytest.raises(ValueError, match="num_key_value_heads 2"):
-        shard_ar_model_(model, TensorParallel(rank=0, world_size=4))
-    assert shard_ar_model_(model, TensorParallel(rank=0, world_size=1)) is model
+        shard_ar_model_(model, GroupRank(rank=0, world_size=4))
+    assert shard_ar_model_(model, GroupRank(rank=0, world_size=1)) is model
