@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from mammoth_core.cuda_streams import side_stream
 from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
 from stage_ar.generation import T2ISequence
 from stage_ar.jacobi import JacobiVerifier, WindowResult
@@ -261,7 +262,7 @@ class ARModelRunner:
         if not self.cuda_graphs or self._graphs:
             return
         torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(self.device)
+        stream = side_stream(self.device, "graph-warm-up")  # one per process: see mammoth_core.cuda_streams
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             # warm-up off the capture: compilation, cuBLAS handles, attention kernels

@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from mammoth_core.cuda_streams import side_stream
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BLOCKS = 64
@@ -60,7 +62,6 @@ class StagingPool:
 
 _default_pools: dict[tuple[bool, int], StagingPool] = {}
 _default_lock = threading.Lock()
-_copy_streams: dict[int, "torch.cuda.Stream"] = {}
 
 
 def default_staging_pool(block_bytes: int, pin: bool, blocks: int = DEFAULT_STAGING_BLOCKS) -> StagingPool:
@@ -73,9 +74,5 @@ def default_staging_pool(block_bytes: int, pin: bool, blocks: int = DEFAULT_STAG
 
 
 def copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The process-wide side stream for device->host copies on ``device``."""
-    with _default_lock:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _copy_streams:
-            _copy_streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))
-        return _copy_streams[index]
+    """The process-wide side stream for device->host copies on ``device`` (`mammoth_core.cuda_streams`)."""
+    return side_stream(device, "d2h-copy")
