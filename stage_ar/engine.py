@@ -66,6 +66,7 @@ class _Running:
     last_progress: float = 0.0
     slot: int | None = None  # first pool slot while in the runner's batch
     closed: bool = False
+    cancel_callback: Callable[[], None] | None = None  # on ``job.cancel_callbacks`` while admitted
 
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 4608  # 1024x1024 (64*65 = 4160 grid tokens) + a 448-token prompt
@@ -178,7 +179,10 @@ class DecodeEngine:
         except Exception:
             self._runs.pop(job, None)
             raise
-        job.cancel_callbacks.append(lambda: self.scheduler.abort(request))
+        # removed again in `_finish`: a finished job its caller keeps must not keep the engine (its
+        # KV pool and graphs) alive through this closure
+        run.cancel_callback = lambda: self.scheduler.abort(request)
+        job.cancel_callbacks.append(run.cancel_callback)
         if job.cancelled.is_set():
             self.scheduler.abort(request)
 
@@ -367,6 +371,12 @@ class DecodeEngine:
             return
         run.closed = True
         self._runs.pop(run.job, None)
+        if run.cancel_callback is not None:
+            try:
+                run.job.cancel_callbacks.remove(run.cancel_callback)
+            except ValueError:  # the caller cleared the list
+                pass
+            run.cancel_callback = None
         self._leave(run, error)
         self.scheduler.finish(run.request)
         if run.seq is not None:
