@@ -60,8 +60,11 @@ MAX_ROWS = 16
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``).
-FP8_COMPUTES = ("activation", "float16")
+#: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``), and the kernel's ``FP8_MODE`` for each.
+FP8_COMPUTES = ("activation", "float16", "float16_bits")
+_FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2}
+#: float16's largest finite magnitude: float16-compute activations saturate there.
+F16_MAX = 65504.0
 
 
 def available(device: torch.device) -> bool:
@@ -158,9 +161,23 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _f16_bits(w):
+        """E4M3 codes -> float16 ``code * 2^-8`` by integer operations: sign to bit 15, the 7 exponent and
+        mantissa bits shifted up by 7 (E4M3's 4-bit exponent, bias 7, lands in float16's 5-bit one,
+        bias 15; subnormals map onto subnormals), exact for every finite code."""
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _f16_saturated(x):
+        """Activations as float16, clamped to +-65504 (the float16-compute FP8 modes)."""
+        return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+    @triton.jit
     def _w_dot(w_ptr, rows, n_mask, k, K, x_t, acc, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               IEEE: tl.constexpr):
-        """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype."""
+               IEEE: tl.constexpr, FP8_MODE: tl.constexpr = 0):
+        """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype (``FP8_MODE`` 2:
+        E4M3 codes to float16 ``code * 2^-8`` by `_f16_bits`, the epilogue scales by 2^8)."""
         ptrs = w_ptr + rows[:, None] * K + k[None, :]
         if EVEN_K and EVEN_N:
             w = tl.load(ptrs)
@@ -168,7 +185,10 @@ if triton is not None:
             w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
-        w = w.to(x_t.dtype)
+        if FP8_MODE == 2:
+            w = _f16_bits(w)
+        else:
+            w = w.to(x_t.dtype)
         if IEEE:
             acc = tl.dot(w, x_t, acc, input_precision="ieee")
         else:
@@ -177,10 +197,14 @@ if triton is not None:
 
     @triton.jit
     def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, dtype: tl.constexpr,
-                FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The linear output rounded to ``dtype``: ``acc * scale + bias`` in float32 first."""
+                FP8: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_MODE: tl.constexpr = 0):
+        """The linear output rounded to ``dtype``: ``acc * scale + bias`` in float32 first (``FP8_MODE``
+        2: ``scale * 2^8``, exact, undoing `_f16_bits`' factor)."""
         if FP8:
-            acc = acc * tl.load(scale_ptr + rows, mask=n_mask, other=0.0)[:, None]
+            scale = tl.load(scale_ptr + rows, mask=n_mask, other=0.0)
+            if FP8_MODE == 2:
+                scale = scale * 256.0
+            acc = acc * scale[:, None]
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         return acc.to(dtype)
@@ -192,7 +216,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-        F16_DOT: tl.constexpr = False,
+        FP8_MODE: tl.constexpr = 0,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed."""
@@ -210,14 +234,15 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            if F16_DOT:  # FP8 codes -> float16 is one hardware conversion per pair (sm_89+)
-                x_t = x_t.to(tl.float16)
-            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE)
+            if FP8_MODE != 0:  # float16 products: codes (and activations, saturated) in float16
+                x_t = _f16_saturated(x_t)
+            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
             if SWIGLU:
-                acc_up = _w_dot(w_ptr, offs_n + N, n_mask, k, K, x_t, acc_up, EVEN_K, EVEN_N, IEEE)
-        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS)
+                acc_up = _w_dot(w_ptr, offs_n + N, n_mask, k, K, x_t, acc_up, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS, FP8_MODE)
         if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
-            up = _scaled(acc_up, offs_n + N, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS).to(tl.float32)
+            up = _scaled(acc_up, offs_n + N, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS,
+                         FP8_MODE).to(tl.float32)
             gate = y.to(tl.float32)
             y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
         out_mask = n_mask[:, None] & m_mask[None, :]
@@ -270,7 +295,7 @@ if triton is not None:
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in TUNED_CONFIGS],
-        key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "F16_DOT"],  # not M: see module doc
+        key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE"],  # not M: see module doc
         prune_configs_by={"early_config_prune": _prune},
         do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
     )(_kernel)
@@ -338,8 +363,8 @@ def gemv(
 def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
     if fp8_compute not in FP8_COMPUTES:
         raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
-    if fp8_compute == "float16" and x.dtype == torch.float32:
-        raise ValueError("fp8_compute='float16' takes 16-bit activations (float32 ones would be rounded)")
+    if fp8_compute != "activation" and x.dtype == torch.float32:
+        raise ValueError(f"fp8_compute={fp8_compute!r} takes 16-bit activations (float32 ones would be rounded)")
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out) -> None:
@@ -357,7 +382,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
-        F16_DOT=fp8_compute == "float16" and weight.dtype == FP8_DTYPE,
+        FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
     )
     if config is None and not INTERPRETED:
         _tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
@@ -422,7 +447,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,
-        F16_DOT=fp8 and fp8_compute == "float16",
+        FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0,
     )
 
 
