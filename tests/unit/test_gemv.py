@@ -143,27 +143,59 @@ def test_tuned_parameters_do_not_change_bits(gemv, variant):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compute", ["float16", "float16_bits"])
 @pytest.mark.parametrize("variant", ["plain", "norm_bias", "norm_swiglu", "residual"])
-def test_fp8_float16_compute_gives_the_same_bits(gemv, variant):
-    """``fp8_compute="float16"`` (codes and activations widened to float16) forms the same products as
-    widening to the activation dtype: same bits, bfloat16 on a GPU (float16 in the interpreter, where
-    both modes are one path, so only the reference is checked there); float32 activations are refused."""
+def test_fp8_float16_compute_gives_the_same_bits(gemv, variant, compute):
+    """The float16 computes (codes widened to float16 by the hardware conversion, or by integer bit
+    operations to ``code * 2^-8`` with ``2^8`` folded into the scale; activations to float16) form the
+    same products as widening to the activation dtype: same bits, bfloat16 on a GPU (float16 in the
+    interpreter); a row alone equals the row inside the batch; float32 activations are refused."""
     from stage_ar.gemv_reference import gemv_reference
 
     dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
     x, weight, kwargs = make_inputs(variant, dtype, fp8=True, seed=8)
     config = gemv.GemvConfig(16, 4, 3)
-    fast = gemv.gemv(x, weight, config=config, fp8_compute="float16", **kwargs)
-    assert torch.equal(fast, gemv.gemv(x, weight, config=config, **kwargs))
+    fast = gemv.gemv(x, weight, config=config, fp8_compute=compute, **kwargs)
+    assert torch.equal(fast, gemv.gemv(x, weight, config=config, fp8_compute="activation", **kwargs))
     want = gemv_reference(x, weight, **kwargs).float()
     torch.testing.assert_close(fast.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(gemv.gemv(x[2:3], weight, config=config, fp8_compute="float16", **_one_row(kwargs, 2))[0],
+    assert torch.equal(gemv.gemv(x[2:3], weight, config=config, fp8_compute=compute, **_one_row(kwargs, 2))[0],
                        fast[2])
     x32, w32, kw32 = make_inputs("plain", torch.float32, fp8=True)
     with pytest.raises(ValueError, match="fp8_compute"):
-        gemv.gemv(x32, w32, fp8_compute="float16", **kw32)
+        gemv.gemv(x32, w32, fp8_compute=compute, **kw32)
     with pytest.raises(ValueError, match="fp8_compute"):
         gemv.gemv(x, weight, fp8_compute="e5m2", **kwargs)
+
+
+@pytest.mark.parametrize("compute", ["float16", "float16_bits"])
+def test_fp8_float16_widening_is_exact_for_every_code(gemv, compute):
+    """Every finite E4M3 code (normals, subnormals, both zeros, +-448) comes out of the float16 widenings
+    as its exact value: weight row n holds code n in column 0, the activation picks column 0."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN encodings
+    weight = torch.zeros(256, 16, dtype=torch.uint8)
+    weight[:, 0] = codes
+    weight = weight.view(gemv.FP8_DTYPE).to(DEVICE)
+    scale = torch.ones(256, dtype=torch.float32, device=DEVICE)
+    x = torch.zeros(1, 16, dtype=torch.float16, device=DEVICE)
+    x[0, 0] = 1.0
+    got = gemv.gemv(x, weight, weight_scale=scale, fp8_compute=compute, config=gemv.GemvConfig(16, 4, 1))
+    assert torch.equal(got[0].float(), weight[:, 0].float())
+
+
+def test_fp8_float16_compute_saturates_activations(gemv):
+    """Activations beyond float16's range are clamped to +-65504 (no inf/NaN): the same output as
+    clamped inputs computed by widening to the activation dtype."""
+    x, weight, kwargs = make_inputs("plain", torch.float32, fp8=True, seed=3)
+    x = x.to(torch.float16 if gemv.INTERPRETED else torch.bfloat16)
+    if not gemv.INTERPRETED:
+        x[0, :3] = torch.tensor([1e5, -3e5, 7e4])
+    big = gemv.gemv(x, weight, fp8_compute="float16_bits", config=gemv.GemvConfig(16, 4, 1), **kwargs)
+    assert torch.isfinite(big).all()
+    clamped = x.float().clamp(-65504, 65504).to(x.dtype)
+    assert torch.equal(big, gemv.gemv(clamped, weight, fp8_compute="activation", config=gemv.GemvConfig(16, 4, 1),
+                                      **kwargs))
 
 
 def _one_row(kwargs, i):
