@@ -21,7 +21,7 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    attention path and padded mode; eager graphs with ``--eager``;
 5. the per-token HBM floor (bytes one step must read / measured copy bandwidth), bf16 and FP8;
 6. FP8 weights (`stage_ar.linear`: the visual-token projections and MLPs converted in place, E4M3
-   per output channel): batch 1 and 8 with the default GEMV widening, batch 1 with float16 compute;
+   per output channel): batch 1 and 8 with the default GEMV (float16 products, `stage_ar.gemv`);
 7. served: a real ``mammoth ar`` process on a Preview-size random checkpoint (`benchmarks/ar_served.py`,
    written once to --ckpt-dir), 10 requests of a 32x32 grid one after another: ms/token, first
    vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``; ``--skip-served``);
@@ -55,7 +55,7 @@ from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
-from stage_ar.linear import TORCH_LINEAR, GemvLinear, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
+from stage_ar.linear import TORCH_LINEAR, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM  # noqa: E402
 from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
 
@@ -310,8 +310,6 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
     set_linear_backend(model, select_backend("auto", "cuda"))
     time_variant(model, res, "fp8", {}, (1, 8), steps, mid_image=True, save=save)
-    set_linear_backend(model, GemvLinear(fp8_compute="float16"))
-    time_variant(model, res, "fp8_f16", {}, (1,), steps, slots=1, save=save)
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:

@@ -180,7 +180,7 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
     five = torch.equal(G.gemv(x[3:8], w, **_rows(kw, 3, 8)), full[3:8])
     rec["batch_invariant"] = bool(alone and five)
     per_config = {}
-    for c in G.TUNED_CONFIGS:
+    for c in G.FP8_TUNED_CONFIGS if w.dtype == G.FP8_DTYPE else G.TUNED_CONFIGS:
         if not G.fits_shared_memory(c, x.dtype, w.dtype, bool(kw.get("swiglu"))):
             continue  # autotuning prunes it too
         try:
@@ -325,14 +325,14 @@ def precompile_jobs(table: dict) -> list[tuple]:
     """Every (shape, form, candidate config) autotuning will compile, as `stage_ar.gemv.compile_ahead` arguments."""
     jobs = []
     for name, shape in table.items():
-        for c in G.TUNED_CONFIGS:  # section 0's float16-compute FP8 launch (plain)
+        for c in G.FP8_TUNED_CONFIGS:  # section 0's float16-compute FP8 launch (plain)
             if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
                 jobs.append((f"{name}/fp8-f16/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
                              {"fp8_compute": "float16"}))
         for form in ("plain", "fused", "fp8"):
             flags = {} if form == "plain" else dict(shape["fused"])
             w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16
-            for c in G.TUNED_CONFIGS:
+            for c in G.FP8_TUNED_CONFIGS if form == "fp8" else G.TUNED_CONFIGS:
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
                     if form == "fused" and flags.get("norm"):

@@ -21,7 +21,8 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
   (linear output, SiLU, product, sum), so the fused kernel differs from eager only by the dot's
   summation order (`stage_ar.gemv_reference` is that chain).
 - W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
-  codes widened to the activation dtype in registers (exact), scale applied once per output.
+  codes widened in registers (to float16 by default, activations too: ``fp8_compute``), scale
+  applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`.
 
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
@@ -94,13 +95,23 @@ class GemvConfig:
     block_k: int | None = None
 
 
-#: Candidates autotuning times on the GPU (pruned where the pipeline would not fit shared memory).
-#: All lower to the same MMA instruction (``mma.sync`` m16n8k16: the dot's M is at most 32); from
-#: ``block_n`` 64 Triton emits Hopper's ``wgmma`` instead, whose bits against ``mma.sync`` are not yet
-#: checked (`benchmarks/gemv.py` explores it), so it is not a candidate.
+#: Candidates autotuning times on the GPU for 16-bit weights (pruned where the pipeline would not fit
+#: shared memory). ``block_n`` 16 and 32 lower to ``mma.sync`` (m16n8k16), 64 to Hopper's ``wgmma``;
+#: for bfloat16 weights all of them give the same bits at every M (`benchmarks/gemv_sweep.py`, H200,
+#: 2026-12-01: the whole set bit-identical, a row alone = the row inside M = 16), so which one timing
+#: picks in a process changes no output. 64 columns with 4 warps is the fastest qkv (10.7 vs 12.8 us)
+#: and head launch; 2 warps the fastest 16/32-column ones.
 TUNED_CONFIGS = (
     GemvConfig(16, 4, 3), GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(16, 8, 4),
     GemvConfig(32, 4, 3), GemvConfig(32, 4, 4), GemvConfig(32, 4, 6), GemvConfig(32, 8, 4),
+    GemvConfig(16, 2, 4), GemvConfig(16, 2, 6), GemvConfig(32, 2, 4), GemvConfig(64, 4, 4),
+)
+#: Candidates for FP8 weights: only ``mma.sync`` ones. With FP8 codes widened in registers, the
+#: 64-column (``wgmma``) launches give other bits than the 16/32-column ones (same sweep), so they
+#: stay out: a process's pick must not change a row's bits.
+FP8_TUNED_CONFIGS = (
+    GemvConfig(16, 2, 4), GemvConfig(16, 4, 4), GemvConfig(32, 4, 2), GemvConfig(32, 4, 3),
+    GemvConfig(32, 4, 4), GemvConfig(32, 8, 4),
 )
 #: The interpreter's fixed launch (it has no timing to tune on).
 INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
@@ -292,13 +303,16 @@ if triton is not None:
             named_args["x_ptr"].dtype, named_args["w_ptr"].dtype, meta["SWIGLU"])]
         return kept or configs[:1]
 
-    _tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-                 for c in TUNED_CONFIGS],
-        key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE"],  # not M: see module doc
-        prune_configs_by={"early_config_prune": _prune},
-        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
-    )(_kernel)
+    def _autotuned(configs):
+        return triton.autotune(
+            configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+                     for c in configs],
+            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE"],  # not M
+            prune_configs_by={"early_config_prune": _prune},
+            do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+        )(_kernel)
+
+    _tuned, _tuned_fp8 = _autotuned(TUNED_CONFIGS), _autotuned(FP8_TUNED_CONFIGS)
 
 
 def gemv(
@@ -313,7 +327,7 @@ def gemv(
     swiglu: bool = False,
     config: GemvConfig | None = None,
     norm_in_prologue: bool = False,
-    fp8_compute: str = "activation",
+    fp8_compute: str | None = None,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -335,11 +349,15 @@ def gemv(
         norm_in_prologue: apply the norm inside the GEMV (every program normalises every tile:
             measured slower on the H200, 2026-12-01: +4 us qkv, +17 us gate_up) instead of
             `rms_norm_rows` first (the default). Same numerics, other summation order.
-        fp8_compute: FP8 weights only: ``"activation"`` widens the codes to ``x.dtype`` (exact) and
-            multiplies in it; ``"float16"`` widens codes and activations to float16 (the hardware's
-            one-instruction E4M3 -> float16 conversion) and multiplies there: the same products (codes
-            and bfloat16 activations are exact in float16) while every ``|x| <= 65504``; beyond
-            that float16 overflows, hence opt-in (`FP8_COMPUTES`).
+        fp8_compute: FP8 weights only (`FP8_COMPUTES`): ``"activation"`` widens the codes to
+            ``x.dtype`` (exact) and multiplies in it; ``"float16"`` widens codes (the hardware's E4M3 ->
+            float16 conversion) and activations to float16 and multiplies there; ``"float16_bits"``
+            the same products with the codes widened by integer operations (measured slower).
+            Codes and bfloat16 activations are exact in float16, so all three give the same bits
+            while every ``|x| <= 65504`` (and ``>= 2^-17``, float16's subnormal resolution); larger
+            activations saturate at +-65504 in the float16 modes. ``None`` (the default):
+            `default_fp8_compute` (``"float16"`` for 16-bit activations: 1.5 x faster than
+            ``"activation"`` per visual token on the H200, 2026-12-01).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -350,6 +368,7 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    fp8_compute = fp8_compute or default_fp8_compute(x.dtype)
     _check_fp8_compute(fp8_compute, x)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
@@ -358,6 +377,12 @@ def gemv(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out)
     return out
+
+
+def default_fp8_compute(x_dtype: torch.dtype) -> str:
+    """How FP8 weights are multiplied with activations of ``x_dtype`` unless a call says otherwise:
+    ``"float16"`` for 16-bit activations, ``"activation"`` (exact widening) for float32 ones."""
+    return "activation" if x_dtype == torch.float32 else "float16"
 
 
 def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
@@ -385,12 +410,15 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
     )
     if config is None and not INTERPRETED:
-        _tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
+        tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
+        tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
     else:
         c = config or INTERPRETER_CONFIG
         grid = (triton.cdiv(n, c.block_n),)
         _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
 
+
+_LAST_TUNED: list = [None]  # the autotuner of the latest autotuned launch (`last_tuned_config`)
 
 #: Columns per chunk of `rms_norm_rows` (fixed: it sets the sum-of-squares order).
 NORM_BLOCK = 1024
@@ -423,7 +451,7 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
-                  norm_in_prologue: bool = False, fp8_compute: str = "activation") -> None:
+                  norm_in_prologue: bool = False, fp8_compute: str | None = None) -> None:
     """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
 
     Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
@@ -441,6 +469,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     block_k = config.block_k or block_k_for(weight_dtype)
     fp8 = weight_dtype == FP8_DTYPE
     norm = norm and norm_in_prologue  # else `rms_norm_rows` runs first and the GEMV has no norm
+    fp8_compute = fp8_compute or default_fp8_compute(x_dtype)
     _kernel.warmup(
         x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
         MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,
@@ -454,7 +483,9 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
 def last_tuned_config() -> GemvConfig | None:
     """The config autotuning used for the latest autotuned `gemv` call (``None`` before any, or
     under the interpreter)."""
-    best = getattr(_tuned, "best_config", None) if triton is not None and not INTERPRETED else None
+    best = None
+    if triton is not None and not INTERPRETED:
+        best = _LAST_TUNED[0] and getattr(_LAST_TUNED[0], "best_config", None)
     if best is None:
         return None
     return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)

@@ -72,14 +72,14 @@ class GemvLinear:
 
     Args:
         config: a fixed `stage_ar.gemv.GemvConfig` (None: autotuned on CUDA, the interpreter's launch on CPU).
-        fp8_compute: FP8 weights: `stage_ar.gemv.gemv`'s ``fp8_compute`` (``"float16"``: the faster
-            conversion, same products while activations stay within float16's range; opt-in).
+        fp8_compute: FP8 weights: `stage_ar.gemv.gemv`'s ``fp8_compute`` (None: its default,
+            float16 products for 16-bit activations, saturating beyond +-65504).
     """
 
     name = "gemv"
     max_rows = gemv_kernels.MAX_ROWS
 
-    def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str = "activation") -> None:
+    def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None) -> None:
         self.config, self.fp8_compute = config, fp8_compute
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -93,7 +93,7 @@ class GemvLinear:
         if flat.stride(1) != 1:
             flat = flat.contiguous()
         out = gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
-                                fp8_compute=self.fp8_compute if weight_scale is not None else "activation")
+                                fp8_compute=self.fp8_compute if weight_scale is not None else None)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
