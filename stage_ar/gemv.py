@@ -43,10 +43,13 @@ once before capturing CUDA graphs (the runner's capture warm-up does, at its sma
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
+
+from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
+    FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
+)
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -59,7 +62,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 MAX_ROWS = 16
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-FP8_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``), and the kernel's ``FP8_MODE`` for each.
 FP8_COMPUTES = ("activation", "float16", "float16_bits")
@@ -71,60 +73,6 @@ F16_MAX = 65504.0
 def available(device: torch.device) -> bool:
     """True when the kernels can run on ``device``: CUDA with triton, or any device under the interpreter."""
     return triton is not None and (device.type == "cuda" or INTERPRETED)
-
-
-def block_k_for(weight_dtype: torch.dtype) -> int:
-    """The K tile for weights of ``weight_dtype``: 256 columns for every dtype (512 bytes of each
-    16-bit weight row per tile, 256 of FP8). Fixed, because it sets a row's reduction order (the
-    inverse RMS tree; the dot's K order is the same for any tile width)."""
-    del weight_dtype  # one width for all today; the argument keeps the choice in one place
-    return 256
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters of one kernel: output columns per program, warps, software-pipeline depth.
-
-    ``block_k`` ``None`` means `block_k_for` the weight dtype; another value changes a row's
-    reduction order (its bits), so it is for exploration (`benchmarks/gemv.py`), never for serving.
-    """
-
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 4
-    block_k: int | None = None
-
-
-#: Candidates autotuning times on the GPU for 16-bit weights (pruned where the pipeline would not fit
-#: shared memory). ``block_n`` 16 and 32 lower to ``mma.sync`` (m16n8k16), 64 to Hopper's ``wgmma``;
-#: for bfloat16 weights all of them give the same bits at every M (`benchmarks/gemv_sweep.py`, H200,
-#: 2026-12-01: the whole set bit-identical, a row alone = the row inside M = 16), so which one timing
-#: picks in a process changes no output. 64 columns with 4 warps is the fastest qkv (10.7 vs 12.8 us)
-#: and head launch; 2 warps the fastest 16/32-column ones.
-TUNED_CONFIGS = (
-    GemvConfig(16, 4, 3), GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(16, 8, 4),
-    GemvConfig(32, 4, 3), GemvConfig(32, 4, 4), GemvConfig(32, 4, 6), GemvConfig(32, 8, 4),
-    GemvConfig(16, 2, 4), GemvConfig(16, 2, 6), GemvConfig(32, 2, 4), GemvConfig(64, 4, 4),
-)
-#: Candidates for FP8 weights: only ``mma.sync`` ones. With FP8 codes widened in registers, the
-#: 64-column (``wgmma``) launches give other bits than the 16/32-column ones (same sweep), so they
-#: stay out: a process's pick must not change a row's bits.
-FP8_TUNED_CONFIGS = (
-    GemvConfig(16, 2, 4), GemvConfig(16, 4, 4), GemvConfig(32, 4, 2), GemvConfig(32, 4, 3),
-    GemvConfig(32, 4, 4), GemvConfig(32, 8, 4),
-)
-#: The interpreter's fixed launch (it has no timing to tune on).
-INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
-_SMEM_BUDGET = 200 * 1024
-
-
-def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, swiglu: bool) -> bool:
-    """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile(s) + 16-row activation
-    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block)."""
-    block_k = config.block_k or block_k_for(weight_dtype)
-    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if swiglu else 1)
-    x_bytes = torch.empty((), dtype=x_dtype).element_size()
-    return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET
 
 
 if triton is not None:

@@ -1,0 +1,69 @@
+"""Launch parameters of `stage_ar.gemv`'s kernels: the K tile per weight dtype, the `GemvConfig`
+record, the candidate sets autotuning times (per weight dtype), and the shared-memory fit check.
+
+What may be a candidate: anything that places work without reordering a row's sums, checked on the
+GPU to give the same bits as the other candidates of its set (`benchmarks/gemv_sweep.py`), so that
+which one timing picks in a process changes no output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def block_k_for(weight_dtype: torch.dtype) -> int:
+    """The K tile for weights of ``weight_dtype``: 256 columns for every dtype (512 bytes of each
+    16-bit weight row per tile, 256 of FP8). Fixed, because it sets a row's reduction order (the
+    inverse RMS tree; the dot's K order is the same for any tile width)."""
+    del weight_dtype  # one width for all today; the argument keeps the choice in one place
+    return 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of one kernel: output columns per program, warps, software-pipeline depth.
+
+    ``block_k`` ``None`` means `block_k_for` the weight dtype; another value changes a row's
+    reduction order (its bits), so it is for exploration (`benchmarks/gemv.py`), never for serving.
+    """
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 4
+    block_k: int | None = None
+
+
+#: Candidates autotuning times on the GPU for 16-bit weights (pruned where the pipeline would not fit
+#: shared memory). ``block_n`` 16 and 32 lower to ``mma.sync`` (m16n8k16), 64 to Hopper's ``wgmma``;
+#: for bfloat16 weights all of them give the same bits at every M (`benchmarks/gemv_sweep.py`, H200,
+#: 2026-12-01: the whole set bit-identical, a row alone = the row inside M = 16), so which one timing
+#: picks in a process changes no output. 64 columns with 4 warps is the fastest qkv (10.7 vs 12.8 us)
+#: and head launch; 2 warps the fastest 16/32-column ones.
+TUNED_CONFIGS = (
+    GemvConfig(16, 4, 3), GemvConfig(16, 4, 4), GemvConfig(16, 4, 6), GemvConfig(16, 8, 4),
+    GemvConfig(32, 4, 3), GemvConfig(32, 4, 4), GemvConfig(32, 4, 6), GemvConfig(32, 8, 4),
+    GemvConfig(16, 2, 4), GemvConfig(16, 2, 6), GemvConfig(32, 2, 4), GemvConfig(64, 4, 4),
+)
+#: Candidates for FP8 weights: only ``mma.sync`` ones. With FP8 codes widened in registers, the
+#: 64-column (``wgmma``) launches give other bits than the 16/32-column ones (same sweep), so they
+#: stay out: a process's pick must not change a row's bits.
+FP8_TUNED_CONFIGS = (
+    GemvConfig(16, 2, 4), GemvConfig(16, 4, 4), GemvConfig(32, 4, 2), GemvConfig(32, 4, 3),
+    GemvConfig(32, 4, 4), GemvConfig(32, 8, 4),
+)
+#: The interpreter's fixed launch (it has no timing to tune on).
+INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
+_SMEM_BUDGET = 200 * 1024
+
+
+def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, swiglu: bool) -> bool:
+    """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile(s) + 16-row activation
+    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block)."""
+    block_k = config.block_k or block_k_for(weight_dtype)
+    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if swiglu else 1)
+    x_bytes = torch.empty((), dtype=x_dtype).element_size()
+    return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET
