@@ -135,6 +135,100 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+    @triton.jit
+    def _window_split_kernel(
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, start_ptr,
+        part_acc_ptr, part_ml_ptr,
+        stride_qr, stride_qt, stride_qh,
+        stride_nr, stride_nt, stride_nh, stride_vnr, stride_vnt, stride_vnh,
+        stride_cs, stride_ch, stride_cn,
+        n_splits, scale,
+        WINDOW: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, Q_BLOCKS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    ):
+        # query row m of the (row, KV head) = window position m // GROUP, query head m % GROUP
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2) // Q_BLOCKS
+        qb = tl.program_id(2) % Q_BLOCKS
+        slot = tl.load(slot_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        start = tl.load(start_ptr + row)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_b = tl.arange(0, BLOCK)
+        real = offs_m < WINDOW * GROUP
+        t_q = tl.minimum(offs_m // GROUP, WINDOW - 1)
+        q_pos = pos + t_q  # each query row's own position (causal inside the window)
+        q_hi = pos + tl.minimum((qb * BLOCK_M + BLOCK_M - 1) // GROUP, WINDOW - 1)
+        cache_off = slot * stride_cs + kvh * stride_ch
+        q = tl.load(q_ptr + row * stride_qr + t_q[:, None] * stride_qt
+                    + (kvh * GROUP + offs_m % GROUP)[:, None] * stride_qh + offs_d[None, :],
+                    mask=real[:, None], other=0.0)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for t in range(TILES):  # fixed tile order; tiles outside [start, q_hi] are skipped
+            lo = (split * TILES + t) * BLOCK
+            if (lo <= q_hi) & (lo + BLOCK > start):
+                offs_n = lo + offs_b
+                in_win = (offs_n >= pos) & (offs_n < pos + WINDOW)  # the window's keys, from k_new
+                w_off = (offs_n - pos)[:, None]
+                k_w = tl.load(k_new_ptr + row * stride_nr + w_off * stride_nt + kvh * stride_nh + offs_d[None, :],
+                              mask=in_win[:, None], other=0.0)
+                v_w = tl.load(v_new_ptr + row * stride_vnr + w_off * stride_vnt + kvh * stride_vnh
+                              + offs_d[None, :], mask=in_win[:, None], other=0.0)
+                tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
+                if qb == Q_BLOCKS - 1:  # the KV-cache write of the window, fused (one program per key)
+                    tl.store(k_cache_ptr + tile, k_w, mask=in_win[:, None])
+                    tl.store(v_cache_ptr + tile, v_w, mask=in_win[:, None])
+                cached = (offs_n >= start) & (offs_n < pos)
+                k = tl.load(k_cache_ptr + tile, mask=cached[:, None], other=0.0)
+                k = tl.where(in_win[:, None], k_w, k)
+                s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK) float32
+                valid = (offs_n[None, :] >= start) & (offs_n[None, :] <= q_pos[:, None])
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key here yet
+                alpha = tl.exp(m - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                v = tl.load(v_cache_ptr + tile, mask=cached[:, None], other=0.0)
+                v = tl.where(in_win[:, None], v_w, v)
+                l_sum = l_sum * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+        m_total = Q_BLOCKS * BLOCK_M
+        part = (row * tl.num_programs(1) + kvh) * n_splits + split
+        tl.store(part_ml_ptr + part * 2 * m_total + offs_m, m)
+        tl.store(part_ml_ptr + part * 2 * m_total + m_total + offs_m, l_sum)
+        tl.store(part_acc_ptr + part * m_total * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
+
+    @triton.jit
+    def _window_combine_kernel(
+        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, stride_or, stride_ot,
+        GROUP: tl.constexpr, M_TOTAL: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        mq = tl.program_id(2)  # query row: window position mq // GROUP, query head mq % GROUP
+        offs_s = tl.arange(0, MAX_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        have = offs_s < n_splits
+        parts = (row * tl.num_programs(1) + kvh) * n_splits + offs_s
+        m = tl.load(part_ml_ptr + parts * 2 * M_TOTAL + mq, mask=have, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + parts * 2 * M_TOTAL + M_TOTAL + mq, mask=have, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        total = tl.sum(w * l_sum, 0)
+        part = tl.load(part_acc_ptr + (parts * M_TOTAL + mq)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=have[:, None], other=0.0)
+        acc = tl.sum(w[:, None] * part, 0)
+        out = acc / tl.where(total == 0.0, 1.0, total)
+        head = kvh * GROUP + mq % GROUP
+        tl.store(out_ptr + row * stride_or + (mq // GROUP) * stride_ot + head * HEAD_DIM + offs_d,
+                 out.to(out_ptr.dtype.element_ty))
+
+
 def _check_layout(q, k_new, v_new, k_cache, v_cache, length: int) -> None:  # noqa: ANN001 - tensors
     """`decode_attention`'s shape and stride rules (its docstring); raises ValueError naming them."""
     b, heads, head_dim = q.shape
@@ -208,5 +302,83 @@ def decode_attention(
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+    )
+    return out
+
+
+#: Query rows (window positions x query heads of one KV head) per split program of `window_attention`.
+WINDOW_BLOCK_M = 64
+
+
+def window_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    pos: torch.Tensor,
+    key_start: torch.Tensor,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_attention` for ``T`` query positions per row (a Jacobi window), causal inside the window.
+
+    Row ``i`` uses cache slot ``slots[i]``; its ``T`` new keys/values are written at positions
+    ``pos[i] .. pos[i] + T - 1`` and its query ``t`` attends over key positions
+    ``[key_start[i], pos[i] + t]``. The same split-KV scheme, tiles and float32 softmax statistics as
+    `decode_attention`; the M rows of a program's ``tl.dot`` are (window position, query head) pairs
+    of one KV head, at most `WINDOW_BLOCK_M` per program. With ``T = 1`` and ``slots[i] = i`` the
+    output equals `decode_attention`'s bit for bit (same dot shapes, same reduction order); a row's
+    bits depend only on its own ``pos``, ``key_start``, ``T`` and the cache capacity, never on the
+    other rows or ``length`` (batch invariance, as `decode_attention`).
+
+    Args:
+        q: ``(R, T, heads, head_dim)`` queries after RoPE (last dim contiguous).
+        k_new, v_new: ``(R, T, kv_heads, head_dim)`` the window's keys (after RoPE) and values.
+        k_cache, v_cache: ``(slots, kv_heads, capacity, head_dim)`` one layer of the pool.
+        slots, pos, key_start: ``(R,)`` int64 on the device; ``key_start[i] <= pos[i]`` and
+            ``pos[i] + T <= length``.
+        length: key positions ``[0, length)`` any row may read (sizes the grid only).
+        scale: softmax scale.
+
+    Returns:
+        ``(R, T, heads * head_dim)`` in ``q``'s dtype.
+
+    Raises:
+        RuntimeError: triton is not installed.
+        ValueError: shapes that do not fit the layout above.
+    """
+    if triton is None:
+        raise RuntimeError("window_attention needs triton (a CUDA build of torch ships it)")
+    r, window, heads, head_dim = q.shape
+    if tuple(k_new.shape[:2]) != (r, window) or k_new.shape != v_new.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)} do not match")
+    _check_layout(q[:, 0], k_new[:, 0], v_new[:, 0], k_cache, v_cache, length)
+    if slots.shape != pos.shape or pos.shape != (r,):
+        raise ValueError(f"slots {tuple(slots.shape)} / pos {tuple(pos.shape)} must be ({r},)")
+    kv_heads = k_new.shape[2]
+    group = heads // kv_heads
+    rows = window * group
+    block_m = max(16, min(WINDOW_BLOCK_M, triton.next_power_of_2(rows)))  # tl.dot needs M >= 16
+    q_blocks = triton.cdiv(rows, block_m)
+    n_splits = triton.cdiv(length, SPLIT)
+    max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
+    m_total = q_blocks * block_m
+    part_acc = torch.empty((r, kv_heads, n_splits, m_total, head_dim), device=q.device, dtype=torch.float32)
+    part_ml = torch.empty((r, kv_heads, n_splits, 2, m_total), device=q.device, dtype=torch.float32)
+    out = torch.empty((r, window, heads * head_dim), device=q.device, dtype=q.dtype)
+    _window_split_kernel[(r, kv_heads, n_splits * q_blocks)](
+        q, k_new, v_new, k_cache, v_cache, slots, pos, key_start, part_acc, part_ml,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        n_splits, float(scale),
+        WINDOW=window, GROUP=group, BLOCK_M=block_m, Q_BLOCKS=q_blocks, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
+        TILES=SPLIT // BLOCK_N,
+    )
+    _window_combine_kernel[(r, kv_heads, rows)](
+        part_acc, part_ml, out, n_splits, out.stride(0), out.stride(1),
+        GROUP=group, M_TOTAL=m_total, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
     )
     return out
