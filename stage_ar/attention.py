@@ -10,6 +10,9 @@ Every backend takes one layer's rotated queries ``(B, T, heads, d)`` and new key
   softmax (the CPU batched path, and CUDA without Triton).
 * `TritonDecodeAttention` — the same contract through the split-KV Triton kernel with the KV write
   fused in (`stage_ar.decode_attention`, batch-invariant by construction; CUDA).
+* `WindowGEMMAttention` / `TritonWindowAttention` — ``T`` causal query positions per row (a Jacobi
+  window, `stage_ar.jacobi`) in given pool slots: two GEMMs and a float32 softmax, or the split-KV
+  kernel's multi-query variant (`stage_ar.decode_attention.window_attention`, KV write fused).
 
 The decode backends are built once per step (their masks/positions are shared by every layer) and
 capture cleanly into a CUDA graph: no host synchronisation.
@@ -25,8 +28,8 @@ import torch.nn.functional as F
 from stage_ar import decode_attention as triton_decode
 from stage_ar.layers import EAGER_OPS, PointwiseOps
 
-__all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDecodeAttention", "WindowGEMMAttention",
-           "build_attention_mask"]
+__all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDecodeAttention", "TritonWindowAttention",
+           "WindowGEMMAttention", "build_attention_mask"]
 
 
 class AttentionBackend(Protocol):
@@ -151,8 +154,8 @@ class WindowGEMMAttention:
     """``T`` query positions per row (a Jacobi window): row ``i`` lives in pool slot ``slots[i]``,
     writes its keys/values at positions ``pos[i] + t`` and query ``t`` attends to key positions
     ``[key_start[i], pos[i] + t]`` (causal inside the window), ``pos[i] + T <= length``. Two batched
-    GEMMs and a float32 softmax, as `GEMMDecodeAttention` (the decode backends' multi-query path on
-    every device; the split-KV Triton kernel takes one query per row).
+    GEMMs and a float32 softmax, as `GEMMDecodeAttention` (CPU, and CUDA without Triton;
+    `TritonWindowAttention` is the split-KV kernel's path).
 
     Args:
         key, value: pool tensors ``(layers, slots, kv_heads, capacity, d)``.
@@ -189,3 +192,28 @@ class WindowGEMMAttention:
         probs = self.ops.masked_softmax(scores, self.scale, self.bias)
         out = torch.matmul(probs, values[:, :, None])  # (R, KV, G, T, d)
         return out.reshape(r, heads, t, d).permute(0, 2, 1, 3).reshape(r, t, heads * d)
+
+
+class TritonWindowAttention:
+    """`WindowGEMMAttention`'s contract through `stage_ar.decode_attention.window_attention` (split-KV,
+    the window's KV write fused, batch-invariant by construction; CUDA, or Triton's interpreter).
+    No host synchronisation: captures into a CUDA graph.
+
+    Args:
+        key, value: pool tensors ``(layers, slots, kv_heads, capacity, d)``.
+        slots, pos, key_start: ``(R,)`` int64 on the pool's device.
+        window: ``T``.
+        length: key positions any row may read (``max(pos) + T`` at least; sizes the grid only).
+        scale: softmax scale.
+    """
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                 key_start: torch.Tensor, window: int, length: int, scale: float) -> None:
+        self.key, self.value, self.slots, self.pos, self.key_start = key, value, slots, pos, key_start
+        self.window, self.length, self.scale = window, length, scale
+
+    available = staticmethod(TritonDecodeAttention.available)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return triton_decode.window_attention(q, k, v, self.key[layer], self.value[layer], self.slots, self.pos,
+                                              self.key_start, self.length, self.scale)

@@ -12,7 +12,8 @@ windows of ``T`` tokens (grouped by ``T``, which differs only in a grid's last w
 
 1. one forward over the windows (see above): row ``r`` feeds ``[t0, d1 .. d(T-1)]`` at cache positions
    ``P + g .. P + g + T - 1`` (``t0`` the next token, exactly sampled; ``d`` the drafts), causal
-   inside the window (`stage_ar.attention.WindowGEMMAttention`, or with ``exact_rows`` each
+   inside the window (`stage_ar.window_forward.WindowForward`: the split-KV Triton kernel's window
+   variant on CUDA, replayed as one CUDA graph per window shape; or with ``exact_rows`` each
    sequence's own SDPA forward over its `KVCache` view: the B=1 path's call with ``T`` tokens);
 2. the sampler's distributions at every window position (`GridSampler.probabilities`: AR-CFG mix,
    repetition penalty over the prefix *including the drafts before it*, temperature, top-k/top-p),
@@ -28,7 +29,9 @@ windows of ``T`` tokens (grouped by ``T``, which differs only in a grid's last w
 
 Randomness: per window, ``3 * window`` float64 uniforms from the request's CPU generator (the one
 that seeded its sampler; drawn after the prefill's table), so a seed gives the same grid on every
-run and whatever else is in the batch. Costs: one host sync per turn (accepted counts and drafts).
+run and whatever else is in the batch. Costs: one host read-back per window forward (accepted
+counts, next tokens and the fed ids, one small copy); everything else (window ids, targets, the
+accept rule, new drafts) stays on the device, and host-to-device copies are asynchronous.
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ from typing import Any
 
 import torch
 
-from stage_ar.attention import WindowGEMMAttention
 from stage_ar.generation import T2ISequence
-from stage_ar.modeling_mammoth_ar import ExpertRouting, build_key_mask
+from stage_ar.modeling_mammoth_ar import build_key_mask
 from stage_ar.sampling import SamplingState
 from stage_ar.speculative import draft_positions, extend_with_eol, speculative_accept, uniform_proposal
+from stage_ar.window_forward import WindowForward
 
 __all__ = ["JacobiVerifier", "WindowResult"]
 
@@ -81,6 +84,7 @@ class _Window:
     drafts: torch.Tensor  # (D,) extended indices
     q: torch.Tensor  # (D, V + 1) their proposals
     needs_sort: bool
+    ids: torch.Tensor | None = None  # (D + 1,) on the device: the next window's ids [t0, d1 .. dD]
 
     @property
     def remaining(self) -> int:
@@ -94,6 +98,9 @@ class JacobiVerifier:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self._windows: dict[int, _Window] = {}  # by first slot
+        self.window_forward = WindowForward(runner.model, runner.pool.key, runner.pool.value, runner.vstart,
+                                            runner.vend, runner.scale, fused_attention=runner.fused_attention,
+                                            cuda_graphs=runner.cuda_graphs)
         self.forwards = 0
         self.tokens = 0
 
@@ -111,7 +118,9 @@ class JacobiVerifier:
                       torch.empty(0, r.vocab + 1, dtype=torch.float64, device=r.device),
                       seq.sampling_state.needs_sort)
         u = self._uniforms(win)
-        self._redraft(win, None, -1, 0, u[2 * self._window(win):])
+        index = r.vocab if win.next_token == r.eol else win.next_token - r.vstart  # as an extended index
+        token = torch.tensor([index], dtype=torch.long).to(r.device, non_blocking=True)
+        self._redraft(win, None, -1, 0, u[2 * self._window(win):], token)
         self._windows[first] = win
         self._park(win)
 
@@ -149,7 +158,7 @@ class JacobiVerifier:
     def _uniforms(self, win: _Window) -> torch.Tensor:
         """This turn's ``3 * window`` uniforms of the request: accept, sample, draft."""
         u = torch.rand(3 * self._window(win), generator=win.seq.sampler.generator, dtype=torch.float64)
-        return u.to(self.runner.device)
+        return u.to(self.runner.device, non_blocking=True)
 
     def _park(self, win: _Window) -> None:
         """Point the runner's per-slot cache index at the window's start: a sequential step writes
@@ -157,19 +166,12 @@ class JacobiVerifier:
         pos = win.seq.prompt_len + win.fed
         self.runner.cache_pos[win.first : win.first + win.count] = pos
 
-    def _window_ids(self, win: _Window, t: int) -> list[int]:
-        r = self.runner
-        drafts = win.drafts[: t - 1].tolist()
-        return [win.next_token] + [r.eol if d == r.vocab else d + r.vstart for d in drafts]
-
     def _forward(self, wins: list[_Window], t: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per window, ``(hidden (count, t, H), logits (count * t, V))`` of one forward."""
         r = self.runner
-        ids = [self._window_ids(win, t) for win in wins]
-        if r.exact_rows:
-            outs = [self._forward_exact(win, row_ids, t) for win, row_ids in zip(wins, ids)]
-        else:
-            outs = self._forward_batched(wins, ids, t)
+        if not r.exact_rows:
+            return self._forward_batched(wins, t)
+        outs = [self._forward_exact(win, win.ids[:t].tolist(), t) for win in wins]
         logits = [r.model.compute_logits(h.reshape(-1, h.shape[-1]), r.vstart, r.vend) for h in outs]
         return outs, logits
 
@@ -185,30 +187,25 @@ class JacobiVerifier:
         out = r.model(ids, positions, kv_cache=cache, attention_mask=mask, compute_logits=False)
         return out.last_hidden_state
 
-    def _forward_batched(self, wins: list[_Window], ids: list[list[int]], t: int) -> list[torch.Tensor]:
+    def _forward_batched(self, wins: list[_Window], t: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         r = self.runner
-        slots, pos, rope, key_start, rows = [], [], [], [], []
-        for win, row_ids in zip(wins, ids):
+        meta: list[list[int]] = [[], [], [], []]  # slot, cache position, RoPE position, first key
+        for win in wins:
             start = win.seq.prompt_len + win.fed
             for row in range(win.count):
-                slots.append(win.first + row)
-                pos.append(start)
-                rope.append(start + win.seq.position_offsets[row])
-                key_start.append(win.seq.key_starts[row])
-                rows.append(row_ids)
-        dev = dict(dtype=torch.long, device=r.device)
-        slots_t, pos_t = torch.tensor(slots, **dev), torch.tensor(pos, **dev)
-        key_start_t = torch.tensor(key_start, **dev)
-        length = r.capacity if r.pad_to_max_bucket else min(r.capacity, max(pos) + t)
-        # eager pointwise kernels: a compiled set would recompile for every window length
-        attention = WindowGEMMAttention(r.pool.key, r.pool.value, slots_t, pos_t, key_start_t, t, length, r.scale)
-        input_ids = torch.tensor(rows, **dev)
-        positions = torch.tensor(rope, **dev)[:, None] + torch.arange(t, device=r.device)[None, :]
-        out = r.model(input_ids, positions, compute_logits=False, attention=attention,
-                      routing=ExpertRouting.all_generation(input_ids)).last_hidden_state
-        return list(out.split([win.count for win in wins]))
+                for column, value in zip(meta, (win.first + row, start, start + win.seq.position_offsets[row],
+                                                win.seq.key_starts[row])):
+                    column.append(value)
+        if r.pad_to_max_bucket:
+            length = r.capacity
+        else:
+            length = next((n for n in r.length_buckets if n >= max(meta[1]) + t), r.capacity)
+        ids = torch.cat([win.ids[None, :t].expand(win.count, t) for win in wins])
+        hidden, logits = self.window_forward(meta, ids, length)
+        counts = [win.count for win in wins]
+        return list(hidden.split(counts)), list(logits.split([c * t for c in counts]))
 
-    def _targets(self, win: _Window, t: int, logits: torch.Tensor, fed_ids: list[int]) -> torch.Tensor:
+    def _targets(self, win: _Window, t: int, logits: torch.Tensor, fed_ids: torch.Tensor) -> torch.Tensor:
         """``(t, V + 1)`` targets at the window's outputs (output ``j`` predicts grid index ``g + j + 1``)."""
         r, seq = self.runner, win.seq
         state = expand_state(seq.sampling_state, t, win.fed + 1, fed_ids, r.vstart)
@@ -220,7 +217,7 @@ class JacobiVerifier:
                 logits: list[torch.Tensor]) -> list[WindowResult]:
         r = self.runner
         d = t - 1
-        fed_ids = [self._window_ids(win, t) for win in wins]
+        fed_ids = torch.stack([win.ids[:t] for win in wins])  # (N, t) on the device
         p = torch.stack([self._targets(win, t, lg, ids) for win, lg, ids in zip(wins, logits, fed_ids)])
         uniforms = [self._uniforms(win) for win in wins]
         q = torch.stack([win.q[:d] for win in wins])
@@ -229,34 +226,38 @@ class JacobiVerifier:
         u_acc = torch.stack([u[:d] for u in uniforms])
         u_smp = torch.stack([u[wi : wi + t] for u, wi in zip(uniforms, w)])
         accepted, token = speculative_accept(p, q, drafts, u_acc, u_smp)
+        n = len(wins)
+        host = torch.cat([accepted, token, fed_ids.reshape(-1)]).tolist()  # the turn's one read-back
         results = []
-        for i, (win, k, nxt) in enumerate(zip(wins, accepted.tolist(), token.tolist())):
-            fed = fed_ids[i][: k + 1]
-            self._advance(win, fed)
+        for i, win in enumerate(wins):
+            k, nxt = host[i], host[n + i]
+            fed = host[2 * n + i * t : 2 * n + i * t + k + 1]
+            self._advance(win, fed_ids[i, : k + 1], len(fed))
             next_id = r.eol if nxt == r.vocab else nxt + r.vstart
             win.next_token = next_id
             finished = win.remaining == 0
             if finished:
                 self.deactivate(win.first)
             else:
-                self._redraft(win, p[i], k, t, uniforms[i][2 * w[i]:])
+                self._redraft(win, p[i], k, t, uniforms[i][2 * w[i]:], token[i : i + 1])
                 self._park(win)
             self.tokens += k + 1
             results.append(WindowResult(win.key, win.first, fed, hidden[i][0, : k + 1], next_id, finished, k))
         return results
 
-    def _advance(self, win: _Window, fed: list[int]) -> None:
-        """``fed`` tokens are final: repetition-penalty set and sample index move past them."""
+    def _advance(self, win: _Window, fed: torch.Tensor, n: int) -> None:
+        """``fed (n,)`` device ids are final: repetition-penalty set and sample index move past them."""
         r, state = self.runner, win.seq.sampling_state
         rows = torch.ones(win.count, dtype=torch.bool, device=r.device)
-        for token in fed:
-            r.sampler.mark_seen(state, torch.full((win.count,), token, dtype=torch.long, device=r.device), rows)
-        state.sample_idx += len(fed)
-        win.fed += len(fed)
+        r.sampler.mark_seen(state, fed[None, :].expand(win.count, n), rows)
+        state.sample_idx += n
+        win.fed += n
 
-    def _redraft(self, win: _Window, p: torch.Tensor | None, k: int, t: int, u: torch.Tensor) -> None:
+    def _redraft(self, win: _Window, p: torch.Tensor | None, k: int, t: int, u: torch.Tensor,
+                 token: torch.Tensor) -> None:
         """Draft grid indices ``g' + 1 .. g' + m`` (``g'`` = `_Window.fed`, ``t0`` sits at ``g'``) after
-        ``k`` accepted drafts of a ``t``-token window with targets ``p (t, V + 1)`` (None: none yet)."""
+        ``k`` accepted drafts of a ``t``-token window with targets ``p (t, V + 1)`` (None: none yet);
+        ``token (1,)`` is ``t0`` as an extended index on the device. Sets the next window's ids."""
         r, seq = self.runner, win.seq
         m = max(0, min(self._window(win) - 1, win.remaining - 1))
         vocab, dev = r.vocab, r.device
@@ -265,7 +266,7 @@ class JacobiVerifier:
         j = k + offsets  # the output of the last forward that predicted it
         has_prediction = (j <= t - 1) if p is not None else torch.zeros(m, dtype=torch.bool, device=dev)
         predicted = p[j.clamp(max=max(t - 1, 0))] if p is not None and m else uniform_proposal(m, vocab, dev)
-        init = self._init_proposal(win, index)
+        init = self._init_proposal(win, [win.fed + o for o in range(1, m + 1)])
         previous = None
         if seq.decoding.token_reuse and p is not None:
             old = j.clamp(max=max(len(win.drafts) - 1, 0))  # old draft i sat at grid index g + 1 + i = index
@@ -274,27 +275,31 @@ class JacobiVerifier:
                 previous = (win.drafts[old], win.q[old], has_old)
         eol_position = index % (seq.ar_width + 1) == seq.ar_width
         win.drafts, win.q = draft_positions(predicted, has_prediction, init, eol_position, u[:m], previous)
+        extended = torch.cat([token.to(win.drafts.dtype), win.drafts])
+        win.ids = torch.where(extended == vocab, r.eol, extended + r.vstart)
 
-    def _init_proposal(self, win: _Window, index: torch.Tensor) -> torch.Tensor:
-        """Proposals of positions no forward predicted: uniform, or with ``spatial_init`` the one-hot of
-        the final token one grid row above (where there is one)."""
+    def _init_proposal(self, win: _Window, index: list[int]) -> torch.Tensor:
+        """Proposals of the grid positions ``index`` (host ints) that no forward predicted: uniform, or
+        with ``spatial_init`` the one-hot of the final token one grid row above (where there is one)."""
         r, seq = self.runner, win.seq
-        q = uniform_proposal(index.shape[0], r.vocab, r.device)
-        if not seq.decoding.spatial_init or not index.numel():
+        q = uniform_proposal(len(index), r.vocab, r.device)
+        if not seq.decoding.spatial_init or not index:
             return q
         known = seq.generated_ids + [win.next_token]  # grid indices 0 .. g'
-        above = (index - (seq.ar_width + 1)).tolist()
-        for row, a in enumerate(above):
-            if 0 <= a < len(known) and known[a] != r.eol:
-                q[row] = 0.0
-                q[row, known[a] - r.vstart] = 1.0
+        hits = [(row, known[a] - r.vstart) for row, a in enumerate(i - (seq.ar_width + 1) for i in index)
+                if 0 <= a < len(known) and known[a] != r.eol]
+        if hits:
+            rows, codes = torch.tensor(hits, dtype=torch.long).t().to(r.device, non_blocking=True)
+            q[rows] = 0.0
+            q[rows, codes] = 1.0
         return q
 
 
-def expand_state(state: SamplingState, t: int, first_sample: int, fed_ids: list[int], vstart: int) -> SamplingState:
+def expand_state(state: SamplingState, t: int, first_sample: int, fed_ids: torch.Tensor, vstart: int) -> SamplingState:
     """A request's `SamplingState` (``n`` rows) widened to ``n * t`` rows, row ``r * t + j`` sampling
     the window's output ``j``: sample index ``first_sample + j``, repetition-penalty set widened by
-    the window's tokens ``fed_ids[: j + 1]``, CFG partner and source rows mapped alike."""
+    the window's tokens ``fed_ids[: j + 1]`` (``(t,)`` int64 ids on the state's device), CFG partner
+    and source rows mapped alike."""
     n, vocab = state.seen.shape
     dev = state.seen.device
     j = torch.arange(t, device=dev)
@@ -303,10 +308,9 @@ def expand_state(state: SamplingState, t: int, first_sample: int, fed_ids: list[
     grow["partner"] = (state.partner[:, None] * t + j[None, :]).reshape(-1)
     grow["source"] = (state.source[:, None] * t + j[None, :]).reshape(-1)
     grow["sample_idx"] = (first_sample + j).repeat(n)
-    vis = torch.tensor(fed_ids, dtype=torch.long, device=dev) - vstart
-    window_seen = torch.zeros(t, vocab, dtype=torch.bool, device=dev)
-    in_vis = (vis >= 0) & (vis < vocab)
-    window_seen[j[in_vis], vis[in_vis]] = True
-    window_seen = window_seen.long().cumsum(0) > 0
+    vis = fed_ids.to(dev) - vstart
+    window_seen = torch.zeros(t, vocab + 1, dtype=torch.bool, device=dev)  # column ``vocab``: not a code
+    window_seen[j, torch.where((vis >= 0) & (vis < vocab), vis, vocab)] = True
+    window_seen = window_seen[:, :vocab].long().cumsum(0) > 0
     grow["seen"] = grow["seen"] | window_seen.repeat(n, 1)
     return SamplingState(**grow, uniforms=torch.zeros(n * t, 1, dtype=torch.float64, device=dev))

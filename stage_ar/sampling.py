@@ -337,9 +337,16 @@ class GridSampler(nn.Module):
         self.register_buffer("vocab_index", torch.arange(self.vocab, device=device), persistent=False)
 
     def mark_seen(self, state: SamplingState, fed: torch.Tensor, active: torch.Tensor) -> None:
-        """Record the fed tokens ``(b,)`` of ``active`` rows for the repetition penalty."""
+        """Record the fed tokens ``(b,)`` of ``active (b,)`` rows for the repetition penalty; ``fed``
+        may be ``(b, n)``: ``n`` tokens per row (a Jacobi window's final tokens)."""
         b = fed.shape[0]
         vis = fed - self.vstart
+        if fed.dim() == 2:  # scatter only True values (duplicates are harmless), non-codes to a spare column
+            hit = active[:, None] & (vis >= 0) & (vis < self.vocab)
+            marks = torch.zeros(b, self.vocab + 1, dtype=torch.bool, device=fed.device)
+            marks.scatter_(1, torch.where(hit, vis, self.vocab), True)
+            state.seen[:b] |= marks[:, : self.vocab]
+            return
         in_vis = active & (vis >= 0) & (vis < self.vocab)
         rows = torch.arange(b, device=fed.device)
         idx = vis.clamp(0, self.vocab - 1)
