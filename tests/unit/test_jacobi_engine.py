@@ -113,30 +113,42 @@ def test_jacobi_samples_the_sequential_distribution(model, tokenizer, w, h, opti
     assert power(probs, tilt(probs, 0.1), n, ALPHA, trials=500) >= 0.95
 
 
-def test_rows_equal_teacher_forcing_and_a_seed_is_reproducible_in_any_batch(model, tokenizer):
-    for options in ({}, {"exact_rows": False}):
-        alone = run_all(make_engine(model, tokenizer, **options), [make_job(tokenizer, 11, 3, 3)], 1)[0]
-        others = [make_job(tokenizer, s, 2, 2, decoding=DecodingOptions(), prompt="two cats") for s in (1, 2)]
-        cfg = make_job(tokenizer, 12, 2, 3, scale=3.0, prompt="blue")
-        again = make_job(tokenizer, 11, 3, 3)
-        run_all(make_engine(model, tokenizer, **options), [others[0], cfg, again, others[1]], 4)
-        for a, b in ((alone, again),):
-            assert a.sink.token_ids[Role.CONDITION] == b.sink.token_ids[Role.CONDITION]
-            assert torch.equal(a.sink.hidden(), b.sink.hidden()), options
-        ids = alone.sink.token_ids[Role.CONDITION]
-        assert len(ids) == len(alone.prompt_ids) + 3 * 4
-        teacher = model(torch.tensor([ids]), torch.arange(len(ids))[None], compute_logits=False).last_hidden_state[0]
-        torch.testing.assert_close(alone.sink.hidden(), teacher, atol=2e-5, rtol=0)
-        # the sequential requests in that batch got the rows they get alone
-        for job in others:
-            ref = run_all(make_engine(model, tokenizer, **options), [make_job(
-                tokenizer, job.seed, 2, 2, decoding=DecodingOptions(), prompt="two cats")], 1)[0]
-            assert job.sink.token_ids[Role.CONDITION] == ref.sink.token_ids[Role.CONDITION]
-            assert torch.equal(job.sink.hidden(), ref.sink.hidden())
-        # AR-side CFG with Jacobi windows: rows are teacher forcing of the conditional row too
-        ids = cfg.sink.token_ids[Role.CONDITION]
-        teacher = model(torch.tensor([ids]), torch.arange(len(ids))[None], compute_logits=False).last_hidden_state[0]
-        torch.testing.assert_close(cfg.sink.hidden(), teacher, atol=2e-5, rtol=0)
+def triton_runs_here() -> bool:
+    from stage_ar import decode_attention
+
+    return decode_attention.available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"exact_rows": False},
+    # the split-KV Triton kernels (sequential step and window forward) in Triton's interpreter
+    pytest.param({"exact_rows": False, "fused_attention": True}, marks=[pytest.mark.slow, pytest.mark.skipif(
+        not triton_runs_here(), reason="needs triton's interpreter")]),
+], ids=["exact_rows", "batched_gemm", "batched_triton"])
+def test_rows_equal_teacher_forcing_and_a_seed_is_reproducible_in_any_batch(model, tokenizer, options):
+    alone = run_all(make_engine(model, tokenizer, **options), [make_job(tokenizer, 11, 3, 3)], 1)[0]
+    others = [make_job(tokenizer, s, 2, 2, decoding=DecodingOptions(), prompt="two cats") for s in (1, 2)]
+    cfg = make_job(tokenizer, 12, 2, 3, scale=3.0, prompt="blue")
+    again = make_job(tokenizer, 11, 3, 3)
+    run_all(make_engine(model, tokenizer, **options), [others[0], cfg, again, others[1]], 4)
+    for a, b in ((alone, again),):
+        assert a.sink.token_ids[Role.CONDITION] == b.sink.token_ids[Role.CONDITION]
+        assert torch.equal(a.sink.hidden(), b.sink.hidden()), options
+    ids = alone.sink.token_ids[Role.CONDITION]
+    assert len(ids) == len(alone.prompt_ids) + 3 * 4
+    teacher = model(torch.tensor([ids]), torch.arange(len(ids))[None], compute_logits=False).last_hidden_state[0]
+    torch.testing.assert_close(alone.sink.hidden(), teacher, atol=2e-5, rtol=0)
+    # the sequential requests in that batch got the rows they get alone
+    for job in others:
+        ref = run_all(make_engine(model, tokenizer, **options), [make_job(
+            tokenizer, job.seed, 2, 2, decoding=DecodingOptions(), prompt="two cats")], 1)[0]
+        assert job.sink.token_ids[Role.CONDITION] == ref.sink.token_ids[Role.CONDITION]
+        assert torch.equal(job.sink.hidden(), ref.sink.hidden())
+    # AR-side CFG with Jacobi windows: rows are teacher forcing of the conditional row too
+    ids = cfg.sink.token_ids[Role.CONDITION]
+    teacher = model(torch.tensor([ids]), torch.arange(len(ids))[None], compute_logits=False).last_hidden_state[0]
+    torch.testing.assert_close(cfg.sink.hidden(), teacher, atol=2e-5, rtol=0)
 
 
 def test_cancel_between_windows_frees_everything(model, tokenizer):
