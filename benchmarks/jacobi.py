@@ -10,9 +10,11 @@ On CPU, as a smoke test (a 2-layer model of width 64 with the Preview vocabulary
     PYTHONPATH=. python benchmarks/jacobi.py --tiny --out /tmp/jacobi
 
 Sections (``jacobi.json`` in --out, a table on stdout):
-1. ``window_cost``: one verification forward (`stage_ar.attention.WindowGEMMAttention`, the
-   model's one forward, logits of the visual codes of every window position) at a mid-image KV
-   position, window ``T`` in 1, 2, 4, 8, 16, 32, batch 1 and 8: ms (CUDA events, median of 10);
+1. ``window_cost``: one verification forward (`stage_ar.window_forward.WindowForward`, the path
+   the engine runs: the model's one forward with the split-KV Triton window kernel, logits of the
+   visual codes of every window position) at a mid-image KV position over the whole pool width,
+   window ``T`` in 1 .. 32, batch 1 and 8: ms (CUDA events, median of 10), replayed as a CUDA graph
+   (``graph``) and run eagerly (``eager``);
 2. ``decode``: one grid (24x24 by default) through the AR stage's `DecodeEngine` driven inline:
    ``sequential`` (the runner's CUDA-graph step) and ``jacobi`` (window 16) for the random model as
    it is and for *sharpened* models ``s:c``: the generation head's weights multiplied by ``s``
@@ -22,12 +24,13 @@ Sections (``jacobi.json`` in --out, a table on stdout):
    which almost every draft is accepted (``p(x) / q(x)`` is about 1 for any two near-uniform
    distributions): an optimistic figure; a head scale alone gives peaked distributions that change
    completely with the previous code (few drafts accepted); a trained model's are peaked and locally
-   smooth, which the two knobs together imitate. Per model: forwards per token, ms per token, the
-   mean probability of the most likely code;
+   smooth, which the two knobs together imitate. Per model: forwards per token, ms per token, ms
+   per Jacobi turn (the forward plus targets, accept/resample, drafts and the read-back), the mean
+   probability of the most likely code; then a window sweep (``--sweep``) on one sharpened model;
 3. ``estimate_1024``: the 1024x1024 end-to-end latency (4,160 grid tokens) at the acceptance rates
    the papers report (2, 3 and 5 tokens per forward: SJD's ~2x step compression on Lumina-mGPT,
-   SJD++'s 2-7x), ``AR = grid tokens / rate x one window-16 forward at batch 1 + prefill`` plus the
-   DiT alone at 1024x1024/50 steps (``--dit-s``, 5.28 s measured in docs/PERFORMANCE.md). These are
+   SJD++'s 2-7x), ``AR = grid tokens / rate x one Jacobi turn at window 16, batch 1`` (measured in
+   ``decode``; ``forward_only``: the forward alone) plus the DiT alone at 1024x1024/50 steps (``--dit-s``, 5.28 s measured in docs/PERFORMANCE.md). These are
    estimates: real acceptance needs real weights.
 """
 
@@ -48,16 +51,17 @@ sys.path.insert(0, str(ROOT))
 
 from mammoth_core.decoding import ARDecoding, DecodingOptions  # noqa: E402
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
-from stage_ar.attention import WindowGEMMAttention  # noqa: E402
+from stage_ar import decode_attention  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
 from stage_ar.kv_pool import KVPool  # noqa: E402
-from stage_ar.modeling_mammoth_ar import ExpertRouting, MammothARForCausalLM  # noqa: E402
+from stage_ar.modeling_mammoth_ar import MammothARForCausalLM  # noqa: E402
 from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
+from stage_ar.window_forward import WindowForward  # noqa: E402
 
 EOL, VSTART, VEND = 152064, 152072, 152072 + 16384
 PROMPT = [151644] + list(range(1000, 1060)) + [151645, 152069]
-WINDOWS = (1, 2, 4, 8, 16, 32)
+WINDOWS = (1, 2, 4, 8, 12, 16, 20, 24, 32)
 PAPER_RATES = (2.0, 3.0, 5.0)
 
 
@@ -104,26 +108,23 @@ def timed(fn, device: torch.device, iters: int = 10) -> float:
 
 @torch.inference_mode()
 def window_cost(model, device, position: int, windows=WINDOWS, batches=(1, 8)) -> dict:
-    """ms of one verification forward (+ visual logits) per (batch, window) at KV ``position``."""
+    """ms of one verification forward (+ visual logits) per (batch, window) at KV ``position``:
+    ``{"graph": {...}, "eager": {...}}`` keyed ``b{batch}_t{T}`` (``graph`` only on CUDA)."""
     cfg = model.config
-    out = {}
+    fused = decode_attention.available(device)
+    out: dict = {"graph": {}, "eager": {}, "attention": "triton" if fused else "gemm"}
     for batch in batches:
         pool = KVPool(cfg, batch, position + max(windows), device=device, dtype=model.lm_head.weight.dtype)
-        slots = torch.arange(batch, device=device)
-        pos = torch.full((batch,), position, device=device, dtype=torch.long)
-        for t in windows:
-            ids = torch.full((batch, t), VSTART + 7, device=device, dtype=torch.long)
-            positions = pos[:, None] + torch.arange(t, device=device)[None]
-
-            def forward():
-                attention = WindowGEMMAttention(pool.key, pool.value, slots, pos, torch.zeros_like(pos), t,
-                                                position + t, cfg.head_dim**-0.5)
-                h = model(ids, positions, compute_logits=False, attention=attention,
-                          routing=ExpertRouting.all_generation(ids)).last_hidden_state
-                return model.compute_logits(h.reshape(-1, h.shape[-1]), VSTART, VEND)
-
-            out[f"b{batch}_t{t}"] = round(timed(forward, device), 3)
-            print(f"window cost batch {batch} T {t}: {out[f'b{batch}_t{t}']} ms", flush=True)
+        meta = [list(range(batch)), [position] * batch, [position] * batch, [0] * batch]
+        for mode in ("graph", "eager") if device.type == "cuda" else ("eager",):
+            forward = WindowForward(model, pool.key, pool.value, VSTART, VEND, cfg.head_dim**-0.5,
+                                    fused_attention=fused, cuda_graphs=mode == "graph")
+            for t in windows:
+                ids = torch.full((batch, t), VSTART + 7, device=device, dtype=torch.long)
+                ms = round(timed(lambda: forward(meta, ids, pool.capacity), device), 3)
+                out[mode][f"b{batch}_t{t}"] = ms
+                print(f"window cost {mode} batch {batch} T {t}: {ms} ms", flush=True)
+            forward.release()
         del pool
     return out
 
@@ -151,6 +152,7 @@ def decode_run(engine: DecodeEngine, grid: int, decoding: DecodingOptions, devic
     tokens = grid * (grid + 1)
     forwards = (jacobi.forwards - f0) + (engine.runner.steps_launched - steps0)
     return {"ms_per_token": round(stats["s"].decode_ms / tokens, 3), "forwards_per_token": round(forwards / tokens, 4),
+            "ms_per_forward": round(stats["s"].decode_ms / max(forwards, 1), 3),
             "decode_s": round(stats["s"].decode_ms / 1e3, 2)}
 
 
@@ -174,11 +176,15 @@ def peak_probability(model, device, scale: float) -> float:
     return round(float(probs.max(-1).values.mean()), 4)
 
 
-def decode_section(model, device, grid: int, window: int, models: list[tuple[float, float]]) -> dict:
-    """Sequential, then Jacobi (plain, and with SJD++ spatial init + token reuse) per model ``(s, c)``."""
+def decode_section(model, device, grid: int, window: int, models: list[tuple[float, float]],
+                   sweep: list[int], sweep_model: tuple[float, float]) -> dict:
+    """Sequential, then Jacobi (plain, and with SJD++ spatial init + token reuse) per model ``(s, c)``,
+    then Jacobi with spatial init + reuse at each window of ``sweep`` on ``sweep_model``. One
+    untimed Jacobi run first (compilation, CUDA-graph capture of the window forward)."""
     engine = make_engine(model, grid)
     out = {"grid": grid, "window": window, "sequential": decode_run(engine, grid, DecodingOptions(), device)}
     print("sequential:", out["sequential"], flush=True)
+    decode_run(engine, grid, DecodingOptions(ARDecoding.JACOBI, window), device)  # warm-up
     head = model.gen_head.weight.clone()
     embed = model.language_model.gen_embed_tokens.weight.clone()
     for s, c in models:
@@ -189,16 +195,30 @@ def decode_section(model, device, grid: int, window: int, models: list[tuple[flo
             run["peak_probability"] = peak_probability(model, device, 1.0)
             out[f"{label}_s{s:g}_c{c:g}"] = run
             print(f"{label} s={s:g} c={c:g}:", run, flush=True)
+    s, c = sweep_model
+    sharpen(model, head, embed, s, c)
+    for w in sweep:
+        options = DecodingOptions(ARDecoding.JACOBI, w, True, True)
+        decode_run(engine, grid, options, device)  # capture this window's shapes
+        out[f"sweep_s{s:g}_c{c:g}_w{w}"] = run = decode_run(engine, grid, options, device)
+        print(f"sweep s={s:g} c={c:g} window {w}:", run, flush=True)
     sharpen(model, head, embed, 1.0, 1.0)
     return out
 
 
-def estimate(cost: dict, seq_ms_per_token: float, dit_s: float, window: int) -> dict:
+def estimate(cost: dict, decode: dict, dit_s: float, window: int) -> dict:
+    """1024x1024 end-to-end seconds: sequential, and Jacobi at `PAPER_RATES` tokens per forward with
+    the measured mean Jacobi turn at ``window`` (and with the forward alone, ``forward_only``)."""
     tokens = 64 * 65
-    fwd = cost.get(f"b1_t{window}", cost["b1_t16"])
-    out = {"sequential_s": round(tokens * seq_ms_per_token / 1e3 + dit_s, 2)}
+    table = cost.get("graph") or cost["eager"]
+    fwd = table.get(f"b1_t{window}", table.get("b1_t16"))
+    turns = [v["ms_per_forward"] for k, v in decode.items() if k.startswith("jacobi")]
+    turn = statistics.mean(turns)
+    out = {"sequential_s": round(tokens * decode["sequential"]["ms_per_token"] / 1e3 + dit_s, 2),
+           "turn_ms": round(turn, 3), "forward_ms": fwd}
     for rate in PAPER_RATES:
-        out[f"jacobi_{rate:g}_tokens_per_forward_s"] = round(tokens / rate * fwd / 1e3 + dit_s, 2)
+        out[f"jacobi_{rate:g}_tokens_per_forward_s"] = round(tokens / rate * turn / 1e3 + dit_s, 2)
+        out[f"forward_only_{rate:g}_tokens_per_forward_s"] = round(tokens / rate * fwd / 1e3 + dit_s, 2)
     return out
 
 
@@ -212,6 +232,10 @@ def main() -> None:
     parser.add_argument("--models", default="",
                         help="sharpened models s:c (head scale : context sensitivity), comma-separated "
                         "(default 1:1,16:1,16:0.01,16:0; 1:1,16:0 with --tiny)")
+    parser.add_argument("--sweep", default="", help="windows of the sweep, comma-separated (default "
+                        "4,8,16,24,32; 2,4 with --tiny), Jacobi + spatial init + reuse on --sweep-model")
+    parser.add_argument("--sweep-model", default="16:0.01")
+    parser.add_argument("--windows", default="", help="window lengths of window_cost (default 1..32)")
     parser.add_argument("--dit-s", type=float, default=5.28, help="DiT alone at 1024x1024/50 steps, seconds")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
@@ -220,13 +244,15 @@ def main() -> None:
     model, device = build(args.tiny)
     res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tiny": args.tiny}
     position = 64 if args.tiny else len(PROMPT) + 64 * 65 // 2
-    res["window_cost_ms"] = window_cost(model, device, position, *(((1, 16), (1, 2)) if args.tiny else ()))
+    windows = tuple(int(w) for w in args.windows.split(",")) if args.windows else WINDOWS
+    res["window_cost_ms"] = window_cost(model, device, position, *(((1, 16), (1, 2)) if args.tiny else (windows,)))
     grid = args.grid or (3 if args.tiny else 24)
     spec = args.models or ("1:1,16:0" if args.tiny else "1:1,16:1,16:0.01,16:0")
     models = [tuple(float(v) for v in m.split(":")) for m in spec.split(",")]
-    res["decode"] = decode_section(model, device, grid, args.window, models)
-    res["estimate_1024"] = estimate(res["window_cost_ms"], res["decode"]["sequential"]["ms_per_token"],
-                                    args.dit_s, args.window)
+    sweep = [int(w) for w in (args.sweep or ("2,4" if args.tiny else "4,8,16,24,32")).split(",")]
+    sweep_model = tuple(float(v) for v in args.sweep_model.split(":"))
+    res["decode"] = decode_section(model, device, grid, args.window, models, sweep, sweep_model)
+    res["estimate_1024"] = estimate(res["window_cost_ms"], res["decode"], args.dit_s, args.window)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     (out_dir / "jacobi.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

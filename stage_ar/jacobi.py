@@ -201,7 +201,8 @@ class JacobiVerifier:
         else:
             length = next((n for n in r.length_buckets if n >= max(meta[1]) + t), r.capacity)
         ids = torch.cat([win.ids[None, :t].expand(win.count, t) for win in wins])
-        hidden, logits = self.window_forward(meta, ids, length)
+        full = all(self._window(win) == t for win in wins)
+        hidden, logits = self.window_forward(meta, ids, length, capture=full)
         counts = [win.count for win in wins]
         return list(hidden.split(counts)), list(logits.split([c * t for c in counts]))
 

@@ -79,7 +79,8 @@ class WindowForward:
         self._static.clear()
         self._pool = None
 
-    def __call__(self, meta: list[list[int]], ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, meta: list[list[int]], ids: torch.Tensor, length: int,
+                 capture: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over ``R`` windows of ``T`` tokens.
 
         Args:
@@ -87,6 +88,9 @@ class WindowForward:
                 position, first key position of each row.
             ids: ``(R, T)`` int64 token ids on the device (generation ids).
             length: key positions read (``max(pos) + T`` at least; a bucket keeps the shapes few).
+            capture: capture this shape if it is new (the verifier captures full windows only: a
+                grid's last, shorter windows run eagerly, once per image, instead of adding a graph
+                per remainder).
 
         Returns:
             ``(hidden (R, T, H), logits (R * T, V))``: a private copy of the rows (model dtype) and
@@ -104,10 +108,22 @@ class WindowForward:
         if st.graph is not None:
             st.graph.replay()
             return st.hidden.clone(), st.logits
-        hidden, logits = self._forward(st, length)
-        if self.cuda_graphs:
+        hidden, logits = self._eager(st, length)
+        if self.cuda_graphs and capture:
             self._capture(st, length)
         return hidden.clone(), logits
+
+    def _eager(self, st: _Static, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_forward`, falling back (logged) to the GEMM attention path if the Triton window kernel
+        fails (the retry rewrites the same keys/values)."""
+        try:
+            return self._forward(st, length)
+        except Exception as exc:  # noqa: BLE001 - Triton compile/launch failures of many kinds
+            if not self.fused_attention:
+                raise
+            logger.warning("Triton window attention failed (%s: %s); using the GEMM path", type(exc).__name__, exc)
+            self.fused_attention = False
+            return self._forward(st, length)
 
     def _forward(self, st: _Static, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots, pos, rope, key_start = st.meta
