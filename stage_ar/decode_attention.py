@@ -142,25 +142,26 @@ if triton is not None:
         stride_qr, stride_qt, stride_qh,
         stride_nr, stride_nt, stride_nh, stride_vnr, stride_vnt, stride_vnh,
         stride_cs, stride_ch, stride_cn,
-        n_splits, scale,
-        WINDOW: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, Q_BLOCKS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+        n_splits, scale, window, q_blocks,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
     ):
-        # query row m of the (row, KV head) = window position m // GROUP, query head m % GROUP
+        # query row m of the (row, KV head) = window position m // GROUP, query head m % GROUP; the
+        # window length is a runtime value (one compiled kernel per BLOCK_M, not per window length)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2) // Q_BLOCKS
-        qb = tl.program_id(2) % Q_BLOCKS
+        split = tl.program_id(2) // q_blocks
+        qb = tl.program_id(2) % q_blocks
         slot = tl.load(slot_ptr + row)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_b = tl.arange(0, BLOCK)
-        real = offs_m < WINDOW * GROUP
-        t_q = tl.minimum(offs_m // GROUP, WINDOW - 1)
+        real = offs_m < window * GROUP
+        t_q = tl.minimum(offs_m // GROUP, window - 1)
         q_pos = pos + t_q  # each query row's own position (causal inside the window)
-        q_hi = pos + tl.minimum((qb * BLOCK_M + BLOCK_M - 1) // GROUP, WINDOW - 1)
+        q_hi = pos + tl.minimum((qb * BLOCK_M + BLOCK_M - 1) // GROUP, window - 1)
         cache_off = slot * stride_cs + kvh * stride_ch
         q = tl.load(q_ptr + row * stride_qr + t_q[:, None] * stride_qt
                     + (kvh * GROUP + offs_m % GROUP)[:, None] * stride_qh + offs_d[None, :],
@@ -172,14 +173,14 @@ if triton is not None:
             lo = (split * TILES + t) * BLOCK
             if (lo <= q_hi) & (lo + BLOCK > start):
                 offs_n = lo + offs_b
-                in_win = (offs_n >= pos) & (offs_n < pos + WINDOW)  # the window's keys, from k_new
+                in_win = (offs_n >= pos) & (offs_n < pos + window)  # the window's keys, from k_new
                 w_off = (offs_n - pos)[:, None]
                 k_w = tl.load(k_new_ptr + row * stride_nr + w_off * stride_nt + kvh * stride_nh + offs_d[None, :],
                               mask=in_win[:, None], other=0.0)
                 v_w = tl.load(v_new_ptr + row * stride_vnr + w_off * stride_vnt + kvh * stride_vnh
                               + offs_d[None, :], mask=in_win[:, None], other=0.0)
                 tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
-                if qb == Q_BLOCKS - 1:  # the KV-cache write of the window, fused (one program per key)
+                if qb == q_blocks - 1:  # the KV-cache write of the window, fused (one program per key)
                     tl.store(k_cache_ptr + tile, k_w, mask=in_win[:, None])
                     tl.store(v_cache_ptr + tile, v_w, mask=in_win[:, None])
                 cached = (offs_n >= start) & (offs_n < pos)
@@ -197,7 +198,7 @@ if triton is not None:
                 l_sum = l_sum * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-        m_total = Q_BLOCKS * BLOCK_M
+        m_total = q_blocks * BLOCK_M
         part = (row * tl.num_programs(1) + kvh) * n_splits + split
         tl.store(part_ml_ptr + part * 2 * m_total + offs_m, m)
         tl.store(part_ml_ptr + part * 2 * m_total + m_total + offs_m, l_sum)
@@ -205,8 +206,8 @@ if triton is not None:
 
     @triton.jit
     def _window_combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, stride_or, stride_ot,
-        GROUP: tl.constexpr, M_TOTAL: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, m_total, stride_or, stride_ot,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -215,12 +216,12 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         have = offs_s < n_splits
         parts = (row * tl.num_programs(1) + kvh) * n_splits + offs_s
-        m = tl.load(part_ml_ptr + parts * 2 * M_TOTAL + mq, mask=have, other=float("-inf"))
-        l_sum = tl.load(part_ml_ptr + parts * 2 * M_TOTAL + M_TOTAL + mq, mask=have, other=0.0)
+        m = tl.load(part_ml_ptr + parts * 2 * m_total + mq, mask=have, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + parts * 2 * m_total + m_total + mq, mask=have, other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
         total = tl.sum(w * l_sum, 0)
-        part = tl.load(part_acc_ptr + (parts * M_TOTAL + mq)[:, None] * HEAD_DIM + offs_d[None, :],
+        part = tl.load(part_acc_ptr + (parts * m_total + mq)[:, None] * HEAD_DIM + offs_d[None, :],
                        mask=have[:, None], other=0.0)
         acc = tl.sum(w[:, None] * part, 0)
         out = acc / tl.where(total == 0.0, 1.0, total)
@@ -328,7 +329,8 @@ def window_attention(
     ``pos[i] .. pos[i] + T - 1`` and its query ``t`` attends over key positions
     ``[key_start[i], pos[i] + t]``. The same split-KV scheme, tiles and float32 softmax statistics as
     `decode_attention`; the M rows of a program's ``tl.dot`` are (window position, query head) pairs
-    of one KV head, at most `WINDOW_BLOCK_M` per program. With ``T = 1`` and ``slots[i] = i`` the
+    of one KV head, at most `WINDOW_BLOCK_M` per program. ``T`` is a runtime argument of the kernels:
+    they compile once per tile height (16, 32 or 64 rows), not once per window length. With ``T = 1`` and ``slots[i] = i`` the
     output equals `decode_attention`'s bit for bit (same dot shapes, same reduction order); a row's
     bits depend only on its own ``pos``, ``key_start``, ``T`` and the cache capacity, never on the
     other rows or ``length`` (batch invariance, as `decode_attention`).
@@ -373,12 +375,11 @@ def window_attention(
         q.stride(0), q.stride(1), q.stride(2),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        n_splits, float(scale),
-        WINDOW=window, GROUP=group, BLOCK_M=block_m, Q_BLOCKS=q_blocks, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
-        TILES=SPLIT // BLOCK_N,
+        n_splits, float(scale), window, q_blocks,
+        GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
     )
     _window_combine_kernel[(r, kv_heads, rows)](
-        part_acc, part_ml, out, n_splits, out.stride(0), out.stride(1),
-        GROUP=group, M_TOTAL=m_total, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+        part_acc, part_ml, out, n_splits, m_total, out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
     )
     return out
