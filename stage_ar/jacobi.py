@@ -85,6 +85,7 @@ class _Window:
     q: torch.Tensor  # (D, V + 1) their proposals
     needs_sort: bool
     ids: torch.Tensor | None = None  # (D + 1,) on the device: the next window's ids [t0, d1 .. dD]
+    grid: torch.Tensor | None = None  # (grid tokens + 1,) on the device: final grid ids, then t0 (EOL beyond)
 
     @property
     def remaining(self) -> int:
@@ -119,7 +120,10 @@ class JacobiVerifier:
                       seq.sampling_state.needs_sort)
         u = self._uniforms(win)
         index = r.vocab if win.next_token == r.eol else win.next_token - r.vstart  # as an extended index
-        token = torch.tensor([index], dtype=torch.long).to(r.device, non_blocking=True)
+        known = seq.generated_ids + [win.next_token]
+        host = torch.tensor([index] + known + [r.eol] * (seq.grid_tokens + 1 - len(known)), dtype=torch.long)
+        host = host.to(r.device, non_blocking=True)
+        token, win.grid = host[:1], host[1:]
         self._redraft(win, None, -1, 0, u[2 * self._window(win):], token)
         self._windows[first] = win
         self._park(win)
@@ -227,47 +231,57 @@ class JacobiVerifier:
         u_acc = torch.stack([u[:d] for u in uniforms])
         u_smp = torch.stack([u[wi : wi + t] for u, wi in zip(uniforms, w)])
         accepted, token = speculative_accept(p, q, drafts, u_acc, u_smp)
+        for i, win in enumerate(wins):  # on the device, before the read-back: overlaps the forward
+            self._advance(win, fed_ids[i], accepted[i], token[i : i + 1])
+            self._redraft(win, p[i], accepted[i], t, uniforms[i][2 * w[i]:], token[i : i + 1])
         n = len(wins)
         host = torch.cat([accepted, token, fed_ids.reshape(-1)]).tolist()  # the turn's one read-back
         results = []
         for i, win in enumerate(wins):
             k, nxt = host[i], host[n + i]
             fed = host[2 * n + i * t : 2 * n + i * t + k + 1]
-            self._advance(win, fed_ids[i, : k + 1], len(fed))
-            next_id = r.eol if nxt == r.vocab else nxt + r.vstart
-            win.next_token = next_id
+            win.fed += k + 1
+            win.next_token = next_id = r.eol if nxt == r.vocab else nxt + r.vstart
             finished = win.remaining == 0
             if finished:
                 self.deactivate(win.first)
-            else:
-                self._redraft(win, p[i], k, t, uniforms[i][2 * w[i]:], token[i : i + 1])
-                self._park(win)
             self.tokens += k + 1
             results.append(WindowResult(win.key, win.first, fed, hidden[i][0, : k + 1], next_id, finished, k))
         return results
 
-    def _advance(self, win: _Window, fed: torch.Tensor, n: int) -> None:
-        """``fed (n,)`` device ids are final: repetition-penalty set and sample index move past them."""
-        r, state = self.runner, win.seq.sampling_state
+    def _advance(self, win: _Window, fed: torch.Tensor, k: torch.Tensor, token: torch.Tensor) -> None:
+        """Device side of accepting ``k`` (0-d) drafts of a window that fed ``fed (t,)``: the first
+        ``k + 1`` ids are final (repetition-penalty set, sample index, the grid buffer), ``token (1,)``
+        (an extended index) is the next ``t0``; the slots' cache index parks at its position."""
+        r, seq, state = self.runner, win.seq, win.seq.sampling_state
+        t = fed.shape[0]
+        final = torch.arange(t, device=r.device) <= k
         rows = torch.ones(win.count, dtype=torch.bool, device=r.device)
-        r.sampler.mark_seen(state, fed[None, :].expand(win.count, n), rows)
-        state.sample_idx += n
-        win.fed += n
+        r.sampler.mark_seen(state, torch.where(final, fed, r.eol)[None, :].expand(win.count, t), rows)
+        state.sample_idx += k + 1
+        span = win.grid[win.fed : win.fed + t]
+        span.copy_(torch.where(final, fed, span))
+        next_id = torch.where(token == r.vocab, r.eol, token + r.vstart)
+        win.grid.scatter_(0, (win.fed + 1 + k).view(1), next_id)
+        r.cache_pos[win.first : win.first + win.count] = seq.prompt_len + win.fed + 1 + k
 
-    def _redraft(self, win: _Window, p: torch.Tensor | None, k: int, t: int, u: torch.Tensor,
+    def _redraft(self, win: _Window, p: torch.Tensor | None, k: int | torch.Tensor, t: int, u: torch.Tensor,
                  token: torch.Tensor) -> None:
-        """Draft grid indices ``g' + 1 .. g' + m`` (``g'`` = `_Window.fed`, ``t0`` sits at ``g'``) after
-        ``k`` accepted drafts of a ``t``-token window with targets ``p (t, V + 1)`` (None: none yet);
-        ``token (1,)`` is ``t0`` as an extended index on the device. Sets the next window's ids."""
+        """Draft grid indices ``g' + 1 .. g' + m`` (``g' = g + k + 1``, ``g`` = `_Window.fed` before
+        this turn, ``t0`` sits at ``g'``; ``m = window - 1``: drafts past the grid's end are never fed)
+        after ``k`` (an int, or a 0-d device tensor: no host sync) accepted drafts of a ``t``-token
+        window with targets ``p (t, V + 1)`` (None and ``k = -1``: none yet); ``token (1,)`` is ``t0`` as
+        an extended index on the device. Sets the next window's ids."""
         r, seq = self.runner, win.seq
-        m = max(0, min(self._window(win) - 1, win.remaining - 1))
+        m = self._window(win) - 1
         vocab, dev = r.vocab, r.device
         offsets = torch.arange(1, m + 1, device=dev)
-        index = win.fed + offsets  # grid index of each new draft
+        base = win.fed + 1 + k  # g'
+        index = base + offsets  # grid index of each new draft
         j = k + offsets  # the output of the last forward that predicted it
         has_prediction = (j <= t - 1) if p is not None else torch.zeros(m, dtype=torch.bool, device=dev)
         predicted = p[j.clamp(max=max(t - 1, 0))] if p is not None and m else uniform_proposal(m, vocab, dev)
-        init = self._init_proposal(win, [win.fed + o for o in range(1, m + 1)])
+        init = self._init_proposal(win, index, base)
         previous = None
         if seq.decoding.token_reuse and p is not None:
             old = j.clamp(max=max(len(win.drafts) - 1, 0))  # old draft i sat at grid index g + 1 + i = index
@@ -279,21 +293,19 @@ class JacobiVerifier:
         extended = torch.cat([token.to(win.drafts.dtype), win.drafts])
         win.ids = torch.where(extended == vocab, r.eol, extended + r.vstart)
 
-    def _init_proposal(self, win: _Window, index: list[int]) -> torch.Tensor:
-        """Proposals of the grid positions ``index`` (host ints) that no forward predicted: uniform, or
-        with ``spatial_init`` the one-hot of the final token one grid row above (where there is one)."""
+    def _init_proposal(self, win: _Window, index: torch.Tensor, base: int | torch.Tensor) -> torch.Tensor:
+        """Proposals ``(m, V + 1)`` of the grid positions ``index (m,)`` that no forward predicted:
+        uniform, or with ``spatial_init`` the one-hot of the final token one grid row above (where
+        there is one: grid indices ``0 .. base`` are known, `_Window.grid`)."""
         r, seq = self.runner, win.seq
-        q = uniform_proposal(len(index), r.vocab, r.device)
-        if not seq.decoding.spatial_init or not index:
+        q = uniform_proposal(index.shape[0], r.vocab, r.device)
+        if not seq.decoding.spatial_init or not index.numel():
             return q
-        known = seq.generated_ids + [win.next_token]  # grid indices 0 .. g'
-        hits = [(row, known[a] - r.vstart) for row, a in enumerate(i - (seq.ar_width + 1) for i in index)
-                if 0 <= a < len(known) and known[a] != r.eol]
-        if hits:
-            rows, codes = torch.tensor(hits, dtype=torch.long).t().to(r.device, non_blocking=True)
-            q[rows] = 0.0
-            q[rows, codes] = 1.0
-        return q
+        above = index - (seq.ar_width + 1)
+        known = win.grid[above.clamp(0, win.grid.shape[0] - 1)]
+        valid = (above >= 0) & (above <= base) & (known != r.eol)
+        one_hot = torch.zeros_like(q).scatter_(1, (known - r.vstart).clamp(0, r.vocab - 1)[:, None], 1.0)
+        return torch.where(valid[:, None], one_hot, q)
 
 
 def expand_state(state: SamplingState, t: int, first_sample: int, fed_ids: torch.Tensor, vstart: int) -> SamplingState:
