@@ -24,6 +24,10 @@ Numerics: scores and softmax statistics in float32 (not rounded to the model dty
 GEMMs as the eager path is), probabilities cast to the value dtype for ``P @ V`` (float32
 accumulation), output normalised in float32 and cast to the query dtype.
 
+`window_attention` is the same scheme for ``T`` query positions per row (a Jacobi verification
+window, `stage_ar.jacobi`), causal inside the window, the window's KV write fused the same way; its
+programs take up to 64 (window position, query head) rows of one KV head per ``tl.dot``.
+
 Triton is optional: `available()` says whether this path can run (CUDA tensors and an importable
 ``triton``); CPU runs keep the eager path. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors
 (the CPU test session turns it on, `tests/conftest.py`).

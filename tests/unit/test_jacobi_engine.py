@@ -181,3 +181,20 @@ def test_cancel_between_windows_frees_everything(model, tokenizer):
         assert finished.wait(30) and nxt.sink.finished
     finally:
         engine.stop()
+
+
+def test_marking_a_windows_tokens_seen_equals_marking_them_one_by_one():
+    """`GridSampler.mark_seen` with ``(b, n)`` tokens (a window's final ids, non-codes and repeats
+    among them) sets exactly what ``n`` one-token calls set, only for active rows."""
+    from stage_ar.sampling import GridSampler, SamplingState
+
+    sampler = GridSampler(eol_token_id=100, visual_token_start_id=108, visual_token_end_id=116)
+    fed = torch.tensor([[108, 100, 115, 108, 109], [100, 116, 107, 110, 110]])
+    active = torch.tensor([True, False])
+    window, one_by_one = (SamplingState.allocate(2, 8, 4, "cpu") for _ in range(2))
+    one_by_one.seen[1, 3] = window.seen[1, 3] = True  # already seen: stays
+    sampler.mark_seen(window, fed, active)
+    for j in range(fed.shape[1]):
+        sampler.mark_seen(one_by_one, fed[:, j], active)
+    assert torch.equal(window.seen, one_by_one.seen)
+    assert window.seen[0].nonzero().flatten().tolist() == [0, 1, 7] and window.seen[1].sum() == 1
