@@ -87,8 +87,9 @@ class DenoiseState:
             latents = pipeline.prepare_latents(width=request.width, height=request.height, seed=request.seed)
         self.latents = latents.to(pipeline.device, torch.float32)
         self.scheduler = pipeline.new_scheduler()
-        self.timesteps = self.scheduler.set_timesteps(
-            request.num_inference_steps, num_tokens=self.latents.shape[-2] * self.latents.shape[-1])
+        self.timesteps = self.scheduler.set_timesteps(  # on the latents' device: no host sync per step
+            request.num_inference_steps, num_tokens=self.latents.shape[-2] * self.latents.shape[-1],
+            device=self.latents.device)
         self.total = len(self.timesteps)
         self.step = 0
         cache = request.cache
@@ -145,19 +146,24 @@ def denoise_step(transformer, states: list[DenoiseState]) -> None:
     """
     if len({s.resolution for s in states}) != 1:
         raise ValueError("denoise_step needs states of one resolution")
+    # branch-major rows (every conditional branch, then every unconditional one): rows of one key
+    # length sit next to each other, so attention runs over slices (`modules.masked_attention`)
+    branches = [state.branches() for state in states]
     owners: list[tuple[DenoiseState, int]] = []
     conditions: list[torch.Tensor] = []
-    for state in states:
-        for branch, condition in enumerate(state.branches()):
-            owners.append((state, branch))
-            conditions.append(condition)
+    for branch in range(max(len(b) for b in branches)):
+        for state, conds in zip(states, branches):
+            if branch < len(conds):
+                owners.append((state, branch))
+                conditions.append(conds[branch])
     text, mask = pad_conditions(conditions)
+    lengths = [c.shape[0] for c in conditions]
     latents = torch.cat([s.latents for s, _ in owners])
     t = torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
     if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel): no cache
         velocity = transformer(latents, t, text, mask).float()
     else:
-        batch = transformer.embed(latents, t, text, mask)
+        batch = transformer.embed(latents, t, text, mask, caption_lengths=lengths)
         if any(s.cache is not None for s in states) and _plain_layers(transformer):
             batch = _cached_layers(transformer, batch, owners)
         else:

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from mammoth_core.norms import RMSNorm as Qwen2RMSNorm
+from stage_dit import fused
 
 #: Row counts of every GEMM in the DiT forward are padded to a multiple of this. MKL's CPU sgemm
 #: gives each row the same bits at any row count that is a multiple of 4 (any thread count, measured
@@ -97,6 +99,8 @@ class SwiGLUFeedForward(nn.Module):
         `F.silu` on a 16-bit tensor computes in float32 and rounds once, which is exactly upstream's
         `silu(gate.float()).to(dtype)` without the float32 round trip through memory.
         """
+        if fused.enabled(x):  # one kernel for silu * mul (`stage_dit.fused`)
+            return self.linear_2(fused.silu_mul(self.linear_1(x), self.linear_3(x)))
         return self.linear_2(F.silu(self.linear_1(x)) * self.linear_3(x))
 
 
@@ -229,35 +233,44 @@ def masked_attention(
 def _attention_by_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: Sequence[int],
                           groups: int, scale: float) -> torch.Tensor:
     """`masked_attention`'s right-padding path over ``(b, heads, s, d)`` tensors: one unmasked SDPA
-    call per distinct key length (element ``i`` attends over its first ``key_lengths[i]`` keys; 0 or
-    fewer = all keys); returns ``(b, heads, s_q, d)``."""
+    call per run of consecutive elements with the same key length (element ``i`` attends over its
+    first ``key_lengths[i]`` keys; 0 or fewer = all keys), each over a slice (no gathers); returns
+    ``(b, heads, s_q, d)`` laid out as ``(b, s_q, heads, d)`` (the caller's reshape is a view)."""
     b, heads, sq, d = q.shape
     sk = k.shape[2]
     lengths = [sk if n <= 0 else min(int(n), sk) for n in key_lengths]  # all masked -> all keys
     if all(n == sk for n in lengths):
         return _sdpa(q, k, v, groups, scale)
-    out = q.new_empty(b, heads, sq, d)
-    for n in sorted(set(lengths)):
-        idx = [i for i, m in enumerate(lengths) if m == n]
-        if len(idx) == b:
-            return _sdpa(q, k[:, :, :n], v[:, :, :n], groups, scale)
-        if idx == list(range(idx[0], idx[-1] + 1)):
-            rows = slice(idx[0], idx[-1] + 1)
-            out[rows] = _sdpa(q[rows], k[rows, :, :n], v[rows, :, :n], groups, scale)
-        else:
-            sel = torch.tensor(idx, device=q.device)
-            out[sel] = _sdpa(q[sel], k[sel, :, :n], v[sel, :, :n], groups, scale)
+    if all(n == lengths[0] for n in lengths):
+        return _sdpa(q, k[:, :, : lengths[0]], v[:, :, : lengths[0]], groups, scale)
+    out = q.new_empty(b, sq, heads, d).transpose(1, 2)
+    start = 0
+    while start < b:
+        stop, n = start + 1, lengths[start]
+        while stop < b and lengths[stop] == n:
+            stop += 1
+        out[start:stop] = _sdpa(q[start:stop], k[start:stop, :, :n], v[start:stop, :, :n], groups, scale)
+        start = stop
     return out
+
+
+#: SDPA backends the CUDA path asks for, in priority order (`torch.nn.attention.SDPBackend` members);
+#: None = PyTorch's own choice. `benchmarks/dit_step.py` measures the candidates for head_dim 96.
+SDPA_BACKENDS: list | None = None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale: float) -> torch.Tensor:
     """Unmasked SDPA over `(b, heads, s, d)` queries and `(b, kv_heads, s_k, d)` keys/values.
 
-    CUDA: native GQA (`enable_gqa`, flash kernel). CPU: the KV heads expanded first (the reference path).
+    CUDA: native GQA (`enable_gqa`), backends `SDPA_BACKENDS`. CPU: the KV heads expanded first (the
+    reference path).
     """
+    if q.is_cuda:
+        if SDPA_BACKENDS is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
+        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=groups > 1)
     if groups > 1:
-        if q.is_cuda:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -280,9 +293,13 @@ class RMSNormZero(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `(batch, seq, dim)`, temb `(>= batch, temb_dim)` (rows past `batch` are padding, see
         `modules.ROW_QUANTUM`) -> (`(batch, seq, dim)`, 3 x `(batch, dim)`)."""
-        mods = self.linear(nn.functional.silu(temb))[: x.shape[0]]
-        scale_msa, gate_msa, scale_mlp, gate_mlp = mods.chunk(4, dim=1)
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self.modulations(temb, x.shape[0])
         return self.norm(x) * (1 + scale_msa[:, None]), gate_msa, scale_mlp, gate_mlp
+
+    def modulations(self, temb: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
+        """``(scale_msa, gate_msa, scale_mlp, gate_mlp)``, each `(batch, dim)` (views of one
+        `(batch, 4 dim)` GEMM output), from temb `(>= batch, temb_dim)`."""
+        return tuple(self.linear(nn.functional.silu(temb))[:batch].chunk(4, dim=1))
 
 
 class LayerNormContinuous(nn.Module):

@@ -22,6 +22,7 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from stage_dit import fused
 from stage_dit.modules import (
     LayerNormContinuous,
     RMSNorm,
@@ -81,11 +82,15 @@ class MammothAttention(nn.Module):
         """
         b, s, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        query = self.norm_q(self.to_q(hidden_states).view(b, s, self.num_heads, self.head_dim))
-        key = self.norm_k(self.to_k(hidden_states).view(b, s, self.num_kv_heads, self.head_dim))
+        query = self.to_q(hidden_states).view(b, s, self.num_heads, self.head_dim)
+        key = self.to_k(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
         value = self.to_v(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
-        query = apply_rotary_emb_complex(query, rotary_emb).to(dtype)
-        key = apply_rotary_emb_complex(key, rotary_emb).to(dtype)
+        if fused.enabled(hidden_states):  # QK-norm and RoPE in one kernel each (`stage_dit.fused`)
+            query = fused.qk_norm_rope(query, self.norm_q.weight, self.norm_q.variance_epsilon, rotary_emb)
+            key = fused.qk_norm_rope(key, self.norm_k.weight, self.norm_k.variance_epsilon, rotary_emb)
+        else:
+            query = apply_rotary_emb_complex(self.norm_q(query), rotary_emb).to(dtype)
+            key = apply_rotary_emb_complex(self.norm_k(key), rotary_emb).to(dtype)
         out = self.attention_backend(query, key, value, attention_mask, key_lengths).to(dtype)
         return self.to_out[0](out)
 
@@ -126,7 +131,11 @@ class MammothTransformerBlock(nn.Module):
         key_lengths: list[int] | None = None,
     ) -> torch.Tensor:
         """hidden_states `(batch, seq, dim)`, mask bool `(batch, seq)` or None, rotary complex64
-        `(batch, seq, head_dim / 2)`, temb `(batch, temb_dim)`, key_lengths host ints (right padding)."""
+        `(batch, seq, head_dim / 2)`, temb `(batch, temb_dim)`, key_lengths host ints (right padding).
+
+        On CUDA in 16-bit the same arithmetic runs as fused kernels (`_forward_fused`)."""
+        if fused.enabled(hidden_states):
+            return self._forward_fused(hidden_states, attention_mask, rotary_emb, temb, key_lengths)
         if self.modulation:
             if temb is None:
                 raise ValueError("a modulated block needs temb")
@@ -138,6 +147,25 @@ class MammothTransformerBlock(nn.Module):
         attn_out = self.attn(self.norm1(hidden_states), attention_mask, rotary_emb, key_lengths)
         hidden_states = hidden_states + self.norm2(attn_out)
         return hidden_states + self.ffn_norm2(self.feed_forward(self.ffn_norm1(hidden_states)))
+
+    def _forward_fused(self, hidden_states, attention_mask, rotary_emb, temb, key_lengths) -> torch.Tensor:
+        """`forward` with each norm/modulation/gate/residual chain as one `stage_dit.fused` kernel
+        (an unmodulated block is the same with no scales and gates)."""
+        h = hidden_states.contiguous()
+        if self.modulation:
+            if temb is None:
+                raise ValueError("a modulated block needs temb")
+            scale_msa, gate_msa, scale_mlp, gate_mlp = self.norm1.modulations(temb, h.shape[0])
+            norm1 = self.norm1.norm
+        else:
+            scale_msa = gate_msa = scale_mlp = gate_mlp = None
+            norm1 = self.norm1
+        normed = fused.rms_norm_modulate(h, norm1.weight, norm1.variance_epsilon, scale_msa)
+        attn_out = self.attn(normed, attention_mask, rotary_emb, key_lengths)
+        h = fused.gated_residual(h, attn_out, self.norm2.weight, self.norm2.variance_epsilon, gate_msa)
+        ffn_in = fused.rms_norm_modulate(h, self.ffn_norm1.weight, self.ffn_norm1.variance_epsilon, scale_mlp)
+        ffn_out = self.feed_forward(ffn_in)
+        return fused.gated_residual(h, ffn_out, self.ffn_norm2.weight, self.ffn_norm2.variance_epsilon, gate_mlp)
 
 
 class CombinedTimestepCaptionEmbedding(nn.Module):
@@ -324,9 +352,11 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         batch = self.embed(hidden_states, timestep, text_hidden_states, text_attention_mask)
         return self.unpatchify(self.run_layers(batch, 0, len(self.layers)))
 
-    def _host_lengths(self, hidden_states, timestep, text_hidden_states, text_attention_mask) -> list[int]:
-        """Check the inputs of `forward` (see there) and return the caption lengths on the host (one
-        host sync for the lengths and the right-padding check together)."""
+    def _host_lengths(self, hidden_states, timestep, text_hidden_states, text_attention_mask,
+                      caption_lengths: list[int] | None = None) -> list[int]:
+        """Check the inputs of `forward` (see there) and return the caption lengths on the host: the
+        caller's ``caption_lengths`` (no host sync), else read from the mask (one host sync for the
+        lengths and the right-padding check together)."""
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
         if height % p or width % p:
@@ -338,14 +368,19 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             )
         if timestep.shape != (batch,):
             raise ValueError(f"timestep must have shape ({batch},), got {tuple(timestep.shape)}")
-        text_mask = text_attention_mask.to(torch.bool)
-        cap_lens = text_mask.sum(dim=1)
-        arange_cond = torch.arange(text_mask.shape[1], device=text_mask.device)
-        not_right_padded = (text_mask != (arange_cond[None, :] < cap_lens[:, None])).any()
-        host = torch.cat([not_right_padded.reshape(1).long(), cap_lens.long()]).tolist()
-        if host[0]:
-            raise ValueError("text_attention_mask must be right-padded (real rows first)")
-        cap_lens_host = [int(n) for n in host[1:]]
+        if caption_lengths is not None:
+            cap_lens_host = [int(n) for n in caption_lengths]
+            if len(cap_lens_host) != batch or not all(0 <= n <= text_attention_mask.shape[1] for n in cap_lens_host):
+                raise ValueError(f"caption_lengths {cap_lens_host} do not fit the mask {tuple(text_attention_mask.shape)}")
+        else:
+            text_mask = text_attention_mask.to(torch.bool)
+            cap_lens = text_mask.sum(dim=1)
+            arange_cond = torch.arange(text_mask.shape[1], device=text_mask.device)
+            not_right_padded = (text_mask != (arange_cond[None, :] < cap_lens[:, None])).any()
+            host = torch.cat([not_right_padded.reshape(1).long(), cap_lens.long()]).tolist()
+            if host[0]:
+                raise ValueError("text_attention_mask must be right-padded (real rows first)")
+            cap_lens_host = [int(n) for n in host[1:]]
         # rotary range check on the host: caption row i -> (i, i, i), image patch -> (cap_len, r, c)
         h_tokens, w_tokens = height // p, width // p
         max_cap = max(cap_lens_host, default=0)
@@ -362,11 +397,16 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         timestep: torch.Tensor,
         text_hidden_states: torch.Tensor,
         text_attention_mask: torch.Tensor,
+        caption_lengths: list[int] | None = None,
     ) -> "JointBatch":
         """Steps 1-5 of `forward` (arguments and errors as there): the joint sequence before the
         joint layers. Every row count is padded to `modules.ROW_QUANTUM` (captions, image patches,
-        the joint sequence, the timestep batch); padding rows are never attended to."""
-        cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask)
+        the joint sequence, the timestep batch); padding rows are never attended to.
+
+        ``caption_lengths`` (host ints, the real rows of each mask row, which the caller vouches
+        for) saves the host sync that reads them from the mask."""
+        cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask,
+                                           caption_lengths)
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
         device = hidden_states.device
@@ -376,7 +416,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         cond_len = round_up(text_hidden_states.shape[1])
         text_mask = pad_rows(text_attention_mask.to(device, torch.bool), cond_len, dim=1)
         text = pad_rows(text_hidden_states.to(device, dtype), cond_len, dim=1)
-        cap_lens = torch.tensor(cap_lens_host, device=device, dtype=torch.long)
+        cap_lens = text_mask.sum(dim=1)  # on the device, = cap_lens_host (no host-to-device copy)
 
         # 1. Time and caption embedding (the timestep batch padded: the adaLN GEMMs' rows)
         temb, caption = self.time_caption_embed(pad_rows(timestep.to(device), round_up(batch)), text)
