@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from stage_dit.graphs import GraphCache
 from stage_dit.step_cache import FirstBlockCache, StepCacheConfig
 from stage_dit.transformer_mammoth import MammothTransformerBlock
 
@@ -137,8 +138,11 @@ def pad_conditions(conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 
 @torch.inference_mode()
-def denoise_step(transformer, states: list[DenoiseState]) -> None:
+def denoise_step(transformer, states: list[DenoiseState], graphs: GraphCache | None = None) -> None:
     """Advance every state (all of one resolution, none done) by one step with one forward.
+
+    With ``graphs`` (CUDA, the plain model, no step cache in the group) the forward is replayed from
+    a CUDA graph of its shape (`stage_dit.graphs`; the same values as eager).
 
     Raises:
         ValueError: states of different resolutions; whatever the transformer raises (then no
@@ -162,13 +166,18 @@ def denoise_step(transformer, states: list[DenoiseState]) -> None:
     t = torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
     if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel): no cache
         velocity = transformer(latents, t, text, mask).float()
-    else:
+    elif any(s.cache is not None for s in states) and _plain_layers(transformer):
         batch = transformer.embed(latents, t, text, mask, caption_lengths=lengths)
-        if any(s.cache is not None for s in states) and _plain_layers(transformer):
-            batch = _cached_layers(transformer, batch, owners)
+        velocity = transformer.unpatchify(_cached_layers(transformer, batch, owners)).float()
+    else:
+        def forward(latents, t, text, mask):
+            batch = transformer.embed(latents, t, text, mask, caption_lengths=lengths)
+            return transformer.unpatchify(transformer.run_layers(batch, 0, len(transformer.layers))).float()
+
+        if graphs is not None and latents.is_cuda and _plain_layers(transformer):
+            velocity = graphs.run(tuple(lengths), (latents, t, text, mask), forward)
         else:
-            batch = transformer.run_layers(batch, 0, len(transformer.layers))
-        velocity = transformer.unpatchify(batch).float()
+            velocity = forward(latents, t, text, mask)
     for state in states:
         state.advance([velocity[i : i + 1] for i, (s, _) in enumerate(owners) if s is state])
 

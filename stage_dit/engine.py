@@ -240,8 +240,9 @@ class DiTEngine:
     def _step_group(self, group: list[EngineJob]) -> None:
         """`denoise_step` over ``group``; if it raises, each job alone (a failing one fails alone)."""
         skipped = {id(j): _skipped(j) for j in group}
+        graphs = getattr(self.pipeline, "step_graphs", None)
         try:
-            denoise_step(self.pipeline.transformer, [j.state for j in group])
+            denoise_step(self.pipeline.transformer, [j.state for j in group], graphs)
         except Exception:
             if len(group) == 1:
                 raise_or_fail = group
@@ -249,7 +250,7 @@ class DiTEngine:
                 raise_or_fail = []
                 for job in group:
                     try:
-                        denoise_step(self.pipeline.transformer, [job.state])
+                        denoise_step(self.pipeline.transformer, [job.state], graphs)
                     except Exception:
                         raise_or_fail.append(job)
             for job in raise_or_fail:
@@ -314,8 +315,12 @@ class DiTEngine:
         denoise_ms = 1000.0 * (t0 - job.admitted_at)
         image = pipe.postprocess(latents, "pt") if job.output_type != "latent" else latents
         t1 = time.perf_counter()
-        output = image if job.output_type in ("pt", "latent") else pipe.encode(image, job.output_type,
-                                                                                job.compression)
+        if job.output_type in ("pt", "latent"):
+            output = image
+            if image.is_cuda:  # the consumer's stream must not read it before this stream wrote it
+                torch.cuda.current_stream(image.device).synchronize()
+        else:
+            output = pipe.encode(image, job.output_type, job.compression)
         t2 = time.perf_counter()
         metrics.DENOISE.observe(denoise_ms / 1000.0)
         metrics.VAE.observe(t1 - t0)

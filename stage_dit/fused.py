@@ -87,24 +87,24 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(x_ptr, w_ptr, rope_ptr, out_ptr, n_rows, heads, eps,
-                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # one row = one (token, head) of HEAD_DIM values; pairs (2k, 2k + 1) rotate together
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-        k = tl.arange(0, BLOCK_K)[None, :]
-        mask = (r < n_rows) & (k < HEAD_DIM // 2)
-        base = r * HEAD_DIM + 2 * k
-        xe = tl.load(x_ptr + base, mask=mask, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + base + 1, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xe * xe + xo * xo, axis=1) / HEAD_DIM + eps)[:, None]
-        kmask = k < HEAD_DIM // 2
-        ne = xe * rstd * tl.load(w_ptr + 2 * k, mask=kmask, other=0.0).to(tl.float32)
-        no = xo * rstd * tl.load(w_ptr + 2 * k + 1, mask=kmask, other=0.0).to(tl.float32)
-        rope = (r // heads) * HEAD_DIM + 2 * k  # (cos, sin) pairs of the row's token
+                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one row = one (token, head) of HEAD_DIM values, loaded contiguously; element j rotates with
+        # its pair partner j ^ 1 (a second load of the same cache lines)
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+        j = tl.arange(0, BLOCK_D)[None, :]
+        mask = (r < n_rows) & (j < HEAD_DIM)
+        jmask = j < HEAD_DIM
+        x = tl.load(x_ptr + r * HEAD_DIM + j, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + r * HEAD_DIM + (j ^ 1), mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        n = x * rstd * tl.load(w_ptr + j, mask=jmask, other=0.0).to(tl.float32)
+        npair = xp * rstd * tl.load(w_ptr + (j ^ 1), mask=jmask, other=0.0).to(tl.float32)
+        rope = (r // heads) * HEAD_DIM + (j - (j % 2))  # the token's (cos, sin) of pair j // 2
         c = tl.load(rope_ptr + rope, mask=mask, other=0.0)
         s = tl.load(rope_ptr + rope + 1, mask=mask, other=0.0)
-        dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + base, (ne * c - no * s).to(dtype), mask=mask)
-        tl.store(out_ptr + base + 1, (ne * s + no * c).to(dtype), mask=mask)
+        # even j: x_j c - x_{j+1} s; odd j: x_j c + x_{j-1} s
+        out = n * c + tl.where(j % 2 == 0, -npair, npair) * s
+        tl.store(out_ptr + r * HEAD_DIM + j, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -215,7 +215,7 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: torch.
         block_r = 16
         _qk_norm_rope_kernel[(triton.cdiv(rows, block_r),)](
             x, weight, table, out, rows, heads, eps, HEAD_DIM=d, BLOCK_R=block_r,
-            BLOCK_K=triton.next_power_of_2(d // 2), num_warps=4)
+            BLOCK_D=triton.next_power_of_2(d), num_warps=4)
     return out
 
 

@@ -19,6 +19,7 @@ from diffusers import AutoencoderKL
 from stage_dit.condition_refiner import SimpleQFormerImageRefiner
 from stage_dit.conditions import ConditionMode, ConditionTokenIds, build_condition
 from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
+from stage_dit.graphs import GraphCache
 from stage_dit.images import FORMATS, encode_image
 from stage_dit.scheduling_flow_match import FlowMatchEulerScheduler
 from stage_dit.step_cache import StepCacheConfig
@@ -139,6 +140,8 @@ class MammothDiTPipeline:
         self.latent_channels = int(self.transformer.config.in_channels)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.size_multiple = self.vae_scale_factor * int(self.transformer.config.patch_size)
+        #: CUDA graphs of the step forward by shape (`stage_dit.graphs`); None = always eager (CPU)
+        self.step_graphs = GraphCache() if self.device.type == "cuda" else None
 
     # -- conditions -------------------------------------------------------------------------------
 
@@ -240,7 +243,7 @@ class MammothDiTPipeline:
                                text_guidance_scale=text_guidance_scale, cfg_range=tuple(cfg_range), cache=cache)
         state = DenoiseState(self, request, latents)
         while not state.done:
-            denoise_step(self.transformer, [state])
+            denoise_step(self.transformer, [state], self.step_graphs)
             if callback is not None:
                 callback(state.step - 1, state.total, state.latents)
         return state.latents
