@@ -32,13 +32,13 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FULL_SIZES = ((512, 20), (1024, 50))
-TINY_SIZES = ((32, 4), (64, 4))
+#: (side, steps, waves at concurrency 1): more single-image samples where they are cheap
+FULL_SIZES = ((512, 20, 3), (1024, 50, 1))
+TINY_SIZES = ((32, 4, 2), (64, 4, 1))
 CONCURRENCY = (1, 4, 8)
 
 
@@ -94,9 +94,11 @@ def step_fn(pipe, size: int, condition):
     if not hasattr(pipe, "_velocity"):  # the batched step (`stage_dit.denoise`)
         from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
 
+        graphs = getattr(pipe, "step_graphs", None)  # the served path: graph replays where the tree has them
+
         def step():
             state = DenoiseState(pipe, ImageRequest(condition, None, size, size, 50, 9.0), latents)
-            denoise_step(pipe.transformer, [state])
+            denoise_step(pipe.transformer, [state], *([graphs] if graphs is not None else []))
         return step
     batched = pipe._batch_conditions([condition, condition.new_zeros(0, condition.shape[1])])
     t = torch.tensor(0.5, device=latents.device)
@@ -167,7 +169,8 @@ def measure_tree(args) -> dict:
     pipe = build_pipeline(args.tiny)
     rows = 128 if cuda else 16
     condition = torch.randn(rows, pipe.llm_hidden_size, device=pipe.device, dtype=pipe.dtype)
-    result: dict = {"mode": mode, "tree": str(pathlib.Path(sys.path[0]).resolve()), "sizes": {}}
+    result: dict = {"mode": mode, "tree": str(pathlib.Path(sys.path[0]).resolve()), "sizes": {},
+                    "torch": torch.__version__}
     if cuda:
         from benchmarks.dit_step import flop_floor
         from benchmarks.full_size import ceilings, count
@@ -179,8 +182,9 @@ def measure_tree(args) -> dict:
         from stage_dit.engine import DiTEngine
 
         engine = DiTEngine(pipe, max_batch_requests=max(args.concurrency))
+    out = pathlib.Path(args.worker_out)
     try:
-        for size, steps in (TINY_SIZES if args.tiny else FULL_SIZES):
+        for size, steps, c1_waves in (TINY_SIZES if args.tiny else FULL_SIZES):
             entry: dict = {"steps": steps}
             with torch.inference_mode():
                 entry["ms_per_step"] = timed_ms(step_fn(pipe, size, condition), args.repeat, cuda)
@@ -188,14 +192,32 @@ def measure_tree(args) -> dict:
                 tokens = (size // 16) ** 2 + rows
                 flops = flop_floor(count(pipe.transformer), tokens, dc.hidden_size, dc.num_layers + dc.num_refiner_layers)
                 entry["floor_ms_per_step"] = flops / rate * 1e3
-            entry["concurrency"] = {str(c): measure_level(pipe, engine, size, steps, condition, c, args.waves, cuda)
+            warm_up(pipe, engine, size, condition)
+            entry["concurrency"] = {str(c): measure_level(pipe, engine, size, steps, condition, c,
+                                                          c1_waves if c == 1 else args.waves, cuda)
                                     for c in args.concurrency}
             result["sizes"][str(size)] = entry
             print(json.dumps({size: entry}), flush=True)
+            out.write_text(json.dumps(result))
     finally:
         if engine is not None:
             engine.close()
+    graphs = getattr(pipe, "step_graphs", None)
+    if graphs is not None:
+        result["graphs"] = {"kept": len(graphs), "captures": graphs.captures, "replays": graphs.replays}
+    if args.extras:
+        from benchmarks.dit_profile import extras
+
+        extras(pipe, condition, result, out, [size for size, _, _ in (TINY_SIZES if args.tiny else FULL_SIZES)])
     return result
+
+
+def warm_up(pipe, engine, size: int, condition) -> None:
+    """One 2-step image at ``size`` the way the level runs it (first-call costs: VAE, kernels)."""
+    if engine is not None:
+        run_wave_engine(engine, size, 2, condition, 1)
+    else:
+        run_wave_threads(pipe, size, 2, condition, 1)
 
 
 def measure_level(pipe, engine, size, steps, condition, c: int, waves: int, cuda: bool) -> dict:
@@ -226,18 +248,20 @@ def measure_level(pipe, engine, size, steps, condition, c: int, waves: int, cuda
 # ------------------------------------------------------------------------------------------------
 
 
-def run_tree(tree: pathlib.Path, args, mode: str) -> dict:
-    """`measure_tree` in a subprocess whose ``sys.path`` starts with ``tree``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "tree.json"
-        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker-out", str(out), "--mode", mode,
-               "--repeat", str(args.repeat), "--waves", str(args.waves),
-               "--concurrency", ",".join(map(str, args.concurrency))] + (["--tiny"] if args.tiny else [])
-        inherited = os.environ.get("PYTHONPATH")  # keep what the caller's environment needs (installs)
-        path = str(tree) + (os.pathsep + inherited if inherited else "")
-        env = {**os.environ, "PYTHONPATH": path, "MAMMOTH_BENCH_TREE": str(tree)}
-        subprocess.run(cmd, cwd=str(tree), env=env, check=True)
-        return json.loads(out.read_text())
+def run_tree(tree: pathlib.Path, args, mode: str, name: str, extras: bool = False) -> dict:
+    """`measure_tree` in a subprocess whose ``sys.path`` starts with ``tree``; its JSON is kept next
+    to ``--out`` as ``<stem>_<name>.json`` (rewritten after every size, so a run cut short keeps what it measured)."""
+    out = pathlib.Path(args.out).resolve()
+    part = out.with_name(f"{out.stem}_{name}.json")
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker-out", str(part), "--mode", mode,
+           "--repeat", str(args.repeat), "--waves", str(args.waves),
+           "--concurrency", ",".join(map(str, args.concurrency))] + (["--tiny"] if args.tiny else []) + (
+           ["--extras"] if extras else [])
+    inherited = os.environ.get("PYTHONPATH")  # keep what the caller's environment needs (installs)
+    path = str(tree) + (os.pathsep + inherited if inherited else "")
+    env = {**os.environ, "PYTHONPATH": path, "MAMMOTH_BENCH_TREE": str(tree)}
+    subprocess.run(cmd, cwd=str(tree), env=env, check=True)
+    return json.loads(part.read_text())
 
 
 def speedups(old: dict, new: dict) -> dict:
@@ -265,6 +289,8 @@ def main() -> int:
     parser.add_argument("--mode", default="auto", choices=("auto", "engine", "threads"),
                         help="how a tree runs concurrent requests (auto: its worker loop if it has one)")
     parser.add_argument("--old-mode", default="auto", choices=("auto", "engine", "threads"))
+    parser.add_argument("--extras", action="store_true",
+                        help="also, for this tree: step profile, graph check, step cache, bf16 bound (dit_profile.extras)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_out:  # inside a tree's subprocess
@@ -276,8 +302,8 @@ def main() -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "tiny": args.tiny,
                     "command": " ".join(sys.argv)}
     if args.old_tree:
-        result["old"] = run_tree(pathlib.Path(args.old_tree).resolve(), args, args.old_mode)
-    result["new"] = run_tree(ROOT, args, args.mode)
+        result["old"] = run_tree(pathlib.Path(args.old_tree).resolve(), args, args.old_mode, "old")
+    result["new"] = run_tree(ROOT, args, args.mode, "new", extras=args.extras)
     if "old" in result:
         result["speedup"] = speedups(result["old"], result["new"])
     result["wall_s"] = time.perf_counter() - t0

@@ -48,12 +48,12 @@ CATEGORIES = (("fused", ("_rms_modulate", "_gated_residual", "_qk_norm_rope", "_
               ("norm", ("layer_norm", "rms_norm")))
 
 
-def step_fn(pipe, size: int, condition, steps: int = 50):
+def step_fn(pipe, size: int, condition, steps: int = 50, graphs=None):
     latents = pipe.prepare_latents(width=size, height=size, seed=0)
 
     def step():
         state = DenoiseState(pipe, ImageRequest(condition, None, size, size, steps, 9.0), latents)
-        denoise_step(pipe.transformer, [state])
+        denoise_step(pipe.transformer, [state], graphs)
     return step
 
 
@@ -194,7 +194,8 @@ def bound_check(pipe, size: int, steps: int, condition) -> dict:
         torch.nn.Module.to(pipe.transformer, dtype)
         pipe.dtype = dtype
     res = [{"batched_vs_alone": float((outs[i] - alone[i]).abs().max()),
-            "bf16_vs_fp32": float((alone[i] - exact[i]).abs().max())} for i in range(len(reqs))]
+            "bf16_vs_fp32": float((alone[i] - exact[i]).abs().max()),
+            "batched_vs_fp32": float((outs[i] - exact[i]).abs().max())} for i in range(len(reqs))]
     return {"size": size, "steps": steps, "requests": res,
             "within_bound": all(r["batched_vs_alone"] <= r["bf16_vs_fp32"] for r in res)}
 
@@ -304,3 +305,34 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def step_report(pipe, size: int, condition, repeat: int = 10) -> dict:
+    """What remains of one CFG step at ``size``²: the eager (fused-kernel) step, its profile by
+    category, and the forward eager vs replayed as a CUDA graph (CUDA only)."""
+    with torch.inference_mode():
+        step = step_fn(pipe, size, condition)
+        cuda = pipe.device.type == "cuda"
+        report: dict = {"eager_step_ms": timed_ms(step, repeat, cuda)}
+        if cuda:
+            report["profile"] = profile_step(step, report["eager_step_ms"])
+            report["graph"] = graph_vs_eager(pipe, size, condition, repeat)
+    return report
+
+
+def extras(pipe, condition, result: dict, out: pathlib.Path, sizes: list[int]) -> None:
+    """`benchmarks/dit_batching.py --extras`: per size `step_report`, then `bound_check` and
+    `step_cache` (opt-in, lossy), each stored in ``result`` and written to ``out`` as it finishes."""
+    cuda = pipe.device.type == "cuda"
+    small, large = sizes[0], sizes[-1]
+    parts = [(f"step_{size}", lambda size=size: step_report(pipe, size, condition)) for size in sizes]
+    parts += [("bound", lambda: bound_check(pipe, small, 4, condition)),
+              (f"cache_{small}", lambda: step_cache(pipe, small, 20 if cuda else 6, condition, (1.0, 1.5, 2.0))),
+              (f"cache_{large}", lambda: step_cache(pipe, large, 50 if cuda else 6, condition, (1.5,)))]
+    for key, fn in parts:
+        try:
+            result[key] = fn()
+        except Exception as exc:  # keep what the other parts measure
+            result[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(json.dumps({key: result[key]})[:3000], flush=True)
+        out.write_text(json.dumps(result))

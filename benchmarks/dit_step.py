@@ -5,7 +5,7 @@ Run on the GPU machine from the source tree (no checkpoint needed: random bf16 w
 
     PYTHONPATH=. python3 benchmarks/dit_step.py --out "$OUT"
 
-One step = one `stage_dit.denoise.denoise_step` of one request with both CFG branches batched (the positive
+One step = one `stage_dit.denoise.denoise_step` (CUDA-graph replay, as served) of one request with both CFG branches batched (the positive
 condition of 128 refined rows, the unconditional branch empty, as the served path with no negative
 prompt) + the Euler update, timed with CUDA events after warm-up. The FLOP floor counts
 `2 x parameters x tokens` for the linear layers plus `4 x tokens^2 x hidden` per attention layer
@@ -99,7 +99,7 @@ def main() -> int:
 
         def step() -> None:  # one guided step of one request, as the worker loop runs it
             state = DenoiseState(pipe, ImageRequest(cond, None, size, size, steps, 4.0), latents)
-            denoise_step(pipe.transformer, [state])
+            denoise_step(pipe.transformer, [state], pipe.step_graphs)
 
         step_ms = timed_cuda(step, repeat=args.repeat, warmup=2)
         tokens = (size // 16) ** 2 + cond.shape[0]
