@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.dit_batching import build_pipeline, timed_ms  # noqa: E402
 from stage_dit import fused, modules  # noqa: E402
 from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step, pad_conditions  # noqa: E402
+from stage_dit.graphs import GraphCache  # noqa: E402
 
 CATEGORIES = (("fused", ("_rms_modulate", "_gated_residual", "_qk_norm_rope", "_silu_mul")),
               ("attention", ("sdpa", "flash", "fmha", "attention", "cudnn")),
@@ -184,15 +185,17 @@ def bound_check(pipe, size: int, steps: int, condition) -> dict:
     finally:
         engine.close()
     alone = [pipe(r, output_type="latent") for r in reqs]
-    dtype = pipe.dtype
-    torch.nn.Module.float(pipe.transformer)
+    dtype, graphs = pipe.dtype, pipe.step_graphs
+    torch.nn.Module.float(pipe.transformer)  # new parameter tensors: graphs of the old ones are stale
     pipe.dtype = torch.float32
+    pipe.step_graphs = GraphCache() if graphs is not None else None
     try:
         exact = [pipe(ImageRequest(r.condition.float(), None, size, size, steps, r.text_guidance_scale,
                                    seed=r.seed), output_type="latent") for r in reqs]
     finally:
         torch.nn.Module.to(pipe.transformer, dtype)
         pipe.dtype = dtype
+        pipe.step_graphs = GraphCache() if graphs is not None else None
     res = [{"batched_vs_alone": float((outs[i] - alone[i]).abs().max()),
             "bf16_vs_fp32": float((alone[i] - exact[i]).abs().max()),
             "batched_vs_fp32": float((outs[i] - exact[i]).abs().max())} for i in range(len(reqs))]

@@ -16,6 +16,8 @@ A capture that fails logs a warning and leaves that key eager for good. Capture 
 Values: a replay runs the same kernels on the same shapes as the eager forward, so the output is
 bit-identical to it (checked on the H200 by `benchmarks/dit_profile.py` and
 `benchmarks/dit_batching.py`, ``graph_vs_eager``). CUDA only; callers pass no cache on the CPU.
+A graph reads the weights at the addresses it was captured with: loading weights in place
+(``load_state_dict``) is fine, re-allocating them (``module.to(dtype)``) needs a new `GraphCache`.
 """
 
 from __future__ import annotations
