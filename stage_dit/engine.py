@@ -4,8 +4,10 @@
 (up to ``max_batch_requests`` active; each job's conditions are prepared there, on the device's
 thread), reaps cancelled ones, groups the active requests by resolution and runs one
 `stage_dit.denoise.denoise_step` per group: one transformer forward over every CFG branch of every
-request of that size. A finished request's latents go to a separate decode thread (VAE and image
-encoding, previews too), so no request's decode sits on another request's step path.
+request of that size. A finished request's latents go to a separate decode thread (VAE, previews
+too), and its final image encoding (PNG/JPEG/WebP, CPU, the GIL released inside the codec) to a
+small pool of encoder threads, so no request's decode sits on another request's step path and
+images finishing at the same step encode side by side instead of one after another.
 
 Isolation: each request owns its latents, scheduler, step index and cache (`DenoiseState`). A
 group whose forward raises is re-run request by request, so only the request that fails alone
@@ -26,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -127,11 +129,15 @@ class DiTEngine:
         idle_wait_s: how long the idle loop blocks waiting for a job.
         profiler: a `mammoth_core.profiling.StageProfiler`: an armed request's trace covers the loop
             from its admission to its last step (its batch mates' work included).
+        encode_workers: threads encoding final images (>= 1).
     """
 
-    def __init__(self, pipeline, max_batch_requests: int, idle_wait_s: float = 0.05, profiler=None) -> None:
+    def __init__(self, pipeline, max_batch_requests: int, idle_wait_s: float = 0.05, profiler=None,
+                 encode_workers: int = 4) -> None:
         if max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        if encode_workers < 1:
+            raise ValueError(f"encode_workers must be >= 1, got {encode_workers}")
         self.pipeline = pipeline
         self.max_batch_requests = max_batch_requests
         self.idle_wait_s = idle_wait_s
@@ -145,6 +151,7 @@ class DiTEngine:
         self.largest_batch = 0
         self._loop = threading.Thread(target=self._run_loop, name="dit-loop", daemon=True)
         self._decoder = threading.Thread(target=self._run_decoder, name="dit-decode", daemon=True)
+        self._encoder = ThreadPoolExecutor(max_workers=encode_workers, thread_name_prefix="dit-encode")
         self._loop.start()
         self._decoder.start()
 
@@ -171,6 +178,7 @@ class DiTEngine:
         self._loop.join(timeout)
         self._decodes.put(None)
         self._decoder.join(timeout)
+        self._encoder.shutdown(wait=True)
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -314,19 +322,33 @@ class DiTEngine:
         t0 = time.perf_counter()
         denoise_ms = 1000.0 * (t0 - job.admitted_at)
         image = pipe.postprocess(latents, "pt") if job.output_type != "latent" else latents
-        t1 = time.perf_counter()
         if job.output_type in ("pt", "latent"):
-            output = image
             if image.is_cuda:  # the consumer's stream must not read it before this stream wrote it
                 torch.cuda.current_stream(image.device).synchronize()
-        else:
-            output = pipe.encode(image, job.output_type, job.compression)
-        t2 = time.perf_counter()
+            self._finished(job, image, denoise_ms, 1000.0 * (time.perf_counter() - t0), 0.0)
+            return
+        host = image.cpu()  # on this thread's stream: after the VAE
+        self._encoder.submit(self._encode, job, host, denoise_ms, 1000.0 * (time.perf_counter() - t0))
+
+    def _encode(self, job: EngineJob, image: torch.Tensor, denoise_ms: float, vae_ms: float) -> None:
+        """Encoder thread: the final image's bytes, then its terminal event."""
+        if job.cancelled:
+            self._retire(job)
+            return
+        t0 = time.perf_counter()
+        try:
+            data = self.pipeline.encode(image, job.output_type, job.compression)
+        except Exception as exc:
+            logger.exception("DiT image encoding failed")
+            self._finish(job, RequestFailed(exc))
+            return
+        self._finished(job, data, denoise_ms, vae_ms, 1000.0 * (time.perf_counter() - t0))
+
+    def _finished(self, job: EngineJob, output, denoise_ms: float, vae_ms: float, encode_ms: float) -> None:
         metrics.DENOISE.observe(denoise_ms / 1000.0)
-        metrics.VAE.observe(t1 - t0)
-        metrics.ENCODE.observe(t2 - t1)
-        timings = ImageTimings(denoise_ms, 1000.0 * (t1 - t0), 1000.0 * (t2 - t1), _skipped(job))
-        self._finish(job, ImageFinished(output, timings))
+        metrics.VAE.observe(vae_ms / 1000.0)
+        metrics.ENCODE.observe(encode_ms / 1000.0)
+        self._finish(job, ImageFinished(output, ImageTimings(denoise_ms, vae_ms, encode_ms, _skipped(job))))
 
     # -- events and retirement ---------------------------------------------------------------
 
