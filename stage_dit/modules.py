@@ -41,6 +41,23 @@ def pad_rows(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def right_padded_lengths(mask: torch.Tensor, name: str = "mask") -> list[int]:
+    """Real rows per element of a right-padded `(batch, len)` mask (True = real), read to the host
+    with one sync.
+
+    Raises:
+        ValueError: if a row is not right-padded (a real entry after a padding one).
+    """
+    mask = mask.to(torch.bool)
+    lengths = mask.sum(dim=1)
+    arange = torch.arange(mask.shape[1], device=mask.device)
+    not_right_padded = (mask != (arange[None, :] < lengths[:, None])).any()
+    host = torch.cat([not_right_padded.reshape(1).long(), lengths.long()]).tolist()
+    if host[0]:
+        raise ValueError(f"{name} must be right-padded (real rows first)")
+    return [int(n) for n in host[1:]]
+
+
 class RMSNorm(Qwen2RMSNorm):
     """The shared Qwen2-numerics `mammoth_core.norms.RMSNorm` (statistic in float32, normalised
     value cast back to the input dtype, then the weight multiply), except on CUDA with a 16-bit

@@ -28,6 +28,7 @@ from stage_dit.modules import (
     RMSNorm,
     RMSNormZero,
     pad_rows,
+    right_padded_lengths,
     round_up,
     SwiGLUFeedForward,
     apply_rotary_emb_complex,
@@ -373,14 +374,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             if len(cap_lens_host) != batch or not all(0 <= n <= text_attention_mask.shape[1] for n in cap_lens_host):
                 raise ValueError(f"caption_lengths {cap_lens_host} do not fit the mask {tuple(text_attention_mask.shape)}")
         else:
-            text_mask = text_attention_mask.to(torch.bool)
-            cap_lens = text_mask.sum(dim=1)
-            arange_cond = torch.arange(text_mask.shape[1], device=text_mask.device)
-            not_right_padded = (text_mask != (arange_cond[None, :] < cap_lens[:, None])).any()
-            host = torch.cat([not_right_padded.reshape(1).long(), cap_lens.long()]).tolist()
-            if host[0]:
-                raise ValueError("text_attention_mask must be right-padded (real rows first)")
-            cap_lens_host = [int(n) for n in host[1:]]
+            cap_lens_host = right_padded_lengths(text_attention_mask, "text_attention_mask")
         # rotary range check on the host: caption row i -> (i, i, i), image patch -> (cap_len, r, c)
         h_tokens, w_tokens = height // p, width // p
         max_cap = max(cap_lens_host, default=0)
@@ -401,10 +395,8 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
     ) -> "JointBatch":
         """Steps 1-5 of `forward` (arguments and errors as there): the joint sequence before the
         joint layers. Every row count is padded to `modules.ROW_QUANTUM` (captions, image patches,
-        the joint sequence, the timestep batch); padding rows are never attended to.
-
-        ``caption_lengths`` (host ints, the real rows of each mask row, which the caller vouches
-        for) saves the host sync that reads them from the mask."""
+        the joint sequence, the timestep batch); padding rows are never attended to. The caller's
+        ``caption_lengths`` (host ints, each mask row's real rows) save reading them from the mask."""
         cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask,
                                            caption_lengths)
         batch, _, height, width = hidden_states.shape
