@@ -1,5 +1,6 @@
 """The DiT's fast attention and rotary paths give what the reference forms give (CPU, float32)."""
 
+import pytest
 import torch
 
 from stage_dit.modules import (
@@ -50,3 +51,12 @@ def test_complex_rotary_equals_the_pairwise_formula():
     assert torch.allclose(fast, ref, atol=1e-6)
     xb = x.bfloat16()
     assert apply_rotary_emb_complex(xb, rotary_complex(c, sn)).dtype == torch.bfloat16
+
+
+def test_right_padded_lengths():
+    from stage_dit.modules import right_padded_lengths
+
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
+    assert right_padded_lengths(mask) == [2, 0, 3]
+    with pytest.raises(ValueError, match="right-padded"):
+        right_padded_lengths(torch.tensor([[True, False, True]]))
