@@ -116,6 +116,26 @@ if triton is not None:
         tl.store(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
 
     @triton.jit
+    def _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, q_rows, q,
+                      HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+        """Query row ``q`` of this (row, KV head) program: the split partials ``(max, sum, acc)``
+        (``q_rows`` query rows per split) merged by log-sum-exp; ``(HEAD_DIM,)`` float32. The one
+        merge of both kernels' combine passes."""
+        offs_s = tl.arange(0, MAX_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        have = offs_s < n_splits
+        parts = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits + offs_s
+        m = tl.load(part_ml_ptr + parts * 2 * q_rows + q, mask=have, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + parts * 2 * q_rows + q_rows + q, mask=have, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        total = tl.sum(w * l_sum, 0)
+        part = tl.load(part_acc_ptr + (parts * q_rows + q)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=have[:, None], other=0.0)
+        acc = tl.sum(w[:, None] * part, 0)
+        return acc / tl.where(total == 0.0, 1.0, total)
+
+    @triton.jit
     def _combine_kernel(
         part_acc_ptr, part_ml_ptr, out_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -123,19 +143,8 @@ if triton is not None:
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
-        offs_s = tl.arange(0, MAX_SPLITS)
+        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, HEAD_DIM, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        have = offs_s < n_splits
-        parts = (row * tl.num_programs(1) + kvh) * n_splits + offs_s
-        m = tl.load(part_ml_ptr + parts * 2 * GROUP_PAD + g, mask=have, other=float("-inf"))
-        l_sum = tl.load(part_ml_ptr + parts * 2 * GROUP_PAD + GROUP_PAD + g, mask=have, other=0.0)
-        m_max = tl.max(m, 0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-        total = tl.sum(w * l_sum, 0)
-        part = tl.load(part_acc_ptr + (parts * GROUP_PAD + g)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=have[:, None], other=0.0)
-        acc = tl.sum(w[:, None] * part, 0)
-        out = acc / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -216,19 +225,8 @@ if triton is not None:
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         mq = tl.program_id(2)  # query row: window position mq // GROUP, query head mq % GROUP
-        offs_s = tl.arange(0, MAX_SPLITS)
+        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, m_total, mq, HEAD_DIM, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        have = offs_s < n_splits
-        parts = (row * tl.num_programs(1) + kvh) * n_splits + offs_s
-        m = tl.load(part_ml_ptr + parts * 2 * m_total + mq, mask=have, other=float("-inf"))
-        l_sum = tl.load(part_ml_ptr + parts * 2 * m_total + m_total + mq, mask=have, other=0.0)
-        m_max = tl.max(m, 0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-        total = tl.sum(w * l_sum, 0)
-        part = tl.load(part_acc_ptr + (parts * m_total + mq)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=have[:, None], other=0.0)
-        acc = tl.sum(w[:, None] * part, 0)
-        out = acc / tl.where(total == 0.0, 1.0, total)
         head = kvh * GROUP + mq % GROUP
         tl.store(out_ptr + row * stride_or + (mq // GROUP) * stride_ot + head * HEAD_DIM + offs_d,
                  out.to(out_ptr.dtype.element_ty))

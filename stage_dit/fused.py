@@ -54,14 +54,20 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _rms_norm_row(x_ptr, w_ptr, row, cols, mask, n_cols, eps):
+        """Row ``row`` of ``x`` RMS-normalised and times ``w`` (statistics in float32); float32
+        ``(BLOCK,)``. The one norm of the two row kernels below."""
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        return x * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _rms_modulate_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, n_cols, rows_per_batch, stride_scale, eps,
                              HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        y = x * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _rms_norm_row(x_ptr, w_ptr, row, cols, mask, n_cols, eps)
         if HAS_SCALE:
             b = row // rows_per_batch
             y = y * (1.0 + tl.load(scale_ptr + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32))
@@ -73,9 +79,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / n_cols + eps)
-        y = y * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _rms_norm_row(y_ptr, w_ptr, row, cols, mask, n_cols, eps)
         if HAS_GATE:
             b = row // rows_per_batch
             g = tl.load(gate_ptr + b * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
