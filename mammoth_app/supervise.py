@@ -16,43 +16,15 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import json
 import os
 import pathlib
 import signal
 import subprocess
-import sys
-import threading
 import time
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Arrange for this process to be killed (SIGKILL) as soon as ``parent_pid`` exits.
-
-    Call it in the child, right at start-up. If the parent is already gone (it died between the
-    fork and this call), the process exits at once with status 1.
-    """
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    if armed:
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+from mammoth_core.runtime import die_with_parent  # noqa: F401 - its one home; re-exported
 
 
 def kill_now(proc: subprocess.Popen) -> None:

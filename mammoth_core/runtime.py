@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
 import pathlib
+import signal
 import sys
+import threading
+import time
 from typing import Any, NoReturn
 
 
@@ -73,3 +79,30 @@ def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = N
     server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Arrange for this process to be killed (SIGKILL) as soon as ``parent_pid`` exits.
+
+    Call it in the child, right at start-up. If the parent is already gone (it died between the
+    fork and this call), the process exits at once with status 1.
+    """
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()

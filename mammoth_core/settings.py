@@ -213,6 +213,11 @@ class StageSettings(BaseSettings):
         ),
     )
     torch_threads: int = field(default=0, metadata=_doc("torch intra-op threads (0: torch default)", ge=0))
+    distributed_timeout_seconds: float = field(default=60.0, metadata=_doc(
+        "with several ranks (tensor_parallel_size, dit_parallel): seconds one collective between the "
+        "stage's ranks may wait before the stage fails (exit status 3) instead of hanging", gt=0, le=3600))
+    distributed_startup_timeout_seconds: float = field(default=900.0, metadata=_doc(
+        "with several ranks: seconds the ranks may take to start, meet and load their shards", gt=0, le=7200))
 
     def resolved_device(self) -> str:
         """``cuda`` when asked for or (auto) available, else ``cpu``."""
@@ -235,6 +240,8 @@ class StageSettings(BaseSettings):
 AR_WEIGHTS_DTYPES = ("auto", "fp8")
 #: ``ar.linear_backend`` values (the AR chooses its linear backend from them).
 AR_LINEAR_BACKENDS = ("auto", "torch", "gemv")
+#: ``dit.dit_parallel`` values (the DiT stage and the CRD's ``dit.parallel`` use it).
+DIT_PARALLEL_MODES = ("none", "cfg", "ulysses")
 
 
 @dataclass
@@ -275,6 +282,10 @@ class ARSettings(StageSettings):
             choices=AR_LINEAR_BACKENDS,
         ),
     )
+    tensor_parallel_size: int = field(default=1, metadata=_doc(
+        "GPUs (ranks) the AR model is sharded over (Megatron tensor parallel, one process per GPU, "
+        "started by the stage itself; NCCL on CUDA, gloo on CPU); must divide the attention heads, "
+        "key/value heads and MLP width", ge=1, le=8))
     section: typing.ClassVar[str] = "ar"
 
 
@@ -314,7 +325,17 @@ class DiTSettings(StageSettings):
             ge=0,
         ),
     )
+    dit_parallel: str = field(default="none", metadata=_doc(
+        "DiT over several GPUs (ranks started by the stage itself): none, cfg (the CFG branches of a "
+        "step split over the ranks, one all-gather per step) or ulysses (the joint sequence split over "
+        "the ranks, all-to-all around each attention)", choices=DIT_PARALLEL_MODES))
+    dit_parallel_size: int = field(default=2, metadata=_doc(
+        "ranks (GPUs) of dit_parallel cfg or ulysses (ignored with none)", ge=2, le=8))
     section: typing.ClassVar[str] = "dit"
+
+    def parallel_ranks(self) -> int:
+        """Processes (GPUs) this DiT runs on: ``dit_parallel_size``, or 1 without ``dit_parallel``."""
+        return 1 if self.dit_parallel == "none" else self.dit_parallel_size
 
     def validate(self) -> None:
         super().validate()

@@ -92,6 +92,9 @@ class DecodeEngine:
             every request).
         warm_up: decode `stage_ar.warmup.warmup_jobs` before `ready` (default: on CUDA; skipped if jobs
             wait at the first step): ``warmup_s``, ``warmup_jobs``; step counters restart after it.
+        scheduler_factory: builds the scheduler from ``(num_slots, slot_capacity,
+            max_running_sequences)``; the tensor-parallel ranks pass theirs
+            (`stage_ar.tensor_parallel_stage`: rank 0 broadcasts each turn's decisions, the others follow).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class DecodeEngine:
         decoder_options: dict[str, Any] | None = None,
         kv_slots: int | None = None,
         warm_up: bool | None = None,
+        scheduler_factory: Callable[..., ARScheduler] = ARScheduler,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
@@ -117,7 +121,7 @@ class DecodeEngine:
             model, kv_slots or 2 * max_running_sequences, self._max_len,
             eol_token_id=grid_ids[0], visual_token_start_id=grid_ids[1], visual_token_end_id=grid_ids[2], **options,
         )
-        self.scheduler = ARScheduler(self.runner.num_slots, self._max_len, max_running_sequences)
+        self.scheduler = scheduler_factory(self.runner.num_slots, self._max_len, max_running_sequences)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ar-decode", daemon=True)
         self._pending: PendingStep | None = None

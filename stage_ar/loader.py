@@ -11,6 +11,7 @@ import torch
 
 from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
+from mammoth_core.distributed import GroupRank
 from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
@@ -75,7 +76,7 @@ class ARBundle:
 
 
 def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *, weights_dtype: str = "auto",
-            linear_backend: str = "auto") -> ARBundle:
+            linear_backend: str = "auto", tensor_parallel: GroupRank | None = None) -> ARBundle:
     """Build the AR from ``config.json`` and load ``llm_model.*`` (vision tower skipped) strictly.
 
     Args:
@@ -85,6 +86,9 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
             visual token reads (`MammothARForCausalLM.visual_token_linears`) are converted to E4M3
             with per-output-channel scales (`stage_ar.linear`); the rest stays in ``dtype``.
         linear_backend: `stage_ar.linear.BACKENDS` (``"auto"``: Triton GEMV on CUDA, torch on CPU).
+        tensor_parallel: this rank's place among the stage's ranks: the weights are read into host
+            memory, sharded there (`stage_ar.tensor_parallel.shard_ar_model_`), and only the rank's
+            shard goes to ``device``; the FP8 conversion then applies to the shard.
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
@@ -97,11 +101,18 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
     path = resolve_checkpoint(checkpoint, cache_dir)
     verify_parts(path, [CHECKPOINT_PART])  # its tensors checked (headers only) before any is read
     ckpt = Checkpoint(path)
-    with torch.device(device):
+    sharded = tensor_parallel is not None and tensor_parallel.world_size > 1
+    load_device = "cpu" if sharded else device  # shard in host memory: the GPU sees only the shard
+    with torch.device(load_device):
         model = MammothARForCausalLM.from_llm_config(ckpt.llm_config)
     model.to(dtype=dtype)
-    ckpt.load_module(model, AR_PREFIX, device=device, dtype=dtype)
+    ckpt.load_module(model, AR_PREFIX, device=load_device, dtype=dtype)
     model.eval().requires_grad_(False)
+    if sharded:
+        from stage_ar.tensor_parallel import shard_ar_model_
+
+        shard_ar_model_(model, tensor_parallel)
+        model.to(device=device)
     if weights_dtype == "fp8":
         saved = quantize_fp8_(model.visual_token_linears())
         logger.info("AR visual-token weights converted to FP8 E4M3 (%.2f GB less)", saved / 1e9)

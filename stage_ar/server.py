@@ -199,6 +199,19 @@ def _grid(request: pb.ARGenerateRequest) -> tuple[int, int]:
     return request.width // GRID_PIXELS, request.height // GRID_PIXELS
 
 
+def new_engine(bundle: ARBundle, settings: ARSettings, **options) -> DecodeEngine:
+    """The stage's `DecodeEngine` over ``bundle`` (every tensor-parallel rank builds the same one;
+    ``options``: `DecodeEngine` keywords, e.g. ``scheduler_factory``, ``warm_up``)."""
+    return DecodeEngine(
+        bundle.new_sequence,
+        settings.max_running_sequences,
+        model=bundle.model,
+        grid_ids=bundle.grid_ids,
+        max_sequence_length=min(settings.max_sequence_length, bundle.model.config.max_position_embeddings),
+        **options,
+    )
+
+
 async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     """Run the AR stage until SIGTERM/SIGINT, then drain.
 
@@ -219,17 +232,21 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()
-    bundle = await asyncio.to_thread(
-        load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype(),
-        weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
-    )
-    engine = DecodeEngine(
-        bundle.new_sequence,
-        settings.max_running_sequences,
-        model=bundle.model,
-        grid_ids=bundle.grid_ids,
-        max_sequence_length=min(settings.max_sequence_length, bundle.model.config.max_position_embeddings),
-    )
+    tp = None
+    if settings.tensor_parallel_size > 1:  # ranks 1..N-1 start here, from the main thread
+        from stage_ar.tensor_parallel_stage import TensorParallelAR
+
+        tp = TensorParallelAR.start(settings)
+        await asyncio.to_thread(tp.join)
+        bundle = await asyncio.to_thread(tp.load, settings)
+    else:
+        bundle = await asyncio.to_thread(
+            load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype(),
+            weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
+        )
+    engine = new_engine(bundle, settings, **({"scheduler_factory": tp.scheduler_factory} if tp else {}))
+    if tp is not None:
+        await asyncio.to_thread(tp.ready, engine)
     engine.start()
     await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
     servicer.bundle, servicer.engine = bundle, engine
@@ -249,6 +266,8 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     await drained.wait()
     await server.wait_for_termination()
     engine.stop()
+    if tp is not None:
+        await asyncio.to_thread(tp.stop, engine)
     await servicer.close()
     tracing.shutdown()
     logger.info("AR stopped")
