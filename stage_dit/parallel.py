@@ -31,7 +31,7 @@ from mammoth_core.distributed import GroupRank
 from stage_dit.modules import masked_attention
 from stage_dit.transformer_mammoth import MammothTransformer2DModel
 
-__all__ = ["CFGParallelTransformer", "UlyssesAttention", "enable_ulysses_"]
+__all__ = ["CFGParallelTransformer", "PARALLEL_MODES", "UlyssesAttention", "enable_ulysses_", "parallel_transformer"]
 
 
 class CFGParallelTransformer(nn.Module):
@@ -154,3 +154,21 @@ def enable_ulysses_(transformer: MammothTransformer2DModel, ranks: GroupRank) ->
         _SequenceShard(block, ranks, first=i == 0, last=i == len(layers) - 1) for i, block in enumerate(layers)
     )
     return transformer
+
+
+#: ``dit_parallel`` modes with several ranks (`mammoth_core.settings.DIT_PARALLEL_MODES` minus ``none``).
+PARALLEL_MODES = ("cfg", "ulysses")
+
+
+def parallel_transformer(transformer: MammothTransformer2DModel, mode: str, ranks: GroupRank) -> nn.Module:
+    """``transformer`` made ``mode``-parallel over ``ranks``: a `CFGParallelTransformer` around it
+    (``cfg``) or its main layers sequence-parallel (``ulysses``, in place).
+
+    Raises:
+        ValueError: an unknown mode, or one the model's heads do not allow (`enable_ulysses_`).
+    """
+    if mode == "cfg":
+        return CFGParallelTransformer(transformer, ranks)
+    if mode == "ulysses":
+        return enable_ulysses_(transformer, ranks)
+    raise ValueError(f"dit_parallel must be one of {PARALLEL_MODES}, got {mode!r}")

@@ -301,7 +301,15 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
         server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,
         wait_idle=servicer.wait_idle, in_flight=rpcs,
     )
-    if pipeline is None:
+    parallel = None
+    if pipeline is None and settings.parallel_ranks() > 1:  # ranks 1..N-1 start here, from the main thread
+        from stage_dit.parallel_stage import ParallelDiT
+
+        parallel = ParallelDiT.start(settings)
+        await asyncio.to_thread(parallel.join)
+        pipeline = await asyncio.to_thread(parallel.load)
+        await asyncio.to_thread(parallel.ready)
+    elif pipeline is None:
         from stage_dit.loader import load_pipeline
 
         pipeline = await asyncio.to_thread(load_pipeline, settings)
@@ -323,4 +331,6 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     await drained.wait()
     await server.wait_for_termination()
     servicer.close()
+    if parallel is not None:
+        await asyncio.to_thread(parallel.stop)
     tracing.shutdown()

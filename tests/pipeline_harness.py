@@ -68,6 +68,15 @@ class RunningPipeline:
         return sum(values)
 
 
+def rank_pids(pid: int) -> list[int]:
+    """The rank processes a stage ``pid`` spawned (``multiprocessing`` spawn children; not its
+    resource tracker): one per extra rank of ``--tensor-parallel-size`` / ``--dit-parallel``."""
+    children: set[int] = set()
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        children.update(int(c) for c in (task / "children").read_text().split())
+    return [c for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:
     """Start AR, DiT and gateway processes on loopback with request traces written to ``tmp``."""
     from mammoth_app.local import free_port, start_pipeline

@@ -17,7 +17,6 @@ import asyncio
 import base64
 import io
 import os
-import pathlib
 import signal
 import time
 
@@ -28,7 +27,7 @@ import torch
 from openai import OpenAI
 from PIL import Image
 
-from pipeline_harness import start_local_pipeline
+from pipeline_harness import rank_pids, start_local_pipeline
 
 PROMPT = "a lighthouse on a cliff at dusk"
 SIZE, SEED, STEPS, GUIDANCE = 128, 11, 2, 4.0
@@ -124,17 +123,9 @@ def test_tp2_pipeline_serves_the_tp1_image(tp_pipeline, reference):
     assert int(diff.max()) <= 1
 
 
-def _worker_pids(pid: int) -> list[int]:
-    """The spawned rank processes among ``pid``'s children (not multiprocessing's resource tracker)."""
-    children = set()
-    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
-        children.update(int(c) for c in (task / "children").read_text().split())
-    return [c for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
 def test_killing_a_worker_rank_fails_the_stage(tp_pipeline):
     ar = tp_pipeline.components["ar"].proc
-    workers = _worker_pids(ar.pid)
+    workers = rank_pids(ar.pid)
     assert len(workers) == 1, workers
     os.kill(workers[0], signal.SIGKILL)
     t0 = time.monotonic()
