@@ -15,7 +15,9 @@ Launch and rendezvous:
   nothing outside the pod can reach their sockets. NCCL's data path between GPUs is NVLink/PCIe/shared
   memory (hence the pod's ``/dev/shm`` volume);
 - backend: NCCL for ``cuda`` (rank ``r`` on ``cuda:r``), gloo for ``cpu``. With NCCL a second,
-  gloo group carries the control messages (pickled objects), so they never touch a GPU stream.
+  gloo group carries the control messages (pickled objects), so they never touch a GPU stream, and
+  one eager all-reduce at join creates the NCCL communicator, so the AR runner's CUDA-graph capture
+  records the layers' all-reduces (NCCL >= 2.9 supports capture) without initialising anything.
 
 Failure, never a hang:
 
@@ -109,6 +111,9 @@ class JoinedRanks:
 def _set_loopback_interfaces() -> None:
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(var, "lo")
+    # NCCL's cuMem buffers cost 1-2 GiB per GPU once all-reduces are captured in CUDA graphs
+    # (NVIDIA/nccl#1234; vLLM sets the same); a single node needs none of what they enable.
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 
 def join_ranks(launch: RankLaunch) -> JoinedRanks:
@@ -132,6 +137,9 @@ def join_ranks(launch: RankLaunch) -> JoinedRanks:
         list(range(launch.world_size)), timeout=timeout, backend="gloo")
     data = GroupRank(launch.rank, launch.world_size, data_group)
     control = GroupRank(launch.rank, launch.world_size, control_group)
+    if backend == "nccl":  # the communicator exists before any CUDA graph capture records its collectives
+        data.all_reduce_(torch.zeros(1, device=launch.rank_device))
+        torch.cuda.synchronize()
     logger.info("%s rank %d/%d joined (%s)", launch.name, launch.rank, launch.world_size, backend)
     return JoinedRanks(launch, data, control)
 
