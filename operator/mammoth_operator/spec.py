@@ -117,6 +117,11 @@ class Stage:
     placement: Placement
     #: AR only: ``weightsDtype`` (the AR setting ``weights_dtype``); "auto" for the DiT.
     weights_dtype: str = "auto"
+    #: Processes (GPUs) of one replica, all in its pod: AR ``tensorParallelSize``; DiT ``parallelSize``
+    #: with ``parallel`` cfg/ulysses, else 1. ``gpus`` is at least this (when not 0).
+    ranks: int = 1
+    #: DiT only: ``parallel`` (the DiT setting ``dit_parallel``); "none" for the AR.
+    parallel: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,12 +250,23 @@ def _placement(data: Mapping[str, Any], default_image: str) -> Placement:
     )
 
 
+def _ranks(data: Mapping[str, Any], component: str) -> int:
+    """Processes of one replica: the AR's ``tensorParallelSize``, the DiT's ``parallelSize`` (1 without
+    ``parallel``)."""
+    if component == "ar":
+        return data["tensorParallelSize"]
+    return 1 if data["parallel"] == "none" else data["parallelSize"]
+
+
 def _stage(data: Mapping[str, Any], component: str, default_image: str) -> Stage:
     scaling, metric = data["autoscaling"], data["autoscaling"]["metric"]
+    ranks = _ranks(data, component)
     return Stage(
         component=component,
         replicas=data["replicas"],
-        gpus=data["gpus"],
+        gpus=max(data["gpus"], ranks) if data["gpus"] else 0,  # one GPU per rank (0: the CPU)
+        ranks=ranks,
+        parallel=data["parallel"] if component == "dit" else "none",
         startup_timeout_seconds=data["startupTimeoutSeconds"],
         capacity=data["maxRunningSequences"] if component == "ar" else data["slots"],
         rollout=_rollout(data["rollout"]),

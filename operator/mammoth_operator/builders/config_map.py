@@ -51,6 +51,7 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "metrics_port": STAGE_PORTS["ar"][1],
         "max_running_sequences": spec.ar.capacity,
         "weights_dtype": spec.ar.weights_dtype,
+        "tensor_parallel_size": spec.ar.ranks,
         # The AR pushes only to pods behind the DiT's headless Service (stage_ar/dit_targets.py).
         "dit_allow_list": [backend_address(spec, "dit")],
     }
@@ -58,7 +59,10 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
         "port": STAGE_PORTS["dit"][0],
         "metrics_port": STAGE_PORTS["dit"][1],
         "slots": spec.dit.capacity,
+        "dit_parallel": spec.dit.parallel,
     }
+    if spec.dit.parallel != "none":
+        config["dit"]["dit_parallel_size"] = spec.dit.ranks
     gateway: dict[str, Any] = {
         "port": GATEWAY_PORT,
         "default_steps": rd.steps,

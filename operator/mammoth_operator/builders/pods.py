@@ -83,6 +83,12 @@ def _model_volume(spec: PipelineSpec) -> dict[str, Any] | None:
     return None
 
 
+#: ``/dev/shm`` of a stage pod with several ranks (memory-backed; counts against the pod's memory).
+#: NCCL's shared-memory transport needs a few buffers of 4 MiB per channel and peer; the container
+#: runtime's default 64 MiB is too small for 8 ranks, 1 GiB is ample for 8.
+NCCL_SHM_SIZE = "1Gi"
+
+
 def pod_volumes(spec: PipelineSpec, component: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, volumeMounts of the main container) for one component."""
     names = child_names(spec.name)
@@ -96,6 +102,10 @@ def pod_volumes(spec: PipelineSpec, component: str) -> tuple[list[dict[str, Any]
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    stage = {"ar": spec.ar, "dit": spec.dit}.get(component)
+    if stage is not None and stage.ranks > 1:  # NCCL's shared-memory transport between the pod's ranks
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": NCCL_SHM_SIZE}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     model = _model_volume(spec) if component in ("ar", "dit") else None
     if model is not None:
         volumes.append(model)
