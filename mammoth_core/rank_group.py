@@ -145,15 +145,15 @@ def join_ranks(launch: RankLaunch) -> JoinedRanks:
 
 
 def _worker_main(target: Callable[[RankLaunch, Any], None], launch: RankLaunch, payload: Any,
-                 parent_pid: int, log_level: str) -> None:
+                 parent_pid: int, log_format: str, log_level: str) -> None:
     """A spawned worker: die with rank 0, then run ``target``; any exception exits non-zero."""
+    from mammoth_core.logging import setup_logging
     from mammoth_core.runtime import die_with_parent
 
     die_with_parent(parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 alone handles signals and stops the others
         signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {launch.name}[rank {launch.rank}] "
-                                                        "%(levelname)s %(name)s: %(message)s")
+    setup_logging(f"{launch.name}-rank{launch.rank}", log_format, log_level)
     try:
         target(launch, payload)
     except BaseException:  # noqa: BLE001 - reported, then the exit status says it
@@ -167,8 +167,8 @@ def _worker_main(target: Callable[[RankLaunch, Any], None], launch: RankLaunch, 
 class RankGroup:
     """Rank 0's side of a stage's ranks: the spawned workers, the watch on them, shutdown.
 
-    Use `RankGroup.spawn` (from the main thread), then `join` (any thread; blocks until every rank
-    joined), then `watch` once serving; `close` at shutdown.
+    Use `RankGroup.spawn` (from the main thread; it starts watching the workers), then `join` (any
+    thread; blocks until every rank joined); `close` at shutdown.
     """
 
     def __init__(self, launches: list[RankLaunch], procs: list[multiprocessing.Process], folder: str,
@@ -182,10 +182,11 @@ class RankGroup:
 
     @classmethod
     def spawn(cls, name: str, world_size: int, device: str, target: Callable[[RankLaunch, Any], None],
-              payload: Any, *, timeout_s: float, startup_timeout_s: float, log_level: str = "warning",
-              on_failure: Callable[[str], None] | None = None) -> RankGroup:
+              payload: Any, *, timeout_s: float, startup_timeout_s: float, log_format: str = "text",
+              log_level: str = "warning", on_failure: Callable[[str], None] | None = None) -> RankGroup:
         """Start ranks ``1..world_size-1`` running ``target(launch, payload)`` (a module-level
-        function; ``payload`` picklable). Call from the main thread (see the module docstring).
+        function; ``payload`` picklable) and watch them from now on (`watch`). Call from the main
+        thread (see the module docstring).
 
         Raises:
             ValueError: ``world_size`` below 2, or more CUDA ranks than visible GPUs.
@@ -200,12 +201,14 @@ class RankGroup:
                                startup_timeout_s, name) for r in range(world_size)]
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_worker_main, name=f"mammoth-{name}-rank{r}", daemon=True,
-                             args=(target, launches[r], payload, os.getpid(), log_level))
+                             args=(target, launches[r], payload, os.getpid(), log_format, log_level))
                  for r in range(1, world_size)]
         for proc in procs:
             proc.start()
         logger.info("%s: started ranks 1..%d (pids %s)", name, world_size - 1, [p.pid for p in procs])
-        return cls(launches, procs, folder, on_failure)
+        group = cls(launches, procs, folder, on_failure)
+        group.watch()  # a worker dying while the others load or wait in the rendezvous fails at once too
+        return group
 
     def join(self) -> JoinedRanks:
         """Join as rank 0 (blocks until every worker joined or ``startup_timeout_s``)."""
@@ -213,7 +216,8 @@ class RankGroup:
         return self.joined
 
     def watch(self) -> None:
-        """From now on a worker that exits fails the stage (`fail`), unless `close` began."""
+        """From now on a worker that exits fails the stage (`fail`), unless `close` began (`spawn`
+        calls it)."""
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def _watch(self) -> None:

@@ -34,7 +34,7 @@ from mammoth_core.distributed import GroupRank
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 
-__all__ = ["RankARConfig", "shard_ar_model_"]
+__all__ = ["RankARConfig", "check_tensor_parallel_size", "shard_ar_model_"]
 
 
 @dataclass
@@ -67,7 +67,8 @@ def _rank_config(config: MammothARConfig, tp: GroupRank) -> RankARConfig:
     return RankARConfig(**kept)
 
 
-def _check_divisible(config: MammothARConfig, n: int) -> None:
+def check_tensor_parallel_size(config: MammothARConfig, n: int) -> None:
+    """Raise ValueError unless ``n`` ranks divide the query heads, key/value heads and MLP width."""
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % n:
@@ -115,7 +116,7 @@ def shard_ar_model_(model: MammothARForCausalLM, tp: GroupRank) -> MammothARForC
     if isinstance(config, RankARConfig):
         raise ValueError("model is sharded already")
     n = tp.world_size
-    _check_divisible(config, n)
+    check_tensor_parallel_size(config, n)
     if n == 1:
         return model
     hd = config.head_dim

@@ -310,11 +310,24 @@ class TensorParallelAR:
 
     @classmethod
     def start(cls, settings: Any) -> TensorParallelAR:
-        """Spawn ranks ``1..tensor_parallel_size-1`` (call from the main thread)."""
+        """Spawn ranks ``1..tensor_parallel_size-1`` (call from the main thread).
+
+        Raises:
+            ValueError: the size does not divide the checkpoint's heads or MLP width (checked from
+                its ``config.json`` before any process starts).
+            mammoth_core.checkpoint.CheckpointError: no such checkpoint.
+        """
+        from mammoth_core.checkpoint import Checkpoint, resolve_checkpoint
+        from stage_ar.configuration_mammoth_ar import MammothARConfig
+        from stage_ar.tensor_parallel import check_tensor_parallel_size
+
+        ckpt = Checkpoint(resolve_checkpoint(settings.checkpoint, settings.cache_dir))
+        check_tensor_parallel_size(MammothARConfig.from_dict(ckpt.llm_config), settings.tensor_parallel_size)
         group = RankGroup.spawn(
             "ar", settings.tensor_parallel_size, settings.resolved_device(), run_worker, settings,
             timeout_s=settings.distributed_timeout_seconds,
-            startup_timeout_s=settings.distributed_startup_timeout_seconds, log_level=settings.log_level)
+            startup_timeout_s=settings.distributed_startup_timeout_seconds, log_format=settings.log_format,
+            log_level=settings.log_level)
         return cls(group)
 
     def join(self) -> None:
@@ -331,10 +344,9 @@ class TensorParallelAR:
         return functools.partial(BroadcastingScheduler, ranks=self.ranks, on_failure=self.group.fail)
 
     def ready(self, engine: Any) -> None:
-        """Once the engine exists: wait for every rank to have loaded, then watch the workers."""
+        """Once the engine exists: wait for every rank to have loaded."""
         engine.scheduler.bind(engine)
         self.ranks.barrier()
-        self.group.watch()
 
     def stop(self, engine: Any) -> None:
         """After ``engine.stop()``: tell the workers to stop (unless the engine thread is stuck), then

@@ -165,7 +165,8 @@ class ParallelDiT:
         group = RankGroup.spawn(
             "dit", settings.parallel_ranks(), settings.resolved_device(), run_worker, settings,
             timeout_s=settings.distributed_timeout_seconds,
-            startup_timeout_s=settings.distributed_startup_timeout_seconds, log_level=settings.log_level)
+            startup_timeout_s=settings.distributed_startup_timeout_seconds, log_format=settings.log_format,
+            log_level=settings.log_level)
         return cls(group, settings)
 
     def join(self) -> None:
@@ -182,10 +183,9 @@ class ParallelDiT:
         return pipeline
 
     def ready(self) -> None:
-        """Wait for every rank to have loaded, then watch the workers."""
+        """Wait for every rank to have loaded, then keep the idle workers beating."""
         self.ranks.barrier()
         self.leader.start_heartbeat()
-        self.group.watch()
 
     def stop(self) -> None:
         """After the engine stopped: stop the workers and wait for them."""

@@ -123,6 +123,20 @@ def test_tp2_pipeline_serves_the_tp1_image(tp_pipeline, reference):
     assert int(diff.max()) <= 1
 
 
+def test_a_size_the_model_cannot_split_is_refused_before_any_rank_starts(tiny_checkpoint, tmp_path):
+    """The tiny model has 4 query heads: 3 ranks cannot share them; the stage says so and exits."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mammoth_app.cli", "ar", "--checkpoint", str(tiny_checkpoint),
+                           "--tensor-parallel-size", "3", "--device", "cpu", "--port", "0", "--metrics-port", "-1",
+                           "--insecure-no-auth", "true", "--cache-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "tensor_parallel_size 3 does not divide num_attention_heads 4" in proc.stderr
+    assert "started ranks" not in proc.stderr
+
+
 def test_killing_a_worker_rank_fails_the_stage(tp_pipeline):
     ar = tp_pipeline.components["ar"].proc
     workers = rank_pids(ar.pid)
