@@ -120,3 +120,30 @@ def test_sharding_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="num_key_value_heads 2"):
         shard_ar_model_(model, GroupRank(rank=0, world_size=4))
     assert shard_ar_model_(model, GroupRank(rank=0, world_size=1)) is model
+
+
+def test_the_stage_loader_shards_first_then_converts_the_shard_to_fp8(tiny_checkpoint, tmp_path):
+    """``weights_dtype: fp8`` with tensor parallelism: each rank's FP8 codes and row scales are those of
+    its own shard (column-parallel rows keep their scales, row-parallel scales come from the rank's
+    columns), so the conversion never sees (or holds) the full matrices."""
+    from mammoth_core.distributed import GroupRank
+    from stage_ar.fp8 import quantize_fp8_per_channel
+    from stage_ar.loader import load_ar
+
+    full = load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32).model
+    for rank in range(2):
+        shard = load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="fp8",
+                        tensor_parallel=GroupRank(rank=rank, world_size=2)).model
+        pairs = list(zip(full.visual_token_linears(), shard.visual_token_linears()))
+        assert pairs and all(s.is_fp8 for _, s in pairs)
+        for f, s in pairs:
+            if s.in_features != f.in_features:  # row parallel: this rank's columns
+                expected = f.weight.data.chunk(2, dim=1)[rank]
+            else:  # column parallel: this rank's rows of each stacked part
+                assert s.out_features < f.out_features
+                expected = None
+            if expected is not None:
+                codes, scale = quantize_fp8_per_channel(expected.contiguous())
+                assert torch.equal(s.weight_scale, scale) and torch.equal(s.weight.view(torch.uint8),
+                                                                          codes.view(torch.uint8))
+            assert s.weight_scale.shape == (s.out_features,)
