@@ -103,9 +103,7 @@ class JoinedRanks:
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (pickled, over the control group)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control.group)
-        return box[0]
+        return self.control.broadcast_object(obj)
 
 
 def _set_loopback_interfaces() -> None:
@@ -116,8 +114,16 @@ def _set_loopback_interfaces() -> None:
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 
-def join_ranks(launch: RankLaunch) -> JoinedRanks:
-    """Join the group of ``launch`` (every rank calls it; blocks until all have).
+def exit_rank_failed(reason: str) -> None:
+    """A worker's reaction to a failed collective: log it and end the process (`EXIT_RANK_FAILED`)."""
+    logger.critical("%s; this rank exits", reason)
+    logging.shutdown()
+    os._exit(EXIT_RANK_FAILED)
+
+
+def join_ranks(launch: RankLaunch, on_failure: Callable[[str], None] = exit_rank_failed) -> JoinedRanks:
+    """Join the group of ``launch`` (every rank calls it; blocks until all have). A collective of the
+    serving groups that raises calls ``on_failure`` first (default: end this process).
 
     Raises:
         RuntimeError / DistBackendError: the rendezvous timed out or a rank failed meanwhile.
@@ -135,8 +141,8 @@ def join_ranks(launch: RankLaunch) -> JoinedRanks:
     data_group = dist.new_group(list(range(launch.world_size)), timeout=timeout, backend=backend)
     control_group = data_group if backend == "gloo" else dist.new_group(
         list(range(launch.world_size)), timeout=timeout, backend="gloo")
-    data = GroupRank(launch.rank, launch.world_size, data_group)
-    control = GroupRank(launch.rank, launch.world_size, control_group)
+    data = GroupRank(launch.rank, launch.world_size, data_group, on_failure)
+    control = GroupRank(launch.rank, launch.world_size, control_group, on_failure)
     if backend == "nccl":  # the communicator exists before any CUDA graph capture records its collectives
         data.all_reduce_(torch.zeros(1, device=launch.rank_device))
         torch.cuda.synchronize()
@@ -212,7 +218,7 @@ class RankGroup:
 
     def join(self) -> JoinedRanks:
         """Join as rank 0 (blocks until every worker joined or ``startup_timeout_s``)."""
-        self.joined = join_ranks(self.launches[0])
+        self.joined = join_ranks(self.launches[0], self._on_failure)
         return self.joined
 
     def watch(self) -> None:

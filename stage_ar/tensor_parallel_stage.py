@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
+import time
 from typing import Any, Callable
 
 from mammoth_core.rank_group import JoinedRanks, RankGroup, RankLaunch, join_ranks
@@ -140,14 +142,17 @@ class BroadcastingScheduler(ARScheduler):
 
     Args:
         num_slots, slot_capacity, max_running_sequences: as `ARScheduler`.
-        ranks: the joined ranks (control group).
-        on_failure: called with a reason when the broadcast fails (the stage ends there).
+        ranks: the joined ranks (control group; a failed broadcast ends the stage there).
+
+    Attributes:
+        last_turn: `time.monotonic` of the latest `schedule` (the engine's turn; rank 0's watchdog).
     """
 
-    def __init__(self, num_slots: int, slot_capacity: int, max_running_sequences: int, *, ranks: JoinedRanks,
-                 on_failure: Callable[[str], None]) -> None:
+    def __init__(self, num_slots: int, slot_capacity: int, max_running_sequences: int, *,
+                 ranks: JoinedRanks) -> None:
         super().__init__(num_slots, slot_capacity, max_running_sequences)
-        self._ranks, self._on_failure = ranks, on_failure
+        self._ranks = ranks
+        self.last_turn = time.monotonic()
         self._keys: dict[SchedulerRequest, int] = {}
         self._next_key = 0
         self._active: Callable[[], int] = lambda: 0
@@ -157,6 +162,7 @@ class BroadcastingScheduler(ARScheduler):
         self._active = lambda: engine.runner.active_count
 
     def schedule(self) -> SchedulerOutput:
+        self.last_turn = time.monotonic()
         state = (self._active(), len(self._keys))
         out = super().schedule()
         plan = TurnPlan(aborted=[self._keys.pop(r) for r in out.aborted if r in self._keys], state=state)
@@ -170,12 +176,8 @@ class BroadcastingScheduler(ARScheduler):
         return out
 
     def send(self, plan: TurnPlan) -> None:
-        """Broadcast ``plan``; a failure ends the stage (`on_failure`)."""
-        try:
-            self._ranks.broadcast_object(plan)
-        except Exception as exc:  # noqa: BLE001 - the group is broken
-            self._on_failure(f"broadcasting the turn's plan failed: {exc}")
-            raise
+        """Broadcast ``plan`` (a failure ends the stage: the control group's ``on_failure``)."""
+        self._ranks.broadcast_object(plan)
 
     def finish(self, request: SchedulerRequest) -> None:
         super().finish(request)
@@ -307,6 +309,7 @@ class TensorParallelAR:
     def __init__(self, group: RankGroup) -> None:
         self.group = group
         self.ranks: JoinedRanks | None = None
+        self._stopping = threading.Event()
 
     @classmethod
     def start(cls, settings: Any) -> TensorParallelAR:
@@ -341,16 +344,31 @@ class TensorParallelAR:
     @property
     def scheduler_factory(self) -> Callable[..., ARScheduler]:
         """Rank 0's `BroadcastingScheduler` for `DecodeEngine`."""
-        return functools.partial(BroadcastingScheduler, ranks=self.ranks, on_failure=self.group.fail)
+        return functools.partial(BroadcastingScheduler, ranks=self.ranks)
 
     def ready(self, engine: Any) -> None:
-        """Once the engine exists: wait for every rank to have loaded."""
+        """Once the engine exists: wait for every rank to have loaded, then watch the engine's turns."""
         engine.scheduler.bind(engine)
         self.ranks.barrier()
+        threading.Thread(target=self._watchdog, args=(engine,), name="ar-rank-watchdog", daemon=True).start()
+
+    def _watchdog(self, engine: Any) -> None:
+        """Fail the stage when rank 0's engine, once ready, makes no turn for the collective timeout.
+
+        Needed for the all-reduces captured in CUDA graphs: a replayed graph is not tracked by NCCL's
+        watchdog, so a hung rank would stall rank 0's next readback forever; an idle engine turns
+        every 50 ms, a turn is one decode step."""
+        limit = self.group.launches[0].timeout_s
+        while not self._stopping.wait(min(1.0, limit / 4)):
+            stalled = time.monotonic() - engine.scheduler.last_turn
+            if engine.ready.is_set() and stalled > limit:
+                self.group.fail(f"rank 0's decode loop made no turn for {stalled:.0f} s (a rank stopped "
+                                "answering collectives)")
 
     def stop(self, engine: Any) -> None:
         """After ``engine.stop()``: tell the workers to stop (unless the engine thread is stuck), then
         wait for them."""
+        self._stopping.set()
         if not engine._thread.is_alive():  # noqa: SLF001 - a stuck engine thread owns the group
             try:
                 self.ranks.broadcast_object(TurnPlan(stop=True))

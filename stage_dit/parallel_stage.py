@@ -24,10 +24,9 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mammoth_core.rank_group import JoinedRanks, RankGroup, RankLaunch, join_ranks
@@ -43,15 +42,14 @@ _FORWARD, _BEAT, _STOP = "forward", "beat", "stop"
 def _send(ranks: JoinedRanks, tensors: tuple[torch.Tensor, ...]) -> None:
     ranks.broadcast_object((_FORWARD, [(tuple(t.shape), t.dtype) for t in tensors]))
     for t in tensors:
-        wire = t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous()
-        dist.broadcast(wire, src=0, group=ranks.data.group)
+        ranks.data.broadcast_(t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous())
 
 
 def _receive(ranks: JoinedRanks, specs: list[tuple[tuple[int, ...], torch.dtype]], device: str) -> list[torch.Tensor]:
     out = []
     for shape, dtype in specs:
-        wire = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=device)
-        dist.broadcast(wire, src=0, group=ranks.data.group)
+        wire = ranks.data.broadcast_(torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype,
+                                                 device=device))
         out.append(wire.view(torch.bool) if dtype == torch.bool else wire)
     return out
 
@@ -62,16 +60,15 @@ class LeaderTransformer(nn.Module):
     Args:
         inner: this rank's parallel transformer (`stage_dit.parallel.parallel_transformer`).
         config: the wrapped model's config (the pipeline reads it).
-        ranks: the joined ranks.
-        on_failure: called with a reason when the exchange fails (the stage ends there).
+        ranks: the joined ranks (a failed exchange ends the stage there: their ``on_failure``).
+        heartbeat_s: idle seconds after which rank 0 sends the workers a heartbeat.
 
     Same call and result as `MammothTransformer2DModel.forward`.
     """
 
-    def __init__(self, inner: nn.Module, config: Any, ranks: JoinedRanks, on_failure: Callable[[str], None],
-                 heartbeat_s: float) -> None:
+    def __init__(self, inner: nn.Module, config: Any, ranks: JoinedRanks, heartbeat_s: float) -> None:
         super().__init__()
-        self.inner, self._config, self._ranks, self._on_failure = inner, config, ranks, on_failure
+        self.inner, self._config, self._ranks = inner, config, ranks
         self._lock = threading.Lock()  # one thread at a time on the group: the engine's or the heartbeat's
         self._last = time.monotonic()
         self._heartbeat_s = heartbeat_s
@@ -89,11 +86,7 @@ class LeaderTransformer(nn.Module):
         with self._lock:
             if self._stopped.is_set():
                 raise RuntimeError("the DiT's ranks have stopped")
-            try:
-                _send(self._ranks, inputs)
-            except Exception as exc:  # noqa: BLE001 - the group is broken
-                self._on_failure(f"sending a forward's inputs to the DiT ranks failed: {exc}")
-                raise
+            _send(self._ranks, inputs)  # a failed exchange ends the stage (the groups' on_failure)
             self._last = time.monotonic()
             return self.inner(*inputs)
 
@@ -102,11 +95,7 @@ class LeaderTransformer(nn.Module):
             with self._lock:
                 if self._stopped.is_set() or time.monotonic() - self._last < self._heartbeat_s:
                     continue
-                try:
-                    self._ranks.broadcast_object((_BEAT, None))
-                except Exception as exc:  # noqa: BLE001
-                    self._on_failure(f"DiT rank heartbeat failed: {exc}")
-                    return
+                self._ranks.broadcast_object((_BEAT, None))  # a failure ends the stage (on_failure)
                 self._last = time.monotonic()
 
     def stop(self) -> None:
@@ -177,7 +166,7 @@ class ParallelDiT:
         """Rank 0's pipeline, its transformer parallel and leading the others."""
         pipeline = _load(self.settings, self.ranks)
         inner = parallel_transformer(pipeline.transformer, self.settings.dit_parallel, self.ranks.data)
-        self.leader = LeaderTransformer(inner, pipeline.transformer.config, self.ranks, self.group.fail,
+        self.leader = LeaderTransformer(inner, pipeline.transformer.config, self.ranks,
                                         heartbeat_s=min(5.0, self.settings.distributed_timeout_seconds / 4))
         pipeline.transformer = self.leader
         return pipeline

@@ -5,13 +5,17 @@ itself): the image served through the gateway (official ``openai`` client) equal
 single-process (in-process) image of the same request, float32: the PNG bytes are identical (the
 DiT's GEMM rows are padded to a row quantum, so a branch or sequence share computes the same bits
 alone as batched; the exchanges are copies). The DiT really runs on two ranks: its second rank is a
-child process, and without it the first rank's collectives could not complete.
+child process, and without it the first rank's collectives could not complete. Killing that child
+fails the stage (exit status 3) within seconds.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -62,3 +66,19 @@ def test_parallel_dit_serves_the_single_process_image(parallel_pipeline, referen
           f"{diff.size} values differ, PNG bytes identical: {png == reference}")
     assert len(rank_pids(pipeline.components["dit"].proc.pid)) == 1
     assert png == reference
+
+
+def test_killing_the_worker_rank_fails_the_dit(parallel_pipeline):
+    """The DiT's second rank killed: the stage exits with status 3 within seconds (rank 0 watches its
+    workers), not a hang. (Last for each mode: it ends that pipeline's DiT.)"""
+    from mammoth_core.rank_group import EXIT_RANK_FAILED
+
+    _, pipeline = parallel_pipeline
+    dit = pipeline.components["dit"].proc
+    workers = rank_pids(dit.pid)
+    assert len(workers) == 1, workers
+    os.kill(workers[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    assert dit.wait(timeout=30) == EXIT_RANK_FAILED
+    assert time.monotonic() - t0 < 15
+

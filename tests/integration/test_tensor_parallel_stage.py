@@ -7,8 +7,9 @@ the single-process (TP 1) in-process reference on the same tiny checkpoint, floa
   rows within float32 summation-order error (the row-parallel products are summed in two halves);
 - the image served through the gateway (official ``openai`` client) is TP 1's image: every pixel
   within 1 level of 255 (the rows' last-bit differences move a few roundings);
-- killing the worker rank fails the stage (exit status 3) within seconds, not a hang (last: it ends
-  the pipeline's AR).
+- a size the model cannot split is refused before any rank starts;
+- a hung worker rank (SIGSTOP) fails the stage (exit status 3) within the collective timeout, not a
+  hang (last: it ends the pipeline's AR). A killed worker is `test_dit_parallel_stage.py`'s case.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pipeline_harness import rank_pids, start_local_pipeline
 
 PROMPT = "a lighthouse on a cliff at dusk"
 SIZE, SEED, STEPS, GUIDANCE = 128, 11, 2, 4.0
+TIMEOUT_S = 10  # the stage's distributed_timeout_seconds here
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def tp_pipeline(tiny_checkpoint, tmp_path_factory):
     from mammoth_app.local import stop_pipeline
 
     running = start_local_pipeline(tiny_checkpoint, tmp_path_factory.mktemp("tp2"),
-                                   ar_args=["--tensor-parallel-size", "2"])
+                                   ar_args=["--tensor-parallel-size", "2",
+                                            "--distributed-timeout-seconds", str(TIMEOUT_S)])
     yield running
     stop_pipeline(list(running.components.values()))
 
@@ -137,14 +140,18 @@ def test_a_size_the_model_cannot_split_is_refused_before_any_rank_starts(tiny_ch
     assert "started ranks" not in proc.stderr
 
 
-def test_killing_a_worker_rank_fails_the_stage(tp_pipeline):
+def test_a_hung_worker_rank_fails_the_stage_within_the_collective_timeout(tp_pipeline):
+    """SIGSTOP the worker: the next request's all-reduce cannot complete; the stage exits with status 3
+    within ``distributed_timeout_seconds`` (plus start-up slack), instead of hanging. (Last: it ends
+    the pipeline's AR.)"""
+    from mammoth_core.rank_group import EXIT_RANK_FAILED
+
     ar = tp_pipeline.components["ar"].proc
     workers = rank_pids(ar.pid)
     assert len(workers) == 1, workers
-    os.kill(workers[0], signal.SIGKILL)
+    os.kill(workers[0], signal.SIGSTOP)
     t0 = time.monotonic()
-    code = ar.wait(timeout=30)
-    from mammoth_core.rank_group import EXIT_RANK_FAILED
-
-    assert code == EXIT_RANK_FAILED, code
-    assert time.monotonic() - t0 < 15
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(_generate_into(tp_pipeline, _CatchingDiT()))
+    assert ar.wait(timeout=TIMEOUT_S + 30) == EXIT_RANK_FAILED
+    assert time.monotonic() - t0 < TIMEOUT_S + 20
