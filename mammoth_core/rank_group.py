@@ -23,10 +23,13 @@ Failure, never a hang:
 
 - every collective of the serving groups has ``timeout_s`` (`RankLaunch.timeout_s`); the world group
   used at start (loading can take minutes) has ``startup_timeout_s``;
-- rank 0 watches its workers (their process sentinels): a worker that exits while the stage serves
-  makes rank 0 log the rank and exit code and end the process with `EXIT_RANK_FAILED` (the other
-  workers die with it); a worker whose collective fails or times out exits non-zero the same way.
-  Kubernetes (or ``mammoth up``) then sees the stage die and restarts it.
+- rank 0 watches its workers (their process sentinels) from the moment they start: a worker that
+  exits makes rank 0 log the rank and exit code and end the process with `EXIT_RANK_FAILED` (the
+  other workers die with it);
+- a collective of the serving groups that raises (timeout, peer gone) calls the group's
+  ``on_failure`` (`GroupRank.on_failure`) before anything else: rank 0 ends the stage as above, a
+  worker exits with `EXIT_RANK_FAILED` (which rank 0 then sees). Kubernetes (or ``mammoth up``) sees
+  the stage die and restarts it.
 """
 
 from __future__ import annotations
