@@ -108,10 +108,17 @@ class LeaderTransformer(nn.Module):
                 logger.exception("telling the DiT ranks to stop failed")
 
 
+def rank_settings(settings: Any, launch: RankLaunch) -> Any:
+    """``settings`` for ``launch``'s rank: its device (``cuda:<rank>``), the stage's resolved dtype
+    (``auto`` resolves against ``cuda``, bfloat16, not against ``cuda:1``)."""
+    dtype = str(settings.resolved_dtype()).removeprefix("torch.")
+    return dataclasses.replace(settings, device=launch.rank_device, dtype=dtype)
+
+
 def _load(settings: Any, ranks: JoinedRanks) -> Any:
     from stage_dit.loader import load_pipeline
 
-    return load_pipeline(dataclasses.replace(settings, device=ranks.launch.rank_device))
+    return load_pipeline(rank_settings(settings, ranks.launch))
 
 
 def run_worker(launch: RankLaunch, settings: Any) -> None:

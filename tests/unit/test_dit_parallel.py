@@ -92,3 +92,18 @@ def test_ulysses_refuses_heads_it_cannot_split():
 
     with pytest.raises(ValueError, match="do not divide"):
         enable_ulysses_(pipeline().transformer, GroupRank(rank=0, world_size=3))
+
+
+def test_a_cuda_rank_keeps_the_stage_dtype():
+    """Rank 1 of a CUDA DiT loads on ``cuda:1`` in the stage's dtype (auto: bfloat16), as rank 0 does."""
+    import torch
+
+    from mammoth_core.rank_group import RankLaunch
+    from mammoth_core.settings import DiTSettings
+    from stage_dit.parallel_stage import rank_settings
+
+    launch = RankLaunch(1, 2, "/nonexistent", "cuda", 60.0, 60.0, "dit")
+    s = rank_settings(DiTSettings(device="cuda", dit_parallel="cfg"), launch)
+    assert (s.device, s.resolved_dtype()) == ("cuda:1", torch.bfloat16)
+    assert rank_settings(DiTSettings(device="cpu"), launch).resolved_dtype() == torch.float32
+
