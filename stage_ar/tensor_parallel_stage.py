@@ -10,14 +10,16 @@ network at all.
 Why this split (vLLM's: the scheduler on one rank, the workers execute its decisions): every input
 of an engine turn that is not a pure function of the model is a scheduler decision — which requests
 join (with their KV slots), which leave (cancelled, past their deadline, push failed). Rank 0's
-`BroadcastingScheduler` makes those decisions as always and broadcasts them (one `TurnPlan` per
-turn, pickled over the control group) before the turn runs; a `FollowerScheduler` returns exactly
-those decisions, so each rank's engine runs the same prefills, steps and leaves in the same order and
+`BroadcastingScheduler` makes those decisions as always and broadcasts them before the turn runs:
+every turn a three-number header over the data group (NCCL on GPUs: no host sync on rank 0, about the
+cost of one small all-reduce), and only on turns where requests join or leave a pickled `TurnPlan`
+over the gloo control group (a pickled broadcast costs about a millisecond on a loaded CPU host, too
+much for every token); a `FollowerScheduler` returns exactly those decisions, so each rank's engine runs the same prefills, steps and leaves in the same order and
 meets the same all-reduces (two per layer, `shard_ar_model_`). Sampling needs no exchange: the
 all-reduced hidden states and the replicated heads are bit-identical on every rank (tested), so every
 rank draws the same token with the request's seeded sampler. Rank 0's host-side events that would
 change its runner mid-turn (a sink or progress callback that raises) are turned into cancellations,
-which the next plan carries. Each plan also carries rank 0's runner state before the turn (active
+which the next plan carries. Each header also carries rank 0's runner state before the turn (active
 requests, requests known to the workers); a worker that differs raises `RankDesync` and exits, which
 fails the stage: a desynchronised rank is never left to compute garbage.
 
@@ -73,6 +75,17 @@ class TurnPlan:
     aborted: list[int] = dataclasses.field(default_factory=list)
     state: tuple[int, int] = (0, 0)
     stop: bool = False
+
+
+#: The turn header's first value (``[kind, active requests, requests known to the workers]``, int64
+#: on the rank's device): nothing changes, a pickled `TurnPlan` follows, or rank 0 stopped.
+_EMPTY, _PLAN, _STOP = 0, 1, 2
+
+
+def _header(device: Any) -> Any:
+    import torch
+
+    return torch.zeros(3, dtype=torch.long, device=device)
 
 
 def job_data(job: DecodeJob) -> dict[str, Any]:
@@ -158,8 +171,10 @@ class BroadcastingScheduler(ARScheduler):
         self._active: Callable[[], int] = lambda: 0
 
     def bind(self, engine: Any) -> None:
-        """Read the runner's active count from ``engine`` (built after its scheduler)."""
+        """Read the runner's active count from ``engine`` (built after its scheduler); the turn header
+        lives on its device."""
         self._active = lambda: engine.runner.active_count
+        self._header = _header(engine.runner.device)
 
     def schedule(self) -> SchedulerOutput:
         self.last_turn = time.monotonic()
@@ -176,8 +191,15 @@ class BroadcastingScheduler(ARScheduler):
         return out
 
     def send(self, plan: TurnPlan) -> None:
-        """Broadcast ``plan`` (a failure ends the stage: the control group's ``on_failure``)."""
-        self._ranks.broadcast_object(plan)
+        """Broadcast ``plan``: always the turn header over the data group (no host sync on rank 0),
+        the pickled plan over the control group only when requests join or leave. A failure ends the
+        stage (the groups' ``on_failure``)."""
+        kind = _STOP if plan.stop else _PLAN if plan.admitted or plan.aborted else _EMPTY
+        for i, value in enumerate((kind, *plan.state)):
+            self._header[i].fill_(value)
+        self._ranks.data.broadcast_(self._header)
+        if kind == _PLAN:
+            self._ranks.broadcast_object(plan)
 
     def finish(self, request: SchedulerRequest) -> None:
         super().finish(request)
@@ -205,6 +227,7 @@ class FollowerScheduler:
     def bind(self, engine: Any) -> None:
         """The engine whose `submit` builds each admitted job's run."""
         self._engine = engine
+        self._header = _header(engine.runner.device)
 
     @property
     def num_admitted(self) -> int:
@@ -227,12 +250,15 @@ class FollowerScheduler:
         return True  # the plan's broadcast is the wait
 
     def schedule(self) -> SchedulerOutput:
-        plan: TurnPlan = self._ranks.broadcast_object()
-        if plan.stop:
+        kind, *state = self._ranks.data.broadcast_(self._header).tolist()
+        if kind == _STOP:
             raise _StopFollowing
-        mine = (self._engine.runner.active_count, len(self._by_key))
-        if mine != tuple(plan.state):
-            raise RankDesync(f"rank {self._ranks.launch.rank} has (active, known) = {mine}, rank 0 {plan.state}")
+        mine = [self._engine.runner.active_count, len(self._by_key)]
+        if mine != state:
+            raise RankDesync(f"rank {self._ranks.launch.rank} has (active, known) = {mine}, rank 0 {state}")
+        if kind == _EMPTY:
+            return SchedulerOutput([], [])
+        plan: TurnPlan = self._ranks.broadcast_object()
         aborted = [self._leave(key) for key in plan.aborted]
         admitted = []
         for key, data, first in plan.admitted:
@@ -371,7 +397,7 @@ class TensorParallelAR:
         self._stopping.set()
         if not engine._thread.is_alive():  # noqa: SLF001 - a stuck engine thread owns the group
             try:
-                self.ranks.broadcast_object(TurnPlan(stop=True))
+                engine.scheduler.send(TurnPlan(stop=True))
             except Exception:  # noqa: BLE001 - the workers are killed below anyway
                 logger.exception("telling the AR ranks to stop failed")
         self.group.close()

@@ -4,9 +4,9 @@ joins, cancellations, a failing sink and AR-side CFG, in one process.
 Two real `DecodeEngine`s on the built-in tiny checkpoint (unsharded: this test is about who runs what
 when, not the arithmetic, which `test_tensor_parallel.py` and the integration tests cover): rank 0's
 with the `BroadcastingScheduler`, a follower's with the `FollowerScheduler`, each stepped by its own
-thread. The plans travel through `_QueueControl`, a stand-in for the gloo control group that hands
-each broadcast object to the follower in order (the transport is not under test). Every plan carries
-rank 0's state before its turn and the follower raises `RankDesync` on any difference, so a follower
+thread. The turn headers and plans travel through `_QueueControl`, a stand-in for the ranks' groups
+that hands each broadcast to the follower in order (the transport is not under test). Every header
+carries rank 0's state before its turn and the follower raises `RankDesync` on any difference, so a follower
 that ends cleanly ran exactly rank 0's turns; the rows rank 0 streams equal a job decoded alone.
 """
 
@@ -29,16 +29,23 @@ class _Launch:
 
 
 class _QueueControl:
-    """In-order hand-over of rank 0's broadcast objects to one follower (a gloo control group's role)."""
+    """In-order hand-over of rank 0's broadcasts (objects, and tensors as ``data.broadcast_``) to one
+    follower: the role of the ranks' control and data groups."""
 
     def __init__(self, channel: queue.Queue, rank: int) -> None:
-        self.channel, self.launch = channel, _Launch(rank)
+        self.channel, self.launch, self.data = channel, _Launch(rank), self
 
     def broadcast_object(self, obj=None):
         if self.launch.rank == 0:
             self.channel.put(obj)
             return obj
         return self.channel.get(timeout=30)
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.launch.rank == 0:
+            self.channel.put(tensor.clone())
+            return tensor
+        return tensor.copy_(self.channel.get(timeout=30))
 
 
 class _FailingSink(CollectingSink):
