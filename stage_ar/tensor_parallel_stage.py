@@ -10,11 +10,13 @@ network at all.
 Why this split (vLLM's: the scheduler on one rank, the workers execute its decisions): every input
 of an engine turn that is not a pure function of the model is a scheduler decision — which requests
 join (with their KV slots), which leave (cancelled, past their deadline, push failed). Rank 0's
-`BroadcastingScheduler` makes those decisions as always and broadcasts them before the turn runs:
-every turn a three-number header over the data group (NCCL on GPUs: no host sync on rank 0, about the
-cost of one small all-reduce), and only on turns where requests join or leave a pickled `TurnPlan`
-over the gloo control group (a pickled broadcast costs about a millisecond on a loaded CPU host, too
-much for every token); a `FollowerScheduler` returns exactly those decisions, so each rank's engine runs the same prefills, steps and leaves in the same order and
+`BroadcastingScheduler` makes those decisions as always and broadcasts them before the turn runs,
+host to host over the gloo control group: every turn a three-number header, and only on turns where
+requests join or leave a pickled `TurnPlan` (a pickled broadcast is two collectives and a pickle:
+three times the header's cost on this project's loaded CPU host). Host-only on purpose: rank 0's host
+runs a step ahead of its GPU (the one-step-late readback) and so does a worker's, so neither GPU
+waits for the other's host; a header on the NCCL stream would make each worker wait for rank 0's
+previous step before it could launch the next. A `FollowerScheduler` returns exactly those decisions, so each rank's engine runs the same prefills, steps and leaves in the same order and
 meets the same all-reduces (two per layer, `shard_ar_model_`). Sampling needs no exchange: the
 all-reduced hidden states and the replicated heads are bit-identical on every rank (tested), so every
 rank draws the same token with the request's seeded sampler. Rank 0's host-side events that would
@@ -78,14 +80,14 @@ class TurnPlan:
 
 
 #: The turn header's first value (``[kind, active requests, requests known to the workers]``, int64
-#: on the rank's device): nothing changes, a pickled `TurnPlan` follows, or rank 0 stopped.
+#: on the host): nothing changes, a pickled `TurnPlan` follows, or rank 0 stopped.
 _EMPTY, _PLAN, _STOP = 0, 1, 2
 
 
-def _header(device: Any) -> Any:
+def _header(*values: int) -> Any:
     import torch
 
-    return torch.zeros(3, dtype=torch.long, device=device)
+    return torch.tensor(values or (0, 0, 0), dtype=torch.long)
 
 
 def job_data(job: DecodeJob) -> dict[str, Any]:
@@ -171,10 +173,8 @@ class BroadcastingScheduler(ARScheduler):
         self._active: Callable[[], int] = lambda: 0
 
     def bind(self, engine: Any) -> None:
-        """Read the runner's active count from ``engine`` (built after its scheduler); the turn header
-        lives on its device."""
+        """Read the runner's active count from ``engine`` (built after its scheduler)."""
         self._active = lambda: engine.runner.active_count
-        self._header = _header(engine.runner.device)
 
     def schedule(self) -> SchedulerOutput:
         self.last_turn = time.monotonic()
@@ -191,13 +191,10 @@ class BroadcastingScheduler(ARScheduler):
         return out
 
     def send(self, plan: TurnPlan) -> None:
-        """Broadcast ``plan``: always the turn header over the data group (no host sync on rank 0),
-        the pickled plan over the control group only when requests join or leave. A failure ends the
-        stage (the groups' ``on_failure``)."""
+        """Broadcast ``plan``: always the turn header, the pickled plan only when requests join or
+        leave (both over the control group). A failure ends the stage (the groups' ``on_failure``)."""
         kind = _STOP if plan.stop else _PLAN if plan.admitted or plan.aborted else _EMPTY
-        for i, value in enumerate((kind, *plan.state)):
-            self._header[i].fill_(value)
-        self._ranks.data.broadcast_(self._header)
+        self._ranks.control.broadcast_(_header(kind, *plan.state))
         if kind == _PLAN:
             self._ranks.broadcast_object(plan)
 
@@ -227,7 +224,6 @@ class FollowerScheduler:
     def bind(self, engine: Any) -> None:
         """The engine whose `submit` builds each admitted job's run."""
         self._engine = engine
-        self._header = _header(engine.runner.device)
 
     @property
     def num_admitted(self) -> int:
@@ -250,7 +246,7 @@ class FollowerScheduler:
         return True  # the plan's broadcast is the wait
 
     def schedule(self) -> SchedulerOutput:
-        kind, *state = self._ranks.data.broadcast_(self._header).tolist()
+        kind, *state = self._ranks.control.broadcast_(_header()).tolist()
         if kind == _STOP:
             raise _StopFollowing
         mine = [self._engine.runner.active_count, len(self._by_key)]

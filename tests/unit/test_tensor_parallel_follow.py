@@ -29,11 +29,11 @@ class _Launch:
 
 
 class _QueueControl:
-    """In-order hand-over of rank 0's broadcasts (objects, and tensors as ``data.broadcast_``) to one
+    """In-order hand-over of rank 0's broadcasts (objects, and tensors as ``control.broadcast_``) to one
     follower: the role of the ranks' control and data groups."""
 
     def __init__(self, channel: queue.Queue, rank: int) -> None:
-        self.channel, self.launch, self.data = channel, _Launch(rank), self
+        self.channel, self.launch, self.control = channel, _Launch(rank), self
 
     def broadcast_object(self, obj=None):
         if self.launch.rank == 0:
