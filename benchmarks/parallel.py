@@ -8,7 +8,7 @@ checkpoint of `benchmarks/e2e_gpu.py`, written once to ``--ckpt-dir``; ``--tiny`
 
 1. AR batch-1 ms/token at TP 1 and TP 2: the stage's loader (`load_ar`, shard then move), its engine
    (`stage_ar.server.new_engine`) stepped inline on this process (rank 0, ``cuda:0``), with TP 2 the
-   stage's `TensorParallelAR` (rank 1 spawned on ``cuda:1``, the `TurnPlan` broadcast every turn, two
+   stage's `TensorParallelAR` (rank 1 spawned on ``cuda:1``, a turn header broadcast host to host every turn, two
    NCCL all-reduces per layer captured in the CUDA graphs). One 1024² request (64x64 grid), ``--steps``
    timed steps after 10 warm ones. Target (the issue): TP 2 <= 0.6 x TP 1.
 2. DiT ms/step at 1024²: one guided request (both CFG branches), ``--dit-steps`` steps of the
