@@ -15,7 +15,8 @@ a rank needs: no scheduler state travels.
 Idle, rank 0 sends a heartbeat at least every ``timeout / 4`` seconds (at most 5 s), so the workers'
 waits stay inside the collective timeout (``distributed_timeout_seconds``), and a hung rank 0 is
 noticed by the workers just as a dead worker is noticed by rank 0 (`mammoth_core.rank_group`). The
-opt-in first-block step cache does not apply to the parallel forward (the wrapper has the plain forward only).
+opt-in first-block step cache and the step CUDA graphs (`stage_dit.graphs`) do not apply to the
+parallel forward: the wrapper has the plain forward only, so `denoise_step` runs it eagerly.
 """
 
 from __future__ import annotations
