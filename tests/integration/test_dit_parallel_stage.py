@@ -43,7 +43,9 @@ def reference(tiny_checkpoint, tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["cfg", "ulysses"])
+# Ulysses' stage path differs from cfg's only in `parallel_transformer`'s choice (its arithmetic is
+# `tests/unit/test_dit_parallel.py`'s): its whole pipeline runs with `-m slow`.
+@pytest.fixture(scope="module", params=["cfg", pytest.param("ulysses", marks=pytest.mark.slow)])
 def parallel_pipeline(request, tiny_checkpoint, tmp_path_factory):
     from mammoth_app.local import stop_pipeline
 
