@@ -62,6 +62,8 @@ def test_several_ranks_get_one_gpu_each_and_shared_memory_in_one_pod(component, 
     assert len(pod["containers"]) == 1  # the ranks are processes of the one stage container
     resources = pod["containers"][0]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == str(ranks)
+    # each rank holds the weights in host memory while loading and runs its own host loop
+    assert (resources["requests"]["cpu"], resources["requests"]["memory"]) == (str(4 * ranks), f"{32 * ranks}Gi")
     volumes, mounts = _shm(pod)
     assert [v["emptyDir"] for v in volumes] == [{"medium": "Memory", "sizeLimit": "1Gi"}]
     assert [m["name"] for m in mounts] == [volumes[0]["name"]]
@@ -77,7 +79,10 @@ def test_one_rank_is_unchanged_one_gpu_and_no_shared_memory(tmp_path):
     for component, cls in (("ar", ARSettings), ("dit", DiTSettings)):
         pod = _deployment(spec, component)["spec"]["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert pod["containers"][0]["resources"]["requests"]["memory"] == "32Gi"
         assert _shm(pod) == ([], [])
+    mine = _deployment(_pipeline(ar={"tensorParallelSize": 2, "resources": {"requests": {"memory": "40Gi"}}}), "ar")
+    assert mine["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"] == "40Gi"
     assert _settings(spec, ARSettings, tmp_path).tensor_parallel_size == 1
     assert _settings(spec, DiTSettings, tmp_path).parallel_ranks() == 1
     cpu = _deployment(_pipeline(ar={"gpus": 0, "tensorParallelSize": 2}), "ar")["spec"]["template"]["spec"]

@@ -59,7 +59,7 @@ def build_stage_deployment(spec: PipelineSpec, stage: Stage, stage_tokens: str |
         "securityContext": container_security(),
         "volumeMounts": mounts,
     }
-    container["resources"] = container_resources(placement, stage.gpus, component)
+    container["resources"] = container_resources(placement, stage.gpus, component, stage.ranks)
     init = [download_init_container(spec, stage)] if spec.model.source.scheme == "hf" else []
     pod = pod_spec(spec, component, placement, container, init, volumes)
     name = child_names(spec.name).component(component)

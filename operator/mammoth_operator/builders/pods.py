@@ -32,14 +32,25 @@ def checkpoint_path(spec: PipelineSpec) -> str:
     return f"{MODELS_DIR}/hf/{org_repo}/{source.revision}"
 
 
-def container_resources(placement: Placement, gpus: int, container: str) -> dict[str, Any]:
-    """Requests/limits of one container: :data:`~mammoth_operator.spec.DEFAULT_REQUESTS` under the spec's."""
+def _per_rank(quantity: str, ranks: int) -> str:
+    """A default request (``"4"``, ``"32Gi"``) for ``ranks`` processes: each rank runs its own host
+    loop and holds its own copy of the weights in host memory while it loads."""
+    if ranks == 1:
+        return quantity
+    number = quantity.rstrip("KMGTPEim")
+    return f"{int(number) * ranks}{quantity[len(number):]}"
+
+
+def container_resources(placement: Placement, gpus: int, container: str, ranks: int = 1) -> dict[str, Any]:
+    """Requests/limits of one container: :data:`~mammoth_operator.spec.DEFAULT_REQUESTS` (times
+    ``ranks``, the stage's processes) under the spec's."""
     result: dict[str, Any] = {}
     for section in ("requests", "limits"):
         # Quantities as strings, the way the API serves them back (and the typed client insists).
         values = {name: str(q) for name, q in placement.resources.get(section, {}).items()}
         if section == "requests":
-            values = dict(DEFAULT_REQUESTS[container]) | values
+            defaults = {k: _per_rank(v, ranks) for k, v in DEFAULT_REQUESTS[container].items()}
+            values = defaults | values
         if gpus:
             values["nvidia.com/gpu"] = str(gpus)
         if values:
