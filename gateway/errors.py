@@ -155,13 +155,26 @@ class BackendError(GatewayError):
     outcome = "backend_error"
 
 
-def _validation_param(loc: tuple[Any, ...]) -> str | None:
-    """``("body", "size")`` -> ``"size"``; ``("body", "cfg_range", 0)`` -> ``"cfg_range"``."""
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    parts = [p for p in parts if not p.isdigit()]
+def _field_path(loc: tuple[Any, ...]) -> list[Any]:
+    """``loc`` without its request part and an ``extra_body`` wrapper: ``("body", "extra_body",
+    "dit_cache", "threshold")`` -> ``["dit_cache", "threshold"]``."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
     if parts and parts[0] == "extra_body" and len(parts) > 1:
         parts = parts[1:]
+    return parts
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "size")`` -> ``"size"``; ``("body", "cfg_range", 0)`` -> ``"cfg_range"``."""
+    parts = [str(p) for p in _field_path(loc) if not str(p).isdigit()]
     return parts[0] if parts else None
+
+
+def _missing_part(loc: tuple[Any, ...]) -> str:
+    """What lies below the named field in ``loc``: ``("body", "cfg_range", 1)`` -> ``"item 1"``,
+    ``("body", "dit_cache", "threshold")`` -> ``"'threshold'"``, ``("body", "prompt")`` -> ``""``."""
+    inner = _field_path(loc)[1:]
+    return ".".join(f"item {p}" if isinstance(p, int) else f"'{p}'" for p in inner)
 
 
 def _json_error_position(error: Mapping[str, Any]) -> str:
@@ -223,7 +236,11 @@ def _validation_info(exc: RequestValidationError | ValidationError
             type="invalid_request_error",
             code="invalid_json",
         ), {}
-    if first.get("type") == "missing":
+    inner = _missing_part(loc)
+    if first.get("type") == "missing" and inner:  # the field was sent; an element/key of it is absent
+        text = f"invalid value for '{param}': {inner} is missing"
+        code = "invalid_value"
+    elif first.get("type") == "missing":
         text = f"missing required parameter: '{param}'"
         code = "missing_required_parameter"
     else:

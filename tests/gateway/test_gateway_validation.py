@@ -196,3 +196,17 @@ def test_empty_or_non_object_body_is_invalid_json_with_a_helpful_message(gw):
     text = httpx.post(gw.url + GEN, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
     err = assert_envelope(text, 400, None)
     assert err["code"] == "invalid_json" and "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("body,param,names", [
+    ({"prompt": "p", "cfg_range": [0.5]}, "cfg_range", "item 1"),
+    ({"prompt": "p", "dit_cache": {"warmup_steps": 1}}, "dit_cache", "threshold"),
+    ({"prompt": "p", "extra_body": {"dit_cache": {}}}, "dit_cache", "threshold"),
+])
+def test_a_given_field_missing_a_part_is_invalid_value_not_missing_parameter(gw, body, param, names):
+    """A field that was sent but lacks an element or key is not a "missing required parameter":
+    the 400 says which part is missing, so the caller does not look for a field they did send."""
+    r = httpx.post(gw.url + GEN, json=body)
+    err = assert_envelope(r, 400, param, "invalid_value")
+    assert names in err["message"], err
+    assert "missing required parameter" not in err["message"], err
