@@ -7,9 +7,11 @@ returns uvicorn's h11 protocol with, per connection:
 
 - a **header deadline**: the request head (request line and headers) must be complete within
   ``header_timeout`` seconds of the connection opening or of the previous response ending;
-  otherwise the gateway answers ``408`` and closes the connection;
+  otherwise the gateway answers ``408`` (OpenAI envelope, ``code: request_timeout``) and closes the
+  connection;
 - a **body deadline**: the body must be complete within ``body_timeout`` seconds of its head;
-  otherwise the connection is closed (the request handler sees a disconnect and cancels its work);
+  otherwise the same ``408`` unless a response has begun, and the connection is closed (the request
+  handler sees a disconnect and cancels its work);
 - a **connection cap**: at most ``max_connections`` open connections, and never more than the
   process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs); a connection over the cap is
   answered ``503`` (OpenAI envelope, ``code: too_many_connections``, ``Retry-After``) and closed
@@ -41,7 +43,17 @@ logger = logging.getLogger(__name__)
 FD_HEADROOM = 128
 LOG_INTERVAL_SECONDS = 10.0
 CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity")
-_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+
+
+def _request_timeout_response(phase: str, seconds: float) -> bytes:
+    """The ``408`` (OpenAI envelope, ``code: request_timeout``) for a request ``phase`` (``head``
+    or ``body``) not received within ``seconds``."""
+    body = ErrorResponse(error=ErrorInfo(
+        message=f"the request {phase} did not arrive within {seconds:g} s; send the whole request at once",
+        type="invalid_request_error", code="request_timeout")).model_dump_json().encode()
+    head = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    return head + body
 
 
 def _over_capacity_response() -> bytes:
@@ -124,10 +136,10 @@ class GuardedH11Protocol(H11Protocol):
         if self._phase != phase or self.transport.is_closing():
             return
         self.closed.labels(f"{phase}_timeout").inc()
-        logger.warning("closed a connection: request %s not received within %.1f s", phase,
-                       self.header_timeout if phase == "header" else self.body_timeout)
-        if phase == "header":
-            self.transport.write(_REQUEST_TIMEOUT)
+        seconds = self.header_timeout if phase == "header" else self.body_timeout
+        logger.warning("closed a connection: request %s not received within %.1f s", phase, seconds)
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response of ours begun yet
+            self.transport.write(_request_timeout_response("head" if phase == "header" else "body", seconds))
         self.transport.close()
 
 

@@ -1,0 +1,62 @@
+"""A client too slow with its request head or body gets a 408 in the OpenAI error envelope.
+
+The real gateway app runs under uvicorn with the guarded protocol `mammoth gateway` installs
+(`gateway.slow_clients.guarded_protocol`), with 0.5 s deadlines; raw sockets trickle the request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import uvicorn
+
+from gateway.slow_clients import guarded_protocol
+from tests.gateway.conftest import GatewayThread, _no_signals, small_settings
+
+DEADLINE_S = 0.5
+HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+
+
+@pytest.fixture
+def guarded_gateway():
+    gw = GatewayThread(small_settings())
+    config = uvicorn.Config(gw.app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
+                            access_log=False, timeout_graceful_shutdown=2,
+                            http=guarded_protocol(DEADLINE_S, DEADLINE_S, 100))
+    gw.server = uvicorn.Server(config)
+    gw.server.capture_signals = _no_signals  # type: ignore[method-assign]
+    gw.start()
+    yield gw
+    gw.stop()
+
+
+def _answer(port: int, first: bytes) -> tuple[bytes, float]:
+    """Send ``first``, then nothing; everything the gateway sends until it closes, and when."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    t0 = time.monotonic()
+    s.sendall(first)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    return data, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("first,part", [
+    (HEAD, "head"),
+    (HEAD + b"Content-Length: 100\r\n\r\n{\"prompt\"", "body"),
+])
+def test_a_request_not_received_in_time_is_408_with_the_envelope(guarded_gateway, first, part):
+    port = int(guarded_gateway.url.rsplit(":", 1)[1])
+    data, seconds = _answer(port, first)
+    assert seconds < DEADLINE_S + 5, seconds
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b"content-type: application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error", err
+    assert f"request {part}" in err["message"] and "0.5 s" in err["message"], err
