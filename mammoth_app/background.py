@@ -31,7 +31,8 @@ def instance_lock(port: int, env: dict[str, str] | None = None) -> InstanceLock:
 def detach(argv: Sequence[str], port: int, timeout: float = 600.0) -> int:
     """Run ``mammoth up *argv`` (without ``--detach``) in the background; returns an exit code.
 
-    Prints the banner once the pipeline is up, or the log's last lines when it ended first.
+    Prints one line at once (where the log goes), then the banner once the pipeline is up, or the
+    log's last line when it ended first.
     """
     if not port:
         print("mammoth up: --detach needs a fixed --port (mammoth down finds the pipeline by it)",
@@ -48,6 +49,8 @@ def detach(argv: Sequence[str], port: int, timeout: float = 600.0) -> int:
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mammoth_app.cli", "up", *argv], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"mammoth up: starting in the background (log {log_path}); the first start prepares the "
+          "checkpoint and can take a minute...", flush=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         info = lock.info()

@@ -115,8 +115,8 @@ class InstanceLock:
         pid = info.get("pid", "?")
         where = f" at {info['url']}" if info.get("url") else f" on port {self.port}"
         state = "is starting" if info.get("state") == "starting" else "is running"
-        return (f"another mammoth up (pid {pid}) {state}{where}; stop it (Ctrl-C in its terminal, or "
-                f"`kill {pid}`) or choose another port with --port")
+        return (f"another mammoth up (pid {pid}) {state}{where}; stop it with `mammoth down --port "
+                f"{self.port}` (or Ctrl-C in its terminal) or choose another port with --port")
 
 
 def port_holder(port: int) -> tuple[int, str] | None:

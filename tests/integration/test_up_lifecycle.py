@@ -259,6 +259,12 @@ def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work
         assert Image.open(image).format == "PNG", command
 
 
+def instance_lock_running(env: dict[str, str], port: int) -> bool:
+    """True once the ``mammoth up`` on ``port`` (cache of ``env``) says it is running."""
+    from mammoth_app.background import instance_lock
+    return instance_lock(port, env).info().get("state") == "running"
+
+
 def test_up_detach_then_down(tiny_checkpoint, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
@@ -268,15 +274,24 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
         return subprocess.run([sys.executable, "-m", "mammoth_app.cli", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=240)
 
-    started = mammoth("up", "--detach", "--port", str(port), "--checkpoint", str(tiny_checkpoint),
-                      "--log-level", "warning")
+    cmd = [sys.executable, "-m", "mammoth_app.cli", "up", "--detach", "--port", str(port), "--checkpoint",
+           str(tiny_checkpoint), "--log-level", "warning"]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        first = proc.stdout.readline()  # said at once, not after the whole start-up in silence
+        still_starting = proc.poll() is None and not instance_lock_running(env, port)
+        out, err = proc.communicate(timeout=240)
+    started = subprocess.CompletedProcess(cmd, proc.returncode, first + out, err)
     assert started.returncode == 0, started.stdout + started.stderr
+    assert still_starting and "starting in the background" in first and "up-" in first, first
     assert "Mammoth pipeline is up" in started.stdout and f"mammoth down --port {port}" in started.stdout
     pid = int(re.search(r"background \(pid (\d+)", started.stdout).group(1))
     try:
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
         children = children_of(pid)
         assert len(children) == 3
+        second = mammoth("up", "--port", str(port), "--checkpoint", str(tiny_checkpoint))
+        assert second.returncode == 1 and f"`mammoth down --port {port}`" in second.stderr, second
         ports = sorted({int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", started.stdout)})
         stopped = mammoth("down", "--port", str(port))
         assert stopped.returncode == 0 and f"stopped mammoth up (pid {pid})" in stopped.stdout, stopped
