@@ -15,7 +15,10 @@ returns uvicorn's h11 protocol with, per connection:
 - a **connection cap**: at most ``max_connections`` open connections, and never more than the
   process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs); a connection over the cap is
   answered ``503`` (OpenAI envelope, ``code: too_many_connections``, ``Retry-After``) and closed
-  before anything is read, so the listening socket never runs out of file descriptors.
+  before anything is read, so the listening socket never runs out of file descriptors;
+- bytes that are not an HTTP/1.1 request get ``400 invalid_http_request``, a request head larger
+  than h11's limit (16 KiB) ``431 request_header_too_large``, both in the envelope (uvicorn's own
+  answer is plain text), and the connection lingers `LINGER_SECONDS` so the client can read it.
 
 While a handler runs (the response phase) no deadline applies: image generation has its own
 request budget. `quiet_logs` rate-limits the log records a flood can repeat (asyncio's
@@ -34,7 +37,7 @@ from typing import Any
 
 import h11
 from prometheus_client import Counter, CollectorRegistry
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from gateway.errors import ErrorInfo, ErrorResponse
 
@@ -42,7 +45,24 @@ logger = logging.getLogger(__name__)
 
 FD_HEADROOM = 128
 LOG_INTERVAL_SECONDS = 10.0
+LINGER_SECONDS = 1.0
 CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity")
+
+
+def _invalid_http_response(too_large: bool, limit: int) -> bytes:
+    """The answer to bytes h11 cannot parse as a request (OpenAI envelope): ``431``
+    ``request_header_too_large`` when the head outgrew ``limit`` bytes, else ``400``
+    ``invalid_http_request``."""
+    if too_large:
+        line, code = b"431 Request Header Fields Too Large", "request_header_too_large"
+        message = f"the request head (request line and headers) is larger than {limit} bytes"
+    else:
+        line, code = b"400 Bad Request", "invalid_http_request"
+        message = "the request is not valid HTTP/1.1"
+    body = ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error",
+                                         code=code)).model_dump_json().encode()
+    return (b"HTTP/1.1 " + line + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 def _request_timeout_response(phase: str, seconds: float) -> bytes:
@@ -83,6 +103,7 @@ class GuardedH11Protocol(H11Protocol):
     closed: Counter
     refusal: bytes
     _phase: str | None = None
+    _refused = False
     _timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -97,8 +118,26 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # answered already: what else arrives is read and dropped
+            return
         super().data_received(data)
         self._track()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot parse, here in the envelope (`_invalid_http_response`)."""
+        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self._refuse(_invalid_http_response(len(self.conn.trailing_data[0]) > limit, limit))
+
+    def _refuse(self, response: bytes) -> None:
+        """Write ``response``, half-close, and close after `LINGER_SECONDS` (or when the client does);
+        meanwhile its further bytes are read, so the kernel does not reset the connection over unread
+        bytes and drop the response before the client reads it."""
+        self._refused = True
+        self._set_phase(None)
+        self.transport.write(response)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -1,7 +1,7 @@
-"""A client too slow with its request head or body gets a 408 in the OpenAI error envelope.
+"""HTTP-level refusals (a request too slow, not HTTP, a head too large) in the OpenAI error envelope.
 
 The real gateway app runs under uvicorn with the guarded protocol `mammoth gateway` installs
-(`gateway.slow_clients.guarded_protocol`), with 0.5 s deadlines; raw sockets trickle the request.
+(`gateway.slow_clients.guarded_protocol`), with 0.5 s deadlines; raw sockets send the requests.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ def guarded_gateway():
     gw.stop()
 
 
+def _envelope(data: bytes, status: bytes) -> dict:
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 " + status), data[:200]
+    assert b"content-type: application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
 def _answer(port: int, first: bytes) -> tuple[bytes, float]:
     """Send ``first``, then nothing; everything the gateway sends until it closes, and when."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -60,3 +69,14 @@ def test_a_request_not_received_in_time_is_408_with_the_envelope(guarded_gateway
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error", err
     assert f"request {part}" in err["message"] and "0.5 s" in err["message"], err
+
+
+@pytest.mark.parametrize("request_bytes,status,code", [
+    (b"GARBAGE\r\n\r\n", b"400", "invalid_http_request"),
+    (HEAD + b"X-Junk: " + b"x" * 200_000 + b"\r\n\r\n", b"431", "request_header_too_large"),
+])
+def test_a_request_that_is_not_valid_http_gets_the_envelope(guarded_gateway, request_bytes, status, code):
+    port = int(guarded_gateway.url.rsplit(":", 1)[1])
+    data, _ = _answer(port, request_bytes)
+    err = _envelope(data, status)
+    assert err["code"] == code and err["type"] == "invalid_request_error", err
