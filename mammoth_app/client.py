@@ -41,10 +41,18 @@ def _sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 
 
 class ProgressLine:
-    """A one-line progress display on stderr: ``AR 120/273 tokens | DiT 3/20 steps``."""
+    """A one-line progress display on stderr: ``AR 120/273 tokens | DiT 3/20 steps``.
+
+    On a terminal the line is redrawn in place at most every `TERMINAL_INTERVAL_S`; otherwise (a
+    log file, a pipe) a whole line is written at most every `LOG_INTERVAL_S`, and on a forced update.
+    """
+
+    TERMINAL_INTERVAL_S = 0.1
+    LOG_INTERVAL_S = 10.0
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self.tty = sys.stderr.isatty()
         self.ar = (0, 0)
         self.dit = (0, 0)
         self._last = 0.0
@@ -63,20 +71,21 @@ class ProgressLine:
         if "step" in event or "total_steps" in event:
             self.dit = (int(event.get("step", self.dit[0])), int(event.get("total_steps", self.dit[1])))
         now = time.monotonic()
-        if not force and now - self._last < 0.1:
+        interval = self.TERMINAL_INTERVAL_S if self.tty else self.LOG_INTERVAL_S
+        if not force and self._drawn and now - self._last < interval:
             return
         self._last = now
         line = (
-            f"\rAR [{self._bar(*self.ar)}] {self.ar[0]}/{self.ar[1] or '?'} tokens  "
+            f"AR [{self._bar(*self.ar)}] {self.ar[0]}/{self.ar[1] or '?'} tokens  "
             f"DiT [{self._bar(*self.dit)}] {self.dit[0]}/{self.dit[1] or '?'} steps"
         )
-        sys.stderr.write(line)
+        sys.stderr.write("\r" + line if self.tty else line + "\n")
         sys.stderr.flush()
         self._drawn = True
 
     def close(self) -> None:
-        """End the progress line (nothing when nothing was drawn)."""
-        if self.enabled and self._drawn:
+        """End the progress line (nothing when nothing was drawn, or each line ended already)."""
+        if self.enabled and self._drawn and self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()
 
