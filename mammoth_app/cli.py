@@ -36,7 +36,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` for every flag with a real default (not for None or False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or not action.option_strings:
+        if action.default is None or action.default is False or action.default == "" \
+                or not action.option_strings:  # `is`: a default of 0 is shown (0 == False)
             return action.help or ""
         return super()._get_help_string(action)
 
@@ -296,7 +297,8 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mammoth`` argument parser (help pages show every default; errors are one line)."""
-    parser = _Parser(prog="mammoth", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="mammoth", description=__doc__.split("\n")[0].replace("``", "")
+                     + " `mammoth COMMAND --help` lists a command's flags.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _up_parser(sub)
 
@@ -317,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--log-level", default="info", help="log level (debug, info, warning, error)")
     op.set_defaults(func=cmd_operator)
     _tool_parsers(sub)
+    for choice in sub._choices_actions:  # a page without its own description says what `mammoth --help` says
+        page = sub.choices[choice.dest]
+        page.description = page.description or choice.help
     return parser
 
 
