@@ -282,11 +282,12 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
         still_starting = proc.poll() is None and not instance_lock_running(env, port)
         out, err = proc.communicate(timeout=240)
     started = subprocess.CompletedProcess(cmd, proc.returncode, first + out, err)
-    assert started.returncode == 0, started.stdout + started.stderr
-    assert still_starting and "starting in the background" in first and "up-" in first, first
-    assert "Mammoth pipeline is up" in started.stdout and f"mammoth down --port {port}" in started.stdout
-    pid = int(re.search(r"background \(pid (\d+)", started.stdout).group(1))
-    try:
+    found = re.search(r"background \(pid (\d+)", started.stdout)
+    pid = int(found.group(1)) if found else None
+    try:  # every check inside: a failed one must not leave the detached pipeline running
+        assert started.returncode == 0 and pid, started.stdout + started.stderr
+        assert still_starting and "starting in the background" in first and "up-" in first, first
+        assert "Mammoth pipeline is up" in started.stdout and f"mammoth down --port {port}" in started.stdout
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
         children = children_of(pid)
         assert len(children) == 3
@@ -300,5 +301,7 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
         again = mammoth("down", "--port", str(port))
         assert again.returncode == 1 and again.stderr.strip() == f"mammoth down: no mammoth up is running on port {port}"
     finally:
-        if alive(pid):
+        if pid and alive(pid):
             os.kill(pid, signal.SIGKILL)
+        elif pid is None:
+            mammoth("down", "--port", str(port), "--timeout", "5")
