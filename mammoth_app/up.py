@@ -10,7 +10,9 @@ Around `mammoth_app.local.start_pipeline` (which starts the three processes) thi
   ``mammoth up``, SIGKILL included, its components die with it (`supervise.die_with_parent`);
 - request defaults for the built-in checkpoint (`LOCAL_REQUEST_DEFAULTS`), unless the environment
   or the ``--config`` file sets them; the banner states the defaults in force;
-- one line, never a traceback, for a missing checkpoint folder or an unusable ``--config`` file.
+- one line, never a traceback, for a missing checkpoint folder or an unusable ``--config`` file;
+- a private work folder (``$TMPDIR/mammoth-up-*``: the components' ready files and the run's stage
+  tokens), removed once the components have stopped (not after a SIGKILL of ``mammoth up``).
 
 ``--generate PROMPT`` instead makes one request through the HTTP API once everything is up, writes
 the image to ``--output`` and shuts everything down.
@@ -26,6 +28,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import yaml
@@ -173,7 +176,8 @@ def _exit_code(signum: int | None) -> int:
     return 0 if signum in (None, signal.SIGTERM) else 128 + int(signum)
 
 
-def _start(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[Component], dict[str, object]]:
+def _start(args: argparse.Namespace, env: dict[str, str], workdir: pathlib.Path
+           ) -> tuple[list[Component], dict[str, object]]:
     plan = _preflight(args, env)
     flags = [a for k, v in plan["overrides"].items() for a in ("--" + k.replace("_", "-"), str(v))]
     _say("mammoth up: preparing the checkpoint and starting DiT, AR and gateway...")
@@ -181,6 +185,7 @@ def _start(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[Componen
         checkpoint=args.checkpoint, host=args.host, gateway_port=args.port, slots=args.slots,
         config=args.config, torch_threads=args.torch_threads,
         log_level=args.log_level or ("warning" if args.generate else "info"), gateway_args=flags,
+        workdir=workdir,
     )
     return components, plan
 
@@ -191,11 +196,12 @@ def run_up(args: argparse.Namespace) -> int:
     state = _install_signal_handlers()
     lock = InstanceLock(pathlib.Path(cache_dir(env)) / "run", args.port) if args.port else None
     components: list[Component] = []
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))  # ready files, stage tokens
     try:
         try:
             if lock:
                 lock.acquire()
-            components, plan = _start(args, env)
+            components, plan = _start(args, env, workdir)
         except (AlreadyRunning, StartupError, settings_mod.SettingsError) as exc:
             _say(f"mammoth up: {exc}", err=True)
             return 1
@@ -207,6 +213,7 @@ def run_up(args: argparse.Namespace) -> int:
         return _serve(args, components, plan, lock, state)
     finally:
         _shutdown(components)
+        shutil.rmtree(workdir, ignore_errors=True)  # the components are gone: nothing reads it now
         if lock:
             lock.release()
 

@@ -88,6 +88,12 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def ready_files(pid: int) -> list[str]:
+    """The ``--ready-file`` paths on the command line of process ``pid``."""
+    argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--ready-file"]
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -291,6 +297,8 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
         children = children_of(pid)
         assert len(children) == 3
+        (workdir,) = {pathlib.Path(f).parent for c in children for f in ready_files(c)}
+        assert (workdir / "tokens").is_dir()
         second = mammoth("up", "--port", str(port), "--checkpoint", str(tiny_checkpoint))
         assert second.returncode == 1 and f"`mammoth down --port {port}`" in second.stderr, second
         ports = sorted({int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", started.stdout)})
@@ -298,6 +306,7 @@ def test_up_detach_then_down(tiny_checkpoint, tmp_path):
         assert stopped.returncode == 0 and f"stopped mammoth up (pid {pid})" in stopped.stdout, stopped
         assert not alive(pid)
         assert_all_gone(children, ports, within=5.0)
+        assert not workdir.exists(), f"{workdir} (ready files, stage tokens) outlived mammoth up"
         again = mammoth("down", "--port", str(port))
         assert again.returncode == 1 and again.stderr.strip() == f"mammoth down: no mammoth up is running on port {port}"
     finally:
