@@ -81,9 +81,10 @@ def rule_error(param: str, message: str, code: str = "invalid_value") -> Pydanti
 
 class OpenAIBaseModel(BaseModel):
     """Base of the request models: accepts unknown fields (kept in ``model_extra``) and logs a
-    warning naming them, once per request."""
+    warning naming them, once per request. Floats must be finite (JSON's NaN/Infinity: 400 "Input
+    should be a finite number")."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _log_extra_fields(self) -> "OpenAIBaseModel":
@@ -102,7 +103,7 @@ class DiTCacheOptions(BaseModel):
     judge.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     threshold: float = Field(ge=DIT_CACHE_THRESHOLD_RANGE[0], le=DIT_CACHE_THRESHOLD_RANGE[1],
                              allow_inf_nan=False, description="relative change below which a step "

@@ -210,3 +210,18 @@ def test_a_given_field_missing_a_part_is_invalid_value_not_missing_parameter(gw,
     err = assert_envelope(r, 400, param, "invalid_value")
     assert names in err["message"], err
     assert "missing required parameter" not in err["message"], err
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"prompt": "p", "text_guidance_scale": NaN}', "text_guidance_scale"),
+    (b'{"prompt": "p", "ar_guidance_scale": -Infinity}', "ar_guidance_scale"),
+    (b'{"prompt": "p", "cfg_range": [NaN, 0.5]}', "cfg_range"),
+    (b'{"prompt": "p", "extra_body": {"text_guidance_scale": Infinity}}', "text_guidance_scale"),
+    (b'{"prompt": "p", "dit_cache": {"threshold": NaN}}', "dit_cache"),
+])
+def test_nan_and_infinity_are_refused_as_not_finite(gw, body, param):
+    """Python's JSON parser reads NaN/Infinity; the 400 says the number is not finite (not that NaN
+    is above a maximum or below a minimum)."""
+    r = httpx.post(gw.url + GEN, content=body, headers={"content-type": "application/json"})
+    err = assert_envelope(r, 400, param, "invalid_value")
+    assert "finite number" in err["message"], err
