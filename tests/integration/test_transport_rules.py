@@ -334,12 +334,30 @@ PRODUCER = textwrap.dedent(
                               grpc_common.auth_metadata("stage-secret"), 30.0)
         task = asyncio.ensure_future(s.run())
         s.put_rows(pb.CONDITION, torch.zeros(8, 64), list(range(8)))
-        await asyncio.sleep(0.5)
-        print("pushed", flush=True)
-        await asyncio.sleep(60)
+        await asyncio.sleep(60)  # until killed
     asyncio.run(main())
     """
 )
+
+
+async def until_rows_received(call, rows: int) -> None:
+    """Read ``call``'s events until a RECEIVING progress says the DiT holds ``rows`` rows."""
+    while True:
+        msg = await call.read()
+        assert msg is not grpc.aio.EOF, f"the call ended before {rows} rows arrived"
+        if msg.WhichOneof("event") == "progress" and msg.progress.rows_received >= rows:
+            return
+
+
+async def until_counted(dit: DiTProcess, before: dict[str, float], want: dict[str, int],
+                        timeout: float = 10.0) -> dict[str, float]:
+    """Slot outcome counts once they reach ``before`` + ``want`` (or as they are at ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {o: dit.metric("mammoth_transport_slot_outcomes_total", outcome=o) for o in before}
+        if all(now[o] - before[o] >= n for o, n in want.items()) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.05)
 
 
 async def test_producer_death_deadline_and_consumer_cancel_retire_the_slot(dit):
@@ -354,16 +372,18 @@ async def test_producer_death_deadline_and_consumer_cancel_retire_the_slot(dit):
         # over 10 s on a loaded 2-core CI host); the ABORTED must come long before it.
         call, token = await reserve(stub, "dies", timeout=60.0)
         producer = subprocess.Popen([sys.executable, "-c", PRODUCER, dit.address, token],
-                                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                                    stdout=subprocess.PIPE, text=True)
-        assert producer.stdout.readline().strip() == "pushed"
+                                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        # Killed only once the DiT holds its 8 rows. Killed after a fixed wait instead (0.5 s), on a
+        # loaded host the first chunk had not arrived yet: the producer's stream never
+        # reached the slot, no producer was lost, and the call ran to its deadline.
+        await until_rows_received(call, 8)
         producer.kill()
         producer.wait()
         killed = time.monotonic()
         await expect_code(read_all(call), grpc.StatusCode.ABORTED, "producer")
         assert time.monotonic() - killed < 1.0 + 0.5
-        # Deadline with no producer at all.
-        call, _ = await reserve(stub, "late", timeout=1.0)
+        # Deadline with no producer at all (2 s: the Reserved event itself must come within it).
+        call, _ = await reserve(stub, "late", timeout=2.0)
         await expect_code(read_all(call), grpc.StatusCode.DEADLINE_EXCEEDED)
         # Consumer cancels mid-push: the push fails, the slot is retired.
         call, token = await reserve(stub, "cancel")
@@ -381,11 +401,11 @@ async def test_producer_death_deadline_and_consumer_cancel_retire_the_slot(dit):
         # NOT_FOUND from the DiT; grpcio reports INTERNAL instead when the abort races a write
         # still in flight on the client. Either way the push failed and the AR stops.
         assert exc.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL)
-    await asyncio.sleep(0.3)
-    after = {o: dit.metric("mammoth_transport_slot_outcomes_total", outcome=o) for o in before}
-    assert after["producer_lost"] == before["producer_lost"] + 1
-    assert after["deadline"] == before["deadline"] + 1
-    assert after["cancelled"] == before["cancelled"] + 1
+    # The outcomes are counted when the server's handlers end (the cancelled one asynchronously):
+    # poll for them instead of a fixed sleep.
+    want = {"producer_lost": 1, "deadline": 1, "cancelled": 1}
+    after = await until_counted(dit, before, want)
+    assert {o: after[o] - before[o] for o in want} == want
     assert dit.metric("mammoth_dit_slots_in_use") == 0
 
 
