@@ -10,7 +10,10 @@ bash scripts/fetch_kube_tools.sh >/dev/null
 bash scripts/fetch_actionlint.sh >/dev/null
 export PATH="$PWD/.cache/kube-tools/bin:$PATH"
 set +e
-.venv/bin/python -m pytest "$@"
+# Two pytest-xdist workers, each test file on one of them (its module fixtures start once): about
+# half the wall time of one process on the 2-core CI host (docs/TESTING.md). `-n 0` given as an
+# argument runs everything in this one process.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -31,10 +31,23 @@ from pipeline_harness import RunningPipeline, start_local_pipeline  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
-    """A freshly written built-in tiny checkpoint (real layout, deterministic random weights)."""
+    """A freshly written built-in tiny checkpoint (real layout, deterministic random weights),
+    written once per run: pytest-xdist's workers share the first one's (their common temporary
+    folder, under a file lock), where each worker once spent about 17 s building its own."""
+    from filelock import FileLock
+
     from mammoth_app.make_checkpoint import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # one folder per run, shared by the workers
+    target = root / "tiny-checkpoint"
+    with FileLock(str(root / "tiny-checkpoint.lock")):
+        if not target.is_dir():
+            building = root / f"tiny-checkpoint.{os.getpid()}"
+            make_checkpoint(building, "tiny")
+            building.rename(target)  # complete or absent, never half written
+    return target
 
 
 @pytest.fixture(scope="session")
