@@ -10,6 +10,7 @@ import yaml
 
 from emulator_harness import (EXAMPLE_FILE, PIPELINES, Api, OperatorProcess, child_path, child_writes, condition,
                       example_pipeline, load_yaml, wait_for)
+from mammoth_operator.config import GROUP
 from mammoth_operator.validation import validate_custom_resource
 
 EXPECTED_CHILDREN = {
@@ -36,6 +37,15 @@ def reconcile_succeeded(log, since: int, name: str) -> bool:
     """kopf logged "Handler 'reconcile' succeeded." for pipeline ``name`` in ``log.records[since:]``."""
     return any((getattr(r, "k8s_ref", None) or {}).get("name") == name
                and r.getMessage() == "Handler 'reconcile' succeeded." for r in log.records[since:])
+
+
+def handled(api: Api, name: str) -> bool:
+    """kopf has finished with pipeline ``name``: its diff-base annotation is written and no handler
+    progress is left (kopf writes both in one patch after the handler returned, so a pipeline whose
+    ``observedGeneration`` is up to date may still be mid-handling)."""
+    annotations = ((api.pipeline(name) or {}).get("metadata") or {}).get("annotations") or {}
+    return (f"{GROUP}/last-handled-configuration" in annotations
+            and not any(key.startswith(f"{GROUP}/reconcile") for key in annotations))
 
 
 def patch_spec(api: Api, name: str, spec: dict[str, Any]) -> None:
@@ -151,6 +161,9 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
             # three pipelines' 36 children, each write admitted by the in-process emulator: give a
             # loaded 2-core CI host time (20 s was not enough at load average 13)
             wait_applied(api, name, 1, timeout=120.0)
+        # stopped between reconciles, not while kopf still writes its own record of one
+        wait_for(lambda: all(handled(api, n) for n in ("alpha", "beta", "gamma")), timeout=120.0,
+                 what="kopf done with alpha, beta and gamma")
     finally:
         operator.stop()
 
