@@ -27,7 +27,7 @@ def metric_samples(url: str, name: str, labels: dict[str, str] | None = None) ->
 
 class RunningPipeline:
     """Handles on a started local pipeline: component processes, addresses, metrics URLs, the stage
-    tokens ``mammoth up`` generated (``tokens["gateway"|"ar"]``, empty when the caller configured
+    tokens ``mammoth up`` generated in ``workdir`` (``tokens["gateway"|"ar"]``, empty when the caller configured
     auth) and ``spare_dit_port``: a port the AR may also push to (for tests that play a DiT)."""
 
     def __init__(self, components, trace_dir: pathlib.Path, workdir: pathlib.Path | None = None,
@@ -35,7 +35,8 @@ class RunningPipeline:
         self.components = {c.name: c for c in components}
         self.trace_dir = trace_dir
         self.spare_dit_port = spare_dit_port
-        folder = (workdir or trace_dir.parent) / "tokens"
+        self.workdir = workdir or trace_dir.parent
+        folder = self.workdir / "tokens"
         self.tokens = {role: (folder / f"{role}.token").read_text().strip()
                        for role in ("gateway", "ar") if (folder / f"{role}.token").is_file()}
 

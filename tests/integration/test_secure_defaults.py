@@ -133,22 +133,12 @@ async def test_insecure_opt_out_serves_without_a_token(bare_stages):
 
 
 @pytest.fixture(scope="module")
-def up(tiny_checkpoint, tmp_path_factory):
-    """`start_pipeline` as ``mammoth up`` runs it, with no token configured by the caller."""
-    from mammoth_app.local import start_pipeline, stop_pipeline
-
-    tmp = tmp_path_factory.mktemp("up")
-    saved = {k: os.environ.pop(k) for k in AUTH_ENV if k in os.environ}
-    try:
-        components = start_pipeline(checkpoint=str(tiny_checkpoint), gateway_port=0, slots=2,
-                                    workdir=tmp, log_level="warning", ready_timeout=120,
-                                    extra_env={"MAMMOTH_CACHE_DIR": str(tmp / "cache")})
-    finally:
-        os.environ.update(saved)
-    by_name = {c.name: c for c in components}
-    tokens = {role: (tmp / "tokens" / f"{role}.token") for role in ("gateway", "ar")}
-    yield by_name, tokens
-    stop_pipeline(components)
+def up(pipeline):
+    """The session's pipeline: `start_pipeline` as ``mammoth up`` runs it, with no token configured
+    by the caller (`pipeline_harness.start_local_pipeline`), so the tokens are the generated ones."""
+    assert not any(k in os.environ for k in AUTH_ENV), "the session's pipeline was started with tokens"
+    tokens = {role: (pipeline.workdir / "tokens" / f"{role}.token") for role in ("gateway", "ar")}
+    return pipeline.components, tokens
 
 
 def test_mammoth_up_generates_per_role_tokens(up):
