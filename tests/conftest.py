@@ -50,6 +50,23 @@ def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
     return target
 
 
+@pytest.fixture(scope="module")
+def inprocess_model(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint's whole model in this process (`mammoth_app.inprocess.InProcessModel`:
+    no transport), with one torch thread for the module, as the local stages run (their bits depend
+    on it); the thread count is restored afterwards. What served images are compared with."""
+    import torch
+
+    from mammoth_app.inprocess import InProcessModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def pipeline(tiny_checkpoint, tmp_path_factory):
     """One local pipeline shared by the tests that do not disturb it (no kills, no drains)."""

@@ -50,15 +50,9 @@ def _dit_trace(pipeline, request_id: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_app.inprocess import InProcessModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
-    finally:
-        torch.set_num_threads(threads)
+def reference(inprocess_model):
+    """The same model in this process (tests/conftest.py `inprocess_model`)."""
+    return inprocess_model
 
 
 @pytest.mark.parametrize("width,height,ar_grid,grid", CASES)

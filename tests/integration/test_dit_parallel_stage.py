@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from openai import OpenAI
 from PIL import Image
 
@@ -30,17 +29,10 @@ SIZE, SEED, STEPS, GUIDANCE = 128, 5, 3, 4.0
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_app.inprocess import InProcessModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
-        yield model.generate(PROMPT, width=SIZE, height=SIZE, seed=SEED, num_inference_steps=STEPS,
-                             text_guidance_scale=GUIDANCE).image
-    finally:
-        torch.set_num_threads(threads)
+def reference(inprocess_model):
+    """The single-process image (tests/conftest.py `inprocess_model`)."""
+    return inprocess_model.generate(PROMPT, width=SIZE, height=SIZE, seed=SEED, num_inference_steps=STEPS,
+                                    text_guidance_scale=GUIDANCE).image
 
 
 # Ulysses' stage path differs from cfg's only in `parallel_transformer`'s choice (its arithmetic is

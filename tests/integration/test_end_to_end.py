@@ -51,17 +51,9 @@ def _trace(pipeline, request_id: str, side: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, tmp_path_factory):
-    """The same model in this process, no transport, same thread count as the stages."""
-    from mammoth_app.inprocess import InProcessModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
-        yield model
-    finally:
-        torch.set_num_threads(threads)
+def reference(inprocess_model):
+    """The same model in this process (tests/conftest.py `inprocess_model`)."""
+    return inprocess_model
 
 
 def test_served_image_matches_in_process_run_and_was_streamed(pipeline, reference):

@@ -25,15 +25,9 @@ JACOBI = {"ar_decoding": "jacobi", "jacobi_window": 4, "jacobi_spatial_init": Tr
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_app.inprocess import InProcessModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
-    finally:
-        torch.set_num_threads(threads)
+def reference(inprocess_model):
+    """The same model in this process (tests/conftest.py `inprocess_model`)."""
+    return inprocess_model
 
 
 def _generate(pipeline, seed: int, extra: dict) -> bytes:

@@ -47,17 +47,10 @@ def tp_pipeline(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, tmp_path_factory):
-    from mammoth_app.inprocess import InProcessModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = InProcessModel(str(tiny_checkpoint), str(tmp_path_factory.mktemp("cache")))
-        yield model.generate(PROMPT, width=SIZE, height=SIZE, seed=SEED, num_inference_steps=STEPS,
-                             text_guidance_scale=GUIDANCE)
-    finally:
-        torch.set_num_threads(threads)
+def reference(inprocess_model):
+    """The TP 1 result in this process (tests/conftest.py `inprocess_model`)."""
+    return inprocess_model.generate(PROMPT, width=SIZE, height=SIZE, seed=SEED, num_inference_steps=STEPS,
+                                    text_guidance_scale=GUIDANCE)
 
 
 class _CatchingDiT:
