@@ -90,26 +90,28 @@ def _materialize_builtin(s: settings_mod.StageSettings) -> None:
         materialize_checkpoint(s.checkpoint, s.cache_dir)
 
 
-def cmd_ar(args: argparse.Namespace) -> int:
+def _run_stage(args: argparse.Namespace, role: str) -> int:
+    """`mammoth ar` / `mammoth dit`: settings, logging, torch threads, the built-in checkpoint, then
+    the stage's ``serve`` (imported only now: the gateway and operator never load torch)."""
     s = _settings_from_args(args)
-    setup_logging("ar", s.log_format, s.log_level)
+    setup_logging(role, s.log_format, s.log_level)
     _apply_torch_threads(s)
     _materialize_builtin(s)
-    from stage_ar.server import serve
+    if role == "ar":
+        from stage_ar.server import serve
+    else:
+        from stage_dit.server import serve
 
     asyncio.run(serve(s, ready_file=args.ready_file))
     exit_after_drain(0)  # skip the interpreter's slow teardown (mammoth_core.runtime)
+
+
+def cmd_ar(args: argparse.Namespace) -> int:
+    return _run_stage(args, "ar")
 
 
 def cmd_dit(args: argparse.Namespace) -> int:
-    s = _settings_from_args(args)
-    setup_logging("dit", s.log_format, s.log_level)
-    _apply_torch_threads(s)
-    _materialize_builtin(s)
-    from stage_dit.server import serve
-
-    asyncio.run(serve(s, ready_file=args.ready_file))
-    exit_after_drain(0)  # skip the interpreter's slow teardown (mammoth_core.runtime)
+    return _run_stage(args, "dit")
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
