@@ -3,9 +3,10 @@
 CPU, float32. What must hold:
 
 * the grid a ``jacobi`` request samples has the distribution a ``sequential`` one has: on 3x1 and
-  1x3 grids with top-k 3 (27 possible grids), 1,000 seeds per configuration against the exact law
+  1x3 grids with top-k 3 (27 possible grids), 500 seeds per configuration against the exact law
   of the grid computed by teacher forcing, Pearson's chi-square at level 1e-4; the power of the
-  test against a total-variation deviation of 0.1 is computed and asserted (>= 0.95);
+  test against a total-variation deviation of 0.05 is computed and asserted (>= 0.95; it is 0.99
+  and 0.97 for the two grids, and 1.0 against a deviation of 0.07);
 * the streamed rows are the rows of a teacher-forced forward over the final tokens;
 * a seed gives the same grid and rows every time, alone or batched with sequential requests (batch
   invariance, bit for bit), in the exact-rows and the batched-forward modes;
@@ -98,7 +99,7 @@ def test_jacobi_samples_the_sequential_distribution(model, tokenizer, w, h, opti
     law = exact_law(model, tokenizer, w, h)
     cells = sorted(law)
     probs = torch.tensor([law[c] for c in cells], dtype=torch.float64)
-    n = 1000
+    n = 500
     engine = make_engine(model, tokenizer, top_k=3, running=64, exact_rows=False)
     jobs = run_all(engine, [make_job(tokenizer, seed, w, h, options) for seed in range(n)], 64)
     eol = tokenizer.eol_id
@@ -110,7 +111,7 @@ def test_jacobi_samples_the_sequential_distribution(model, tokenizer, w, h, opti
     assert p_value(counts, probs) > ALPHA, (counts.tolist(), (probs * n).tolist())
     r = engine.runner.jacobi
     assert r.tokens / r.forwards > 1.0  # windows really took several tokens per forward
-    assert power(probs, tilt(probs, 0.1), n, ALPHA, trials=500) >= 0.95
+    assert power(probs, tilt(probs, 0.05), n, ALPHA, trials=2000) >= 0.95
 
 
 def triton_runs_here() -> bool:
