@@ -17,7 +17,7 @@ fails (its batch mates' results are unchanged: the batched forward equals the al
 Events, delivered to the job's sink from the engine's threads in order: `StepFinished` per step,
 `PartialImage` per preview, then exactly one terminal event, `ImageFinished` or `RequestFailed`
 (not sent for a cancelled job). `EngineJob.retired` resolves once the engine holds no reference to
-the job's tensors (after its terminal event, or once a cancelled job was reaped).
+the job's tensors (before its terminal event is delivered, or once a cancelled job was reaped).
 """
 
 from __future__ import annotations
@@ -365,8 +365,10 @@ class DiTEngine:
             return False
 
     def _finish(self, job: EngineJob, event: ImageFinished | RequestFailed) -> None:
-        self._emit(job, event)
+        """Retire ``job``, then deliver its terminal ``event``: a consumer holding the image (or
+        the failure) may release the request's slot at once, the engine no longer needs it."""
         self._retire(job)
+        self._emit(job, event)
 
     @staticmethod
     def _leave(job: EngineJob) -> None:

@@ -263,3 +263,36 @@ def test_images_finishing_together_encode_side_by_side(pipe, conds, monkeypatch)
         engine.close()
     assert [s.output for s in sinks] == alone
     assert names and all(n.startswith("dit-encode") for n in names), names
+
+
+def test_the_final_event_comes_after_the_engine_let_go_of_the_job(pipe, conds):
+    """When the consumer gets a request's image (or its failure) the job is already retired, so the
+    consumer releases its slot at once: a client holding its image never finds the slot still taken
+    (a late chunk answered FAILED_PRECONDITION instead of NOT_FOUND, a full pool refusing the next
+    reservation)."""
+    good_request = requests(conds)[0]
+    seen: dict[str, bool] = {}
+    holder: dict[str, EngineJob] = {}
+
+    def note(name):
+        def hook(event):
+            if isinstance(event, (ImageFinished, RequestFailed)):
+                seen[name] = holder[name].retired.done()
+        return hook
+
+    def broken():
+        raise ValueError("conditions do not fit")
+
+    engine = DiTEngine(pipe, max_batch_requests=4)
+    try:
+        sinks = {"good": Collector(note("good")), "bad": Collector(note("bad"))}
+        holder["good"] = job_for(good_request, sinks["good"], "png")
+        holder["bad"] = EngineJob(prepare=broken, sink=sinks["bad"], output_type="png")
+        for job in holder.values():
+            engine.submit(job)
+        for sink in sinks.values():
+            assert sink.done.wait(120)
+    finally:
+        engine.close()
+    assert isinstance(sinks["bad"].events[-1], RequestFailed)
+    assert seen == {"good": True, "bad": True}, seen
