@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
@@ -161,7 +162,7 @@ def gateway_factory():
 
 @dataclasses.dataclass
 class RealStage:
-    """A real ``mammoth ar|dit`` process started by `spawn_stage`."""
+    """A real ``mammoth ar|dit`` process started by `launch_stage`."""
 
     role: str
     proc: subprocess.Popen
@@ -172,47 +173,117 @@ class RealStage:
         return metric_value(self.metrics_url.rsplit("/metrics", 1)[0], name, **labels)
 
 
-def spawn_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
-                env: dict[str, str] | None = None) -> RealStage:
-    """Start ``python -m mammoth_app.cli ROLE`` on a free port; wait for its ready file."""
-    n = len(list(tmp.glob(f"real-{role}-*.ready")))
-    ready = tmp / f"real-{role}-{n}.ready"
+_READY_NUMBERS = itertools.count()
+
+
+@dataclasses.dataclass
+class LaunchedStage:
+    """A ``mammoth ar|dit`` process started by `launch_stage`, not yet known to be ready."""
+
+    role: str
+    proc: subprocess.Popen
+    ready: pathlib.Path
+
+    def wait(self, timeout: float = 180) -> RealStage:
+        """Block until the stage wrote its ready file (it is SERVING).
+
+        Raises:
+            RuntimeError: the process exited first, or ``timeout`` s passed (it is killed).
+        """
+        deadline = time.monotonic() + timeout
+        while not (self.ready.exists() and self.ready.stat().st_size):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"{self.role} did not start")
+            time.sleep(0.05)
+        info = json.loads(self.ready.read_text())
+        return RealStage(self.role, self.proc, info["address"],
+                         f"http://127.0.0.1:{info['metrics_port']}/metrics")
+
+
+def launch_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
+                 env: dict[str, str] | None = None) -> LaunchedStage:
+    """Start ``python -m mammoth_app.cli ROLE`` (``--port 0`` unless ``args`` give one) without
+    waiting: several launched at once load side by side."""
+    ready = tmp / f"real-{role}-{next(_READY_NUMBERS)}.ready"
     cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--host", "127.0.0.1", "--checkpoint",
            str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
            "--log-level", "warning", "--ready-file", str(ready), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"), **(env or {})}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not (ready.exists() and ready.stat().st_size):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{role} did not start")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    return RealStage(role, proc, info["address"],
-                     f"http://127.0.0.1:{info['metrics_port']}/metrics")
+    return LaunchedStage(role, proc, ready)
+
+
+class StageFactory:
+    """Real stage processes holding one set of per-role stage tokens (the gateway presents
+    ``gateway_token_file``); an AR may push to every DiT of the factory started before or with it.
+    `close` kills whatever is still running."""
+
+    def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path) -> None:
+        from mammoth_app.local import generate_role_tokens
+
+        self.checkpoint, self.tmp = checkpoint, tmp
+        self.tokens = generate_role_tokens(tmp)
+        self.gateway_token_file = self.tokens["MAMMOTH_GATEWAY_TOKEN_FILE"]
+        self.started: list[RealStage] = []
+
+    def __call__(self, role: str, *args: str) -> RealStage:
+        """Start one stage (``role`` ``ar``/``dit``, extra CLI ``args``) and wait until it serves."""
+        return self.together((role, *args))[0]
+
+    def together(self, *specs: tuple[str, ...]) -> list[RealStage]:
+        """Start one stage per ``(role, *args)`` all at once; return them, in order, once all serve.
+        A DiT's port is chosen up front, so the ARs of the same call may push to it."""
+        from mammoth_app.local import free_port
+
+        plan, dits = [], [s.address for s in self.started if s.role == "dit"]
+        for role, *args in specs:
+            if role == "dit":
+                port = free_port()
+                args, dits = [*args, "--port", str(port)], [*dits, f"127.0.0.1:{port}"]
+            plan.append((role, args))
+        launched = []
+        try:
+            for role, args in plan:
+                if role == "ar" and dits:
+                    args = [*args, "--dit-allow-list", ",".join(dits)]
+                launched.append(launch_stage(role, self.checkpoint, self.tmp, *args, env=self.tokens))
+            stages = [one.wait() for one in launched]
+        except BaseException:
+            for one in launched:
+                _kill(one.proc)
+            raise
+        self.started += stages
+        return stages
+
+    def kill(self, *stages: RealStage) -> None:
+        """SIGKILL ``stages`` (those still running) and reap them."""
+        for stage in stages:
+            _kill(stage.proc)
+
+    def close(self) -> None:
+        """Kill every stage the factory started."""
+        self.kill(*self.started)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture
 def real_stages(tiny_checkpoint, tmp_path):
-    """Factory of real stage processes, killed at teardown. They hold per-role stage tokens (the
-    gateway presents ``make.gateway_token_file``); an AR may push to the DiTs started before it."""
-    from mammoth_app.local import generate_role_tokens
+    """A `StageFactory` for one test: ``real_stages(role, *args)`` starts a real stage process,
+    ``real_stages.together(...)`` several at once; all are killed at teardown."""
+    factory = StageFactory(tiny_checkpoint, tmp_path)
+    yield factory
+    factory.close()
 
-    started: list[RealStage] = []
-    tokens = generate_role_tokens(tmp_path)
 
-    def make(role: str, *args: str) -> RealStage:
-        dits = [s.address for s in started if s.role == "dit"]
-        if role == "ar" and dits:
-            args = (*args, "--dit-allow-list", ",".join(dits))
-        stage = spawn_stage(role, tiny_checkpoint, tmp_path, *args, env=tokens)
-        started.append(stage)
-        return stage
-
-    make.gateway_token_file = tokens["MAMMOTH_GATEWAY_TOKEN_FILE"]
-    yield make
-    for stage in started:
-        if stage.proc.poll() is None:
-            stage.proc.kill()
-            stage.proc.wait()
+@pytest.fixture(scope="module")
+def module_stages(tiny_checkpoint, tmp_path_factory):
+    """A `StageFactory` shared by the tests of one module; its stages are killed after the module."""
+    factory = StageFactory(tiny_checkpoint, tmp_path_factory.mktemp("stages"))
+    yield factory
+    factory.close()

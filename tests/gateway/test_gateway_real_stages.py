@@ -1,5 +1,11 @@
 """The gateway against the real ``mammoth ar`` / ``mammoth dit`` processes (tiny checkpoint on CPU),
-through the official ``openai`` client (sync and streaming) and raw HTTP."""
+through the official ``openai`` client (sync and streaming) and raw HTTP.
+
+One DiT and one AR serve every test of the module (started side by side, once); each test gets a
+gateway of its own, so gateway metrics start at zero. The stages must be idle before and after
+each test (no DiT slot, DiT request or AR sequence left), and the tests read stage counters as
+deltas, so no test sees another's traffic. The test that kills an AR kills one of two of its own.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +18,41 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from pipeline_harness import metric_samples
 
 GEN = "/v1/images/generations"
 STEPS = 2
+IDLE = ("mammoth_dit_slots_in_use", "mammoth_dit_active_requests", "mammoth_ar_running_sequences")
+
+
+@pytest.fixture(scope="module")
+def stages(module_stages):
+    """The module's `StageFactory` (tests/gateway/conftest.py) and its shared DiT (2 slots) and AR."""
+    dit, ar = module_stages.together(("dit", "--slots", "2"), ("ar",))
+    return module_stages, dit, ar
+
+
+def wait_idle(*stages, timeout: float = 10.0) -> None:
+    """Wait until each of the stages' ``IDLE`` gauges reads 0; AssertionError naming the first
+    that is not exposed, or not 0 within ``timeout`` s (0: it must read 0 now)."""
+    deadline = time.monotonic() + timeout
+    for stage in stages:
+        for name in (n for n in IDLE if n.startswith(f"mammoth_{stage.role}_")):
+            while (values := metric_samples(stage.metrics_url, name)) != [0]:
+                assert values and time.monotonic() < deadline, f"{stage.role} not idle: {name} = {values}"
+                time.sleep(0.05)
 
 
 @pytest.fixture
-def real(real_stages, gateway_factory):
-    dit = real_stages("dit", "--slots", "2")
-    ar = real_stages("ar")
+def real(stages, gateway_factory):
+    """A fresh gateway on the shared stages, which are idle before the test and again after it."""
+    factory, dit, ar = stages
+    wait_idle(dit, ar, timeout=0)  # nothing left over from an earlier test
     gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120,
-                         gateway_token_file=real_stages.gateway_token_file)
+                         gateway_token_file=factory.gateway_token_file)
     gw.wait_ready(60)
-    return gw, ar, dit
+    yield gw, ar, dit
+    wait_idle(dit, ar)
 
 
 def client(gw) -> openai.OpenAI:
@@ -115,6 +143,12 @@ def test_stream_one_progress_event_per_step_completed_last(real):
 
 def test_disconnect_frees_both_stages_within_a_second(real):
     gw, ar, dit = real
+
+    def ar_stopped() -> float:  # AR Generate calls that ended without finishing
+        return sum(ar.metric("mammoth_ar_requests_total", outcome=o)
+                   for o in ("cancelled", "push_failed"))
+
+    stopped0, ok0 = ar_stopped(), ar.metric("mammoth_ar_requests_total", outcome="ok")
     with httpx.stream("POST", gw.url + GEN, json={"prompt": "a long one", "size": "256x256",
                                                    "stream": True, "num_inference_steps": 50,
                                                    "seed": 1, "stream_progress": True}, timeout=60) as r:
@@ -122,19 +156,14 @@ def test_disconnect_frees_both_stages_within_a_second(real):
             if '"stage":"ar"' in line:
                 break
     t_close = time.monotonic()
-
-    def ar_stopped() -> float:  # AR Generate calls that ended without finishing
-        return sum(ar.metric("mammoth_ar_requests_total", outcome=o)
-                   for o in ("cancelled", "push_failed"))
-
     while time.monotonic() - t_close < 1.0:
-        if dit.metric("mammoth_dit_slots_in_use") == 0 and ar_stopped() == 1:
+        if dit.metric("mammoth_dit_slots_in_use") == 0 and ar_stopped() - stopped0 == 1:
             break
         time.sleep(0.05)
     took = time.monotonic() - t_close
     assert dit.metric("mammoth_dit_slots_in_use") == 0
-    assert ar_stopped() == 1
-    assert ar.metric("mammoth_ar_requests_total", outcome="ok") == 0
+    assert ar_stopped() - stopped0 == 1
+    assert ar.metric("mammoth_ar_requests_total", outcome="ok") == ok0
     assert took < 1.0
     for name in ("mammoth_gateway_active_requests", "mammoth_gateway_active_pipelines",
                  "mammoth_gateway_slots_in_use", "mammoth_gateway_queue_depth",
@@ -145,13 +174,27 @@ def test_disconnect_frees_both_stages_within_a_second(real):
                                       extra_body={"num_inference_steps": 1}).data
 
 
-def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gateway_factory):
-    dit = real_stages("dit", "--slots", "2")
-    ar1 = real_stages("ar")
-    ar2 = real_stages("ar")
-    gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address],
-                         request_timeout_seconds=120, gateway_token_file=real_stages.gateway_token_file)
-    gw.wait_ready(60)
+def test_ar_killed_mid_decode_is_retried_and_image_is_identical(stages, gateway_factory):
+    factory, dit, _ = stages
+    wait_idle(dit, timeout=0)
+    ar1, ar2 = factory.together(("ar",), ("ar",))
+    try:
+        gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address],
+                             request_timeout_seconds=120, gateway_token_file=factory.gateway_token_file)
+        gw.wait_ready(60)
+        killed, completed, reference = kill_one_ar_mid_decode(gw, (ar1, ar2))
+    finally:
+        factory.kill(ar1, ar2)
+    assert killed is not None, "no AR progress seen before the DiT started denoising"
+    assert completed is not None
+    assert gw.metric("mammoth_gateway_retries_total", stage="ar") == 1
+    assert completed["b64_json"] == reference
+    wait_idle(dit)  # the shared DiT let go of the killed AR's request
+
+
+def kill_one_ar_mid_decode(gw, ars) -> tuple:
+    """One reference image, then the same request streamed, killing the AR decoding it at its first
+    token progress; returns (the killed AR or None, the completed event or None, the reference)."""
     body = {"prompt": "a lighthouse", "size": "512x512", "seed": 8, "num_inference_steps": 1}
     reference = httpx.post(gw.url + GEN, json=body, timeout=120).json()["data"][0]["b64_json"]
     killed = None
@@ -163,7 +206,7 @@ def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gat
                 continue
             event = json.loads(line[6:])
             if killed is None and event.get("stage") == "ar" and event.get("tokens_generated"):
-                for stage in (ar1, ar2):
+                for stage in ars:
                     if gw.metric("mammoth_gateway_backend_in_flight", stage="ar",
                                  backend=stage.address):
                         stage.proc.kill()
@@ -172,7 +215,4 @@ def test_ar_killed_mid_decode_is_retried_and_image_is_identical(real_stages, gat
                 assert killed is not None
             if event.get("type") == "image_generation.completed":
                 completed = event
-    assert killed is not None, "no AR progress seen before the DiT started denoising"
-    assert completed is not None
-    assert gw.metric("mammoth_gateway_retries_total", stage="ar") == 1
-    assert completed["b64_json"] == reference
+    return killed, completed, reference
