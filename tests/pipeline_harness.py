@@ -7,7 +7,15 @@ Imported as ``pipeline_harness`` (``tests/`` is put on ``sys.path`` by ``tests/c
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import os
 import pathlib
+import subprocess
+import sys
+import time
+from typing import Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -76,6 +84,59 @@ def rank_pids(pid: int) -> list[int]:
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         children.update(int(c) for c in (task / "children").read_text().split())
     return [c for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_READY_NUMBERS = itertools.count()
+
+
+@dataclasses.dataclass
+class LaunchedStage:
+    """A ``mammoth ar|dit`` process started by `launch_stage`, not yet known to be ready."""
+
+    role: str
+    proc: subprocess.Popen
+    ready: pathlib.Path
+
+    def wait(self, timeout: float = 180) -> dict:
+        """Block until the stage wrote its ready file (it is SERVING); returns the file's JSON
+        (``address``, ``port``, ``metrics_port``).
+
+        Raises:
+            RuntimeError: the process exited first, or ``timeout`` s passed (it is killed).
+        """
+        deadline = time.monotonic() + timeout
+        while not (self.ready.exists() and self.ready.stat().st_size):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"{self.role} did not start (exit status {self.proc.poll()})")
+            time.sleep(0.05)
+        return json.loads(self.ready.read_text())
+
+
+def launch_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
+                 env: dict[str, str] | None = None) -> LaunchedStage:
+    """Start ``python -m mammoth_app.cli ROLE`` on 127.0.0.1 (``--port 0`` unless ``args`` give one,
+    one torch thread, cache in ``tmp/cache``) without waiting: stages launched together load side
+    by side. ``env`` is the whole environment (default: this one); ``PYTHONPATH`` is the repository."""
+    ready = tmp / f"{role}-{os.getpid()}-{next(_READY_NUMBERS)}.ready.json"
+    cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--host", "127.0.0.1", "--checkpoint",
+           str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
+           "--log-level", "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *args]
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+    return LaunchedStage(role, subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True), ready)
+
+
+def wait_all(launched: Sequence[LaunchedStage], timeout: float = 180) -> list[dict]:
+    """`LaunchedStage.wait` for each, in order; if one fails, all are killed and it raises."""
+    try:
+        return [one.wait(timeout) for one in launched]
+    except BaseException:
+        for one in launched:
+            if one.proc.poll() is None:
+                one.proc.kill()
+                one.proc.wait()
+        raise
 
 
 def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) -> RunningPipeline:

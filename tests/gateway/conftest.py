@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import os
 import pathlib
@@ -19,7 +18,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from pipeline_harness import metric_samples
+from pipeline_harness import launch_stage, metric_samples, wait_all
 
 from gateway.app import build_app
 from mammoth_core.settings import GatewaySettings
@@ -162,7 +161,7 @@ def gateway_factory():
 
 @dataclasses.dataclass
 class RealStage:
-    """A real ``mammoth ar|dit`` process started by `launch_stage`."""
+    """A real ``mammoth ar|dit`` process started by `StageFactory` (`pipeline_harness.launch_stage`)."""
 
     role: str
     proc: subprocess.Popen
@@ -171,47 +170,6 @@ class RealStage:
 
     def metric(self, name: str, **labels: str) -> float:
         return metric_value(self.metrics_url.rsplit("/metrics", 1)[0], name, **labels)
-
-
-_READY_NUMBERS = itertools.count()
-
-
-@dataclasses.dataclass
-class LaunchedStage:
-    """A ``mammoth ar|dit`` process started by `launch_stage`, not yet known to be ready."""
-
-    role: str
-    proc: subprocess.Popen
-    ready: pathlib.Path
-
-    def wait(self, timeout: float = 180) -> RealStage:
-        """Block until the stage wrote its ready file (it is SERVING).
-
-        Raises:
-            RuntimeError: the process exited first, or ``timeout`` s passed (it is killed).
-        """
-        deadline = time.monotonic() + timeout
-        while not (self.ready.exists() and self.ready.stat().st_size):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"{self.role} did not start")
-            time.sleep(0.05)
-        info = json.loads(self.ready.read_text())
-        return RealStage(self.role, self.proc, info["address"],
-                         f"http://127.0.0.1:{info['metrics_port']}/metrics")
-
-
-def launch_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
-                 env: dict[str, str] | None = None) -> LaunchedStage:
-    """Start ``python -m mammoth_app.cli ROLE`` (``--port 0`` unless ``args`` give one) without
-    waiting: several launched at once load side by side."""
-    ready = tmp / f"real-{role}-{next(_READY_NUMBERS)}.ready"
-    cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--host", "127.0.0.1", "--checkpoint",
-           str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
-           "--log-level", "warning", "--ready-file", str(ready), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MAMMOTH_CACHE_DIR": str(tmp / "cache"), **(env or {})}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-    return LaunchedStage(role, proc, ready)
 
 
 class StageFactory:
@@ -242,17 +200,14 @@ class StageFactory:
                 port = free_port()
                 args, dits = [*args, "--port", str(port)], [*dits, f"127.0.0.1:{port}"]
             plan.append((role, args))
-        launched = []
-        try:
-            for role, args in plan:
-                if role == "ar" and dits:
-                    args = [*args, "--dit-allow-list", ",".join(dits)]
-                launched.append(launch_stage(role, self.checkpoint, self.tmp, *args, env=self.tokens))
-            stages = [one.wait() for one in launched]
-        except BaseException:
-            for one in launched:
-                _kill(one.proc)
-            raise
+        env = {**os.environ, **self.tokens}
+        launched = [launch_stage(role, self.checkpoint, self.tmp, *args, *(
+            ("--dit-allow-list", ",".join(dits)) if role == "ar" and dits else ()), env=env)
+            for role, args in plan]
+        infos = wait_all(launched)
+        stages = [RealStage(one.role, one.proc, info["address"],
+                            f"http://127.0.0.1:{info['metrics_port']}/metrics")
+                  for one, info in zip(launched, infos)]
         self.started += stages
         return stages
 

@@ -22,7 +22,7 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_operator import builders
 from mammoth_operator.spec import parse_spec
 
-from test_secure_defaults import dit_request, first_event, spawn, stop
+from test_secure_defaults import dit_request, first_event, spawn_all, stop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,16 +53,13 @@ def rendered_config(tmp: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
 def k8s_stages(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k8s-auth")
     config, tokens = rendered_config(tmp)
-    procs = []
+    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--config", str(config)), ("ar", "--config", str(config)))
     try:
-        dit, dit_info = spawn("dit", tiny_checkpoint, tmp, "--config", str(config))
-        procs.append(dit)
-        ar, ar_info = spawn("ar", tiny_checkpoint, tmp, "--config", str(config))
-        procs.append(ar)
-        yield {"dit": dit_info["address"], "ar": ar_info["address"], "tokens": tokens}
+        (_, dit), (_, ar) = stages
+        yield {"dit": dit["address"], "ar": ar["address"], "tokens": tokens}
     finally:
-        for p in procs:
-            stop(p)
+        for proc, _ in stages:
+            stop(proc)
 
 
 async def test_stage_rpcs_refuse_callers_without_the_generated_tokens(k8s_stages):

@@ -12,13 +12,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pathlib
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +24,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pipeline_harness import launch_stage, wait_all
 
 from mammoth_core import grpc_common
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -42,19 +41,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
-def spawn(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> tuple[subprocess.Popen, dict]:
-    ready = tmp / f"{role}-{time.monotonic_ns()}.ready.json"
-    cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--checkpoint", str(checkpoint), "--host",
-           "127.0.0.1", "--port", "0", "--metrics-port", "0", "--torch-threads", "1", "--log-level",
-           "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env())
-    deadline = time.monotonic() + 120
-    while not (ready.exists() and ready.stat().st_size):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{role} did not start")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
+def spawn_all(checkpoint: pathlib.Path, tmp: pathlib.Path,
+              *specs: tuple[str, ...]) -> list[tuple[subprocess.Popen, dict]]:
+    """Start one stage per ``(role, *args)`` without any token configuration, all at once
+    (`pipeline_harness.launch_stage`); ``(process, ready-file JSON)`` each once all serve."""
+    launched = [launch_stage(role, checkpoint, tmp, *args, env=clean_env()) for role, *args in specs]
+    return list(zip((one.proc for one in launched), wait_all(launched)))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -84,19 +76,17 @@ async def first_event(call) -> tuple[grpc.StatusCode, pb.DiTGenerateResponse | N
 @pytest.fixture(scope="module")
 def bare_stages(tiny_checkpoint, tmp_path_factory):
     """A DiT and an AR started without any token configuration, and a DiT with the opt-out."""
+    from mammoth_app.local import free_port
+
     tmp = tmp_path_factory.mktemp("bare")
-    procs = []
+    dit_address = f"127.0.0.1:{free_port()}"  # chosen up front: the AR starts alongside the DiT
+    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--port", dit_address.rsplit(":", 1)[1]),
+                       ("ar", "--dit-allow-list", dit_address), ("dit", "--insecure-no-auth", "true"))
     try:
-        dit, dit_info = spawn("dit", tiny_checkpoint, tmp)
-        procs.append(dit)
-        ar, ar_info = spawn("ar", tiny_checkpoint, tmp, "--dit-allow-list", dit_info["address"])
-        procs.append(ar)
-        open_dit, open_info = spawn("dit", tiny_checkpoint, tmp, "--insecure-no-auth", "true")
-        procs.append(open_dit)
-        yield {"dit": dit_info, "ar": ar_info, "open_dit": open_info}
+        yield dict(zip(("dit", "ar", "open_dit"), (info for _, info in stages)))
     finally:
-        for p in procs:
-            stop(p)
+        for proc, _ in stages:
+            stop(proc)
 
 
 async def test_stage_without_tokens_refuses_every_stage_rpc(bare_stages):
