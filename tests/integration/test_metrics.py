@@ -76,17 +76,21 @@ def generate(client: httpx.Client, url: str, seed: int) -> tuple[httpx.Response,
 
 
 @pytest.fixture(scope="module")
-def metered(tiny_checkpoint, tmp_path_factory):
-    """A pipeline of its own (exact counts), with a profile folder on the DiT."""
-    from pipeline_harness import start_local_pipeline
-    from mammoth_app.local import stop_pipeline
+def metered(pipeline):
+    """The session's pipeline (tests/conftest.py), idle: no request in flight, no DiT slot held.
+    Its DiT writes profiles to the default folder, ``<cache dir>/profiles``. The tests read counters
+    as deltas over their own requests, so what ran on it before does not count."""
+    pipeline.profile_dir = pipeline.workdir / "cache" / "profiles"
+    return pipeline
 
-    tmp = tmp_path_factory.mktemp("metered")
-    profile_dir = tmp / "profiles"
-    running = start_local_pipeline(tiny_checkpoint, tmp, dit_args=["--profile-dir", str(profile_dir)])
-    running.profile_dir = profile_dir
-    yield running
-    stop_pipeline(list(running.components.values()))
+
+def wait_idle(pipeline, timeout: float = 10.0) -> None:
+    """Wait until the gateway has no request and the DiT no slot in use (AssertionError otherwise)."""
+    deadline = time.monotonic() + timeout
+    for component, gauge in (("gateway", "mammoth_gateway_active_requests"), ("dit", "mammoth_dit_slots_in_use")):
+        while (now := value(scrape(pipeline, component), gauge)) != 0:
+            assert time.monotonic() < deadline, f"{component} not idle: {gauge} = {now}"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,7 @@ def test_k_requests_metrics_on_every_component(metered, client):
     # encoder's first call, cold caches) are not per-request stage time, and on this 2-core machine
     # they alone took up to 10 % of a 0.3 s request.
     generate(client, metered.url, seed=99)
+    wait_idle(metered)  # no other request in the counted window
     before = {c: scrape(metered, c) for c in ("gateway", "ar", "dit")}
     timings = []
     for i in range(K):
@@ -140,17 +145,17 @@ def test_k_requests_metrics_on_every_component(metered, client):
                  "mammoth_transport_rows_total"):
         sent, received = delta(ar1, ar0, name, side="send"), delta(dit1, dit0, name, side="receive")
         assert sent == received > 0, name
-    # gauges back to idle; fallback and cancellation counters exposed (and zero here)
+    # gauges back to idle; fallback and cancellation counters exposed (and not counted here)
     assert value(gw1, "mammoth_gateway_queue_depth") == 0
     assert value(gw1, "mammoth_gateway_slots_in_use") == 0
     assert value(dit1, "mammoth_dit_slots_in_use") == 0
     assert value(dit1, "mammoth_dit_slots_capacity") == 2
-    for sample in (ar1, dit1):
-        assert value(sample, "mammoth_transport_pageable_fallback_total") == 0
+    for after_, before_ in ((ar1, ar0), (dit1, dit0)):
+        assert delta(after_, before_, "mammoth_transport_pageable_fallback_total") == 0
     for cause in ("client_disconnect", "deadline"):
-        assert value(gw1, "mammoth_gateway_cancellations_total", cause=cause) == 0
+        assert delta(gw1, gw0, "mammoth_gateway_cancellations_total", cause=cause) == 0
     for outcome in ("cancelled", "deadline", "producer_lost", "consumer_lost"):
-        assert value(dit1, "mammoth_dit_requests_total", outcome=outcome) == 0
+        assert delta(dit1, dit0, "mammoth_dit_requests_total", outcome=outcome) == 0
 
     # per request: the stage times partition the end-to-end time (client clock) within 10 %
     for stages, elapsed in timings:
@@ -183,23 +188,29 @@ def test_profiling_on_demand_writes_a_trace_and_leaves_outputs_identical(metered
     admin = metered.metrics_url("dit").replace("/metrics", "/debug/profile")
     token = {"authorization": f"Bearer {metered.tokens['gateway']}"}  # behind the stage tokens
     assert httpx.get(admin, timeout=10, headers=token).json()["armed"] == 0
+    earlier = set(metered.profile_dir.glob("*.json"))  # none, unless a test before profiled
+
+    def new_traces() -> list:
+        return sorted(set(metered.profile_dir.glob("*.json")) - earlier)
+
     never, _ = generate(client, metered.url, seed=5)
-    assert not list(metered.profile_dir.glob("*.json"))
+    assert not new_traces()
 
     bad = httpx.post(admin, params={"requests": "many"}, timeout=10, headers=token)
     assert bad.status_code == 400 and "requests" in bad.json()["error"]
     armed = httpx.post(admin, params={"requests": 1}, timeout=10, headers=token)
     assert armed.status_code == 200 and armed.json()["armed"] == 1
     profiled, _ = generate(client, metered.url, seed=5)
-    traces = list(metered.profile_dir.glob("dit-*.pt.trace.json"))
-    assert len(traces) == 1, traces
+    traces = new_traces()
+    assert len(traces) == 1 and traces[0].name.startswith("dit-") \
+        and traces[0].name.endswith(".pt.trace.json"), traces
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events), "no torch ops in the trace"
     state = httpx.get(admin, timeout=10, headers=token).json()
-    assert state["armed"] == 0 and state["traces"] == [str(traces[0])]
+    assert state["armed"] == 0 and set(state["traces"]) - {str(t) for t in earlier} == {str(traces[0])}
 
     after, _ = generate(client, metered.url, seed=5)
-    assert len(list(metered.profile_dir.glob("*.json"))) == 1, "profiled more than the armed request"
+    assert new_traces() == traces, "profiled more than the armed request"
     image = never.json()["data"][0]["b64_json"]
     assert profiled.json()["data"][0]["b64_json"] == image
     assert after.json()["data"][0]["b64_json"] == image
