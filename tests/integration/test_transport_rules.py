@@ -81,22 +81,43 @@ def start_dit(checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> DiTPr
     return DiTProcess(proc, json.loads(ready.read_text()))
 
 
+class SharedDiT:
+    """The module's DiT process: started on first use, and again when a test stopped it (the drain
+    test, last, stops it), so every test gets a serving one and the module starts one DiT."""
+
+    def __init__(self, checkpoint: pathlib.Path, tmp: pathlib.Path) -> None:
+        self.checkpoint, self.tmp = checkpoint, tmp
+        self.server: DiTProcess | None = None
+
+    def get(self) -> DiTProcess:
+        if self.server is None or self.server.proc.poll() is not None:
+            self.server = start_dit(self.checkpoint, self.tmp)
+        return self.server
+
+
 @pytest.fixture(scope="module")
-def dit(tiny_checkpoint, tmp_path_factory):
-    server = start_dit(tiny_checkpoint, tmp_path_factory.mktemp("dit"))
-    yield server
-    assert server.stop() == 0
+def shared_dit(tiny_checkpoint, tmp_path_factory):
+    holder = SharedDiT(tiny_checkpoint, tmp_path_factory.mktemp("dit"))
+    yield holder
+    if holder.server is not None and holder.server.proc.poll() is None:
+        assert holder.server.stop() == 0
+
+
+@pytest.fixture
+def dit(shared_dit):
+    """The module's DiT, serving (`SharedDiT`)."""
+    return shared_dit.get()
 
 
 @pytest.fixture(autouse=True)
 def no_slot_outlives_its_test(request):
-    """After every test that used the shared DiT, every slot has been retired."""
+    """After every test that used the shared DiT (and left it running), every slot has been retired."""
     yield
     if "dit" not in request.fixturenames:
         return
-    server = request.getfixturevalue("dit")
+    server = request.getfixturevalue("shared_dit").server
     deadline = time.monotonic() + 5.0
-    while server.metric("mammoth_dit_slots_in_use") != 0:
+    while server.proc.poll() is None and server.metric("mammoth_dit_slots_in_use") != 0:
         assert time.monotonic() < deadline, "a slot outlived its request"
         time.sleep(0.05)
 
@@ -585,8 +606,9 @@ async def test_bad_image_params_are_invalid_argument(dit):
 # -- drain ---------------------------------------------------------------------------------------
 
 
-async def test_sigterm_drains_in_flight_work_and_refuses_new(tiny_checkpoint, tmp_path):
-    server = start_dit(tiny_checkpoint, tmp_path)
+async def test_sigterm_drains_in_flight_work_and_refuses_new(dit):
+    """(Last: it stops the module's DiT; a test after it would get a new one.)"""
+    server = dit
     try:
         async with channel(server) as ch:
             stub = pb_grpc.DiTStub(ch)
