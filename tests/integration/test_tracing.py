@@ -159,20 +159,41 @@ def test_client_traceparent_is_continued(traced):
     assert http["trace_id"] == trace_id and http["parent_span_id"] == parent_id
 
 
+def request_lines(log: pathlib.Path, rid: str) -> list[dict]:
+    """The JSON log lines whose request id starts with ``rid`` (lines that are not JSON: skipped,
+    a library writing to stderr by itself)."""
+    lines = []
+    for text in log.read_text().splitlines():
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if str(line.get("request_id", "")).startswith(rid):
+            lines.append(line)
+    return lines
+
+
+def wait_for_log_lines(log: pathlib.Path, rid: str, timeout: float = 10.0) -> list[dict]:
+    """`request_lines` once the last lines of ``rid`` arrived: both images' ``image done`` (DiT)
+    and ``done:`` (AR) lines, which the stages log after their last message (or as they are at
+    ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mine = request_lines(log, rid)
+        done = [line for line in mine if (line["component"] == "dit" and line["msg"].startswith("image done"))
+                or (line["component"] == "ar" and line["msg"].startswith("done:"))]
+        if len(done) >= 4 or time.monotonic() > deadline:
+            return mine
+        time.sleep(0.05)
+
+
 def test_json_log_lines_carry_the_request_id_in_every_component(traced):
     running, _, log = traced
     rid = "log-test-1"
     r = httpx.post(running.url + "/v1/images/generations", json=BODY, timeout=120,
                    headers={"x-request-id": rid})
     assert r.status_code == 200, r.text
-    time.sleep(0.5)  # the stages log after their last message
-    lines = []
-    for text in log.read_text().splitlines():
-        try:
-            lines.append(json.loads(text))
-        except ValueError:
-            continue  # a line of a library that writes to stderr by itself
-    mine = [line for line in lines if str(line.get("request_id", "")).startswith(rid)]
+    mine = wait_for_log_lines(log, rid)
     by_component = {c: [line for line in mine if line["component"] == c] for c in COMPONENTS}
     assert all(line["request_id"] == rid for line in by_component["gateway"])
     assert any(line["msg"].startswith(f"request {rid}:") for line in by_component["gateway"])
