@@ -10,6 +10,7 @@ Parallel == single within float32 summation-order error, and every rank ends wit
 
 from __future__ import annotations
 
+import datetime
 import os
 import pathlib
 import sys
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORLD = 2
+TIMEOUT_S = 120  # a rank waiting for the other (its start took over 20 s on the loaded 2-core host)
 
 
 def _results(pipe) -> dict[str, torch.Tensor]:
@@ -40,9 +42,13 @@ def _results(pipe) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, init_file: str, result_dir: str) -> None:
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit")]
+    """Rank ``rank``'s results (single, cfg, ulysses) into ``result_dir/rank<rank>.pt``."""
+    for path in (str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "unit")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         from dit_reference import pipeline
 
@@ -64,9 +70,21 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Both ranks' results: rank 1 in a spawned process, rank 0 in this one (its imports are warm,
+    which saves a second process start); this process's torch thread count is restored after."""
     base = tmp_path_factory.mktemp("dit_parallel")
-    mp.start_processes(_worker, args=(str(base / "init"), str(base)), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    worker = mp.get_context("spawn").Process(target=_worker, args=(1, str(base / "init"), str(base)))
+    worker.start()
+    threads = torch.get_num_threads()
+    try:
+        _worker(0, str(base / "init"), str(base))
+    finally:
+        torch.set_num_threads(threads)
+        worker.join(TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    assert worker.exitcode == 0, f"rank 1 exited with {worker.exitcode}"
     return [torch.load(base / f"rank{r}.pt") for r in range(WORLD)]
 
 
