@@ -4,7 +4,8 @@ through the official ``openai`` client (sync and streaming) and raw HTTP.
 One DiT and one AR serve every test of the module (started side by side, once); each test gets a
 gateway of its own, so gateway metrics start at zero. The stages must be idle before and after
 each test (no DiT slot, DiT request or AR sequence left), and the tests read stage counters as
-deltas, so no test sees another's traffic. The test that kills an AR kills one of two of its own.
+deltas, so no test sees another's traffic. The AR-kill test adds a second AR and kills the one
+decoding (a test after it would get a new shared AR).
 """
 
 from __future__ import annotations
@@ -25,11 +26,24 @@ STEPS = 2
 IDLE = ("mammoth_dit_slots_in_use", "mammoth_dit_active_requests", "mammoth_ar_running_sequences")
 
 
+class SharedStages:
+    """The module's DiT (2 slots) and AR (`StageFactory`, tests/gateway/conftest.py), started side
+    by side once. The AR-kill test may kill the AR: `ar` starts a new one for a test after it."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.dit, self._ar = factory.together(("dit", "--slots", "2"), ("ar",))
+
+    def ar(self):
+        """The shared AR, serving."""
+        if self._ar.proc.poll() is not None:
+            self._ar = self.factory("ar")
+        return self._ar
+
+
 @pytest.fixture(scope="module")
 def stages(module_stages):
-    """The module's `StageFactory` (tests/gateway/conftest.py) and its shared DiT (2 slots) and AR."""
-    dit, ar = module_stages.together(("dit", "--slots", "2"), ("ar",))
-    return module_stages, dit, ar
+    return SharedStages(module_stages)
 
 
 def wait_idle(*stages, timeout: float = 10.0) -> None:
@@ -46,10 +60,10 @@ def wait_idle(*stages, timeout: float = 10.0) -> None:
 @pytest.fixture
 def real(stages, gateway_factory):
     """A fresh gateway on the shared stages, which are idle before the test and again after it."""
-    factory, dit, ar = stages
+    dit, ar = stages.dit, stages.ar()
     wait_idle(dit, ar, timeout=0)  # nothing left over from an earlier test
     gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120,
-                         gateway_token_file=factory.gateway_token_file)
+                         gateway_token_file=stages.factory.gateway_token_file)
     gw.wait_ready(60)
     yield gw, ar, dit
     wait_idle(dit, ar)
@@ -175,16 +189,16 @@ def test_disconnect_frees_both_stages_within_a_second(real):
 
 
 def test_ar_killed_mid_decode_is_retried_and_image_is_identical(stages, gateway_factory):
-    factory, dit, _ = stages
-    wait_idle(dit, timeout=0)
-    ar1, ar2 = factory.together(("ar",), ("ar",))
+    dit, ar1 = stages.dit, stages.ar()
+    wait_idle(dit, ar1, timeout=0)
+    ar2 = stages.factory("ar")  # the one of the two that is not decoding goes on with the request
     try:
-        gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address],
-                             request_timeout_seconds=120, gateway_token_file=factory.gateway_token_file)
+        gw = gateway_factory(ar=[ar1.address, ar2.address], dit=[dit.address], request_timeout_seconds=120,
+                             gateway_token_file=stages.factory.gateway_token_file)
         gw.wait_ready(60)
         killed, completed, reference = kill_one_ar_mid_decode(gw, (ar1, ar2))
     finally:
-        factory.kill(ar1, ar2)
+        stages.factory.kill(ar2)
     assert killed is not None, "no AR progress seen before the DiT started denoising"
     assert completed is not None
     assert gw.metric("mammoth_gateway_retries_total", stage="ar") == 1
