@@ -2,7 +2,8 @@
 
 Imported as ``pipeline_harness`` (``tests/`` is put on ``sys.path`` by ``tests/conftest.py``); the
 ``pipeline`` fixture there uses it, and tests that need a pipeline of their own call
-`start_local_pipeline` directly. (``from conftest import ...`` is ambiguous across test folders.)
+`start_local_pipeline` directly; `launch_stage` and `wait_all` start single stage processes side by
+side. (``from conftest import ...`` is ambiguous across test folders.)
 """
 
 from __future__ import annotations
