@@ -200,10 +200,10 @@ class StageFactory:
                 port = free_port()
                 args, dits = [*args, "--port", str(port)], [*dits, f"127.0.0.1:{port}"]
             plan.append((role, args))
+        allow = ("--dit-allow-list", ",".join(dits)) if dits else ()
         env = {**os.environ, **self.tokens}
-        launched = [launch_stage(role, self.checkpoint, self.tmp, *args, *(
-            ("--dit-allow-list", ",".join(dits)) if role == "ar" and dits else ()), env=env)
-            for role, args in plan]
+        launched = [launch_stage(role, self.checkpoint, self.tmp, *args, *(allow if role == "ar" else ()), env=env)
+                    for role, args in plan]
         infos = wait_all(launched)
         stages = [RealStage(one.role, one.proc, info["address"],
                             f"http://127.0.0.1:{info['metrics_port']}/metrics")
