@@ -42,8 +42,7 @@ def _fastest_refusal(http: httpx.Client, url: str, body: dict) -> tuple[float, d
 
 def test_sdk_sizes_work_or_are_refused_before_stage_work(real_stages, gateway_factory):
     assert "1792x1024" in SDK_SIZES and "auto" in SDK_SIZES
-    dit = real_stages("dit", "--slots", "2")
-    ar = real_stages("ar", "--max-sequence-length", str(POSITIONS))
+    dit, ar = real_stages.together(("dit", "--slots", "2"), ("ar", "--max-sequence-length", str(POSITIONS)))
     gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120,
                          gateway_token_file=real_stages.gateway_token_file, max_sequence_length=POSITIONS, max_pixels=limits.DEFAULTS.max_pixels,
                          min_pixels=limits.DEFAULTS.min_pixels,
