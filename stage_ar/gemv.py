@@ -17,9 +17,11 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
   saves (gate_up 81 us vs 65 us without the norm), hence the default.
 - epilogues: FP8 scale (``weight_scale``), ``bias``, then either ``swiglu`` (the weight is
   ``(2 * N, K)``, gate rows then up rows, as vLLM's merged gate/up; ``out = silu(gate) * up``) and/or
-  a ``residual`` add. Each step rounds to the activation dtype where the eager module chain does
-  (linear output, SiLU, product, sum), so the fused kernel differs from eager only by the dot's
-  summation order (`stage_ar.gemv_reference` is that chain).
+  a ``residual`` add, or RoPE (``cos``/``sin``: a fused qkv's q and k heads rotated, rotate-half
+  layout; each program owns column pairs ``(c, c + head_dim / 2)`` and loads both weight tiles, as
+  swiglu loads gate and up). Each step rounds to the activation dtype where the eager module chain
+  does (linear output, SiLU, product, sum; RoPE's two products and their sum), so the fused kernel
+  differs from eager only by the dot's summation order (`stage_ar.gemv_reference` is that chain).
 - W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
   codes widened in registers (to float16 by default, activations too: ``fp8_compute``), scale
   applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`.
@@ -50,6 +52,7 @@ import torch
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
 )
+from stage_ar.gemv_checks import ACTIVATION_DTYPES, MAX_ROWS, check_gemv_args, expect_tensor  # noqa: F401 - re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -58,11 +61,8 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-#: Largest M (activation rows) one launch takes: the kernels pad to one 16-row tile.
-MAX_ROWS = 16
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``), and the kernel's ``FP8_MODE`` for each.
 FP8_COMPUTES = ("activation", "float16", "float16_bits")
 _FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2}
@@ -168,46 +168,79 @@ if triton is not None:
             acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         return acc.to(dtype)
 
+    @triton.jit
+    def _rope_pair(lo, hi, cos_ptr, sin_ptr, stride_cm, i, half, offs_m, mask, rotate):
+        """RoPE of the ``(BLOCK_N, 16)`` column pairs ``c`` (``lo``, at ``i = c % head_dim`` in its head's
+        first half) and ``c + half`` (``hi``) in the rotate-half layout, rounded as the eager
+        `stage_ar.layers.apply_rope` rounds (each product, then the sum, in the activation dtype):
+        ``lo' = lo * cos[i] - hi * sin[i]``, ``hi' = hi * cos[i + half] + lo * sin[i + half]``, per row's
+        ``cos``/``sin`` ``(M, head_dim)``; columns where ``rotate`` is False pass through (v heads)."""
+        dtype = lo.dtype
+        at = offs_m[None, :] * stride_cm + i[:, None]
+        live = mask & rotate[:, None]
+        cos_lo = tl.load(cos_ptr + at, mask=live, other=0.0).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + at, mask=live, other=0.0).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + at + half, mask=live, other=0.0).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + at + half, mask=live, other=0.0).to(tl.float32)
+        lo_f, hi_f = lo.to(tl.float32), hi.to(tl.float32)
+        new_lo = ((lo_f * cos_lo).to(dtype).to(tl.float32) + (-hi_f * sin_lo).to(dtype).to(tl.float32)).to(dtype)
+        new_hi = ((hi_f * cos_hi).to(dtype).to(tl.float32) + (lo_f * sin_hi).to(dtype).to(tl.float32)).to(dtype)
+        return tl.where(rotate[:, None], new_lo, lo), tl.where(rotate[:, None], new_hi, hi)
+
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, out_ptr,
-        M, N, K, stride_xm, stride_rm, stride_om, eps,
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr,
+        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-        FP8_MODE: tl.constexpr = 0,
+        FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
-        (gate) and ``N + n`` (up) make column ``n``. The accumulators are ``(BLOCK_N, 16)``: transposed."""
+        (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
+        (``c``, ``c + HEAD_DIM / 2``) of the j-th first-half column ``c`` of the heads, both written, the
+        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed."""
         dtype: tl.constexpr = x_ptr.dtype.element_ty
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:
+            offs_n = cols // (HEAD_DIM // 2) * HEAD_DIM + cols % (HEAD_DIM // 2)
+            partner = offs_n + HEAD_DIM // 2
+            n_mask = cols < N // 2
+        else:
+            offs_n = cols
+            partner = cols + N  # SWIGLU: the up row of gate row n
+            n_mask = cols < N
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
-        n_mask = offs_n < N
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        acc_up = tl.zeros((BLOCK_N, 16), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             if FP8_MODE != 0:  # float16 products: codes (and activations, saturated) in float16
                 x_t = _f16_saturated(x_t)
             acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
-            if SWIGLU:
-                acc_up = _w_dot(w_ptr, offs_n + N, n_mask, k, K, x_t, acc_up, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+            if PAIRED:
+                acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS, FP8_MODE)
+        if PAIRED:
+            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS, FP8_MODE)
         if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
-            up = _scaled(acc_up, offs_n + N, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS,
-                         FP8_MODE).to(tl.float32)
             gate = y.to(tl.float32)
-            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * y2.to(tl.float32)).to(dtype)
         out_mask = n_mask[:, None] & m_mask[None, :]
         if RESIDUAL:
             res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0)
             y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+        if ROPE:
+            y, y2 = _rope_pair(y, y2, cos_ptr, sin_ptr, stride_cm, offs_n % HEAD_DIM, HEAD_DIM // 2, offs_m,
+                               out_mask, offs_n < ROPE_N)
+            tl.store(out_ptr + offs_m[None, :] * stride_om + partner[:, None], y2, mask=out_mask)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
 
     @triton.jit
@@ -241,21 +274,25 @@ if triton is not None:
             _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 2 * BLOCK + offs, K, inv)
             _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 3 * BLOCK + offs, K, inv)
 
-    _kernel = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(_gemv_kernel)
+    def _even_n(a) -> bool:
+        """Every program's columns in range (under ROPE a program covers N / 2 column pairs)."""
+        return (a["N"] // 2 if a.get("ROPE") else a["N"]) % a["BLOCK_N"] == 0
+
+    _kernel = triton.heuristics({"EVEN_N": _even_n})(_gemv_kernel)
 
     def _prune(configs, named_args, **meta):
         """Drop candidates that would not fit shared memory (or are wider than N)."""
         n_cap = max(16, triton.next_power_of_2(named_args["N"]))
         kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and fits_shared_memory(
             GemvConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, meta["BLOCK_K"]),
-            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype, meta["SWIGLU"])]
+            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype, meta["SWIGLU"] or meta["ROPE"])]
         return kept or configs[:1]
 
     def _autotuned(configs):
         return triton.autotune(
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
-            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE"],  # not M
+            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM"],  # not M
             prune_configs_by={"early_config_prune": _prune},
             do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
         )(_kernel)
@@ -276,12 +313,16 @@ def gemv(
     config: GemvConfig | None = None,
     norm_in_prologue: bool = False,
     fp8_compute: str | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rope_columns: int = 0,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
     Steps, each optional: ``h = RMSNorm(x)`` (``norm_weight``), ``y = h @ (weight * weight_scale).T +
     bias`` (float32 accumulation, rounded to ``x.dtype``), ``y = silu(y[:, :N]) * y[:, N:]``
-    (``swiglu``), ``y = y + residual``. Numerics: `stage_ar.gemv_reference.gemv_reference`.
+    (``swiglu``), ``y = y + residual``, or RoPE of ``y``'s first ``rope_columns`` columns (``cos``,
+    ``sin``). Numerics: `stage_ar.gemv_reference.gemv_reference`.
 
     Args:
         x: ``(M, K)`` activations, ``1 <= M <= 16``, bfloat16/float16/float32, rows contiguous.
@@ -306,6 +347,14 @@ def gemv(
             activations saturate at +-65504 in the float16 modes. ``None`` (the default):
             `default_fp8_compute` (``"float16"`` for 16-bit activations: 1.5 x faster than
             ``"activation"`` per visual token on the H200, 2026-12-01).
+        cos, sin: ``(M, head_dim)`` in ``x.dtype``, contiguous, each row's RoPE table (as
+            `stage_ar.modeling_mammoth_ar.MammothRotaryEmbedding` makes them): rotate output columns
+            ``[0, rope_columns)``, heads of ``head_dim`` columns in the rotate-half layout (column ``c``
+            of a head pairs with ``c + head_dim / 2``), rounded as `stage_ar.layers.apply_rope`; the
+            other columns (a fused qkv's v heads) pass through. Each program computes both columns of
+            its pairs (two weight tiles, as swiglu). ``head_dim`` must be even and divide N; not with
+            ``swiglu`` or ``residual``.
+        rope_columns: a multiple of ``head_dim`` in ``[0, N]`` (the q and k columns of a fused qkv).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -315,7 +364,7 @@ def gemv(
         TypeError: dtypes that do not fit the above.
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
-    n = _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
     fp8_compute = fp8_compute or default_fp8_compute(x.dtype)
     _check_fp8_compute(fp8_compute, x)
     if not available(x.device):
@@ -323,7 +372,8 @@ def gemv(
     if norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out)
+    rope = (cos, sin, rope_columns) if cos is not None else None
+    _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope)
     return out
 
 
@@ -340,29 +390,35 @@ def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
         raise ValueError(f"fp8_compute={fp8_compute!r} takes 16-bit activations (float32 ones would be rounded)")
 
 
-def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out) -> None:
-    """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`)."""
+def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
+            rope=None) -> None:
+    """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
+    ``(cos, sin, rope_columns)`` or None."""
     (m, k), n = x.shape, out.shape[1]
+    cos, sin, rope_columns = rope or (x, x, 0)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     args = (
-        x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), out,
+        x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), cos, sin, out,
         m, n, k,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(norm_eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
+        float(norm_eps), rope_columns,
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
+        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0,
     )
+    programs_n = n // 2 if rope else n  # under ROPE a program column is a pair of output columns
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
-        tuned[lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]),)](*args, **meta)
+        tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]),)](*args, **meta)
     else:
         c = config or INTERPRETER_CONFIG
-        grid = (triton.cdiv(n, c.block_n),)
+        grid = (triton.cdiv(programs_n, c.block_n),)
         _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
 
 
@@ -388,7 +444,7 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
     """
     if x.ndim != 2 or x.stride(1) != 1:
         raise ValueError(f"rms_norm_rows takes a 2-D x with contiguous rows, got {tuple(x.shape)}")
-    _expect("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
+    expect_tensor("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
     if not available(x.device):
         raise RuntimeError(f"rms_norm_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -399,14 +455,15 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
-                  norm_in_prologue: bool = False, fp8_compute: str | None = None) -> None:
+                  norm_in_prologue: bool = False, fp8_compute: str | None = None, rope_head_dim: int = 0) -> None:
     """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
 
     Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
     (compilation is serial inside one process); the process that then calls `gemv` loads the
     binaries. Matches calls whose activations, residual and output rows are contiguous (strides
     ``K`` and ``N``) and whose pointers are 16-byte aligned, as `gemv`'s outputs and row slices of
-    such tensors are. Arguments as `gemv`'s (``rows`` = weight rows).
+    such tensors are. Arguments as `gemv`'s (``rows`` = weight rows; ``rope_head_dim`` > 0: the RoPE
+    epilogue with ``cos``/``sin`` of that width).
 
     Raises:
         RuntimeError: triton cannot compile for a CUDA device here.
@@ -419,12 +476,12 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     norm = norm and norm_in_prologue  # else `rms_norm_rows` runs first and the GEMV has no norm
     fp8_compute = fp8_compute or default_fp8_compute(x_dtype)
     _kernel.warmup(
-        x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
-        MAX_ROWS, n, k, k, n if residual else 0, n, 1e-6,
+        x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
+        MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6, rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,
-        FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0,
+        FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
     )
 
 
@@ -442,54 +499,3 @@ def last_tuned_config() -> GemvConfig | None:
 def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A pointer argument the kernel will not read when its flag is off."""
     return dummy if tensor is None else tensor
-
-
-def _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu) -> int:
-    """Validate `gemv`'s arguments; returns N, the output width."""
-    if x.ndim != 2 or weight.ndim != 2:
-        raise ValueError(f"gemv takes 2-D x (M, K) and weight (R, K), got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to at most {MAX_ROWS} rows, got M = {m} (use torch.nn.functional.linear)")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not one of {ACTIVATION_DTYPES}")
-    if weight.dtype not in (x.dtype, FP8_DTYPE):
-        raise TypeError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or {FP8_DTYPE}")
-    if weight.shape[1] != k:
-        raise ValueError(f"weight has {weight.shape[1]} columns, x has K = {k}")
-    if not weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError("gemv needs a contiguous weight and x rows contiguous (x.stride(1) == 1)")
-    rows = weight.shape[0]
-    if weight.numel() >= 2**31:
-        raise ValueError(f"weight {tuple(weight.shape)} has 2^31 elements or more (32-bit offsets)")
-    if swiglu and rows % 2:
-        raise ValueError(f"swiglu needs gate and up rows stacked, (2 * N, K); got {rows} rows")
-    n = rows // 2 if swiglu else rows
-    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
-        raise ValueError("weight_scale is required with float8_e4m3fn weights and only with them")
-    if weight_scale is not None:
-        if weight_scale.dtype != torch.float32:
-            raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
-        _expect("weight_scale", weight_scale, (rows,), torch.float32, x.device)
-    if bias is not None:
-        _expect("bias", bias, (rows,), x.dtype, x.device)
-    if norm_weight is not None:
-        _expect("norm_weight", norm_weight, (k,), x.dtype, x.device)
-    if residual is not None:
-        _expect("residual", residual, (m, n), x.dtype, x.device)
-        if residual.stride(1) != 1:
-            raise ValueError("residual rows must be contiguous (residual.stride(1) == 1)")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    return n
-
-
-def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} dtype must be {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, x on {device}")
-    if t.ndim == 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous")

@@ -60,10 +60,11 @@ INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
 _SMEM_BUDGET = 200 * 1024
 
 
-def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, swiglu: bool) -> bool:
+def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, paired: bool) -> bool:
     """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile(s) + 16-row activation
-    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block)."""
+    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block); ``paired``:
+    two weight tiles per program (the SwiGLU and RoPE epilogues)."""
     block_k = config.block_k or block_k_for(weight_dtype)
-    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if swiglu else 1)
+    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if paired else 1)
     x_bytes = torch.empty((), dtype=x_dtype).element_size()
     return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET

@@ -1,19 +1,22 @@
 """Pure-torch reference of `stage_ar.gemv`: the eager module chain whose numerics the kernels match.
 
-``RMSNorm`` (the model's own Qwen2 numerics, not a copy of them) → linear in
-float32 (``x.float() @ w.float().T``; FP8 codes times their row scale, then the bias) rounded to the
-activation dtype → ``F.silu(gate) * up`` in that dtype → ``+ residual`` in that dtype. The kernels
-compute the same steps with the same roundings; they differ only in the order of the dot's float32
-sums (and, with the norm, in the order of the sum of squares), i.e. by float32 rounding before the
-final cast. Runs on any device; used by the tests and by `benchmarks/gemv.py` as ground truth.
+``RMSNorm`` (the model's own Qwen2 numerics, not a copy of them) → linear in float32
+(``x.float() @ w.float().T``; FP8 codes times their row scale, then the bias) rounded to the
+activation dtype → ``silu(gate) * up`` (`stage_ar.layers.silu_and_mul`) in that dtype →
+``+ residual`` in that dtype, or RoPE of the first ``rope_columns`` (`stage_ar.layers.apply_rope`
+per head, in that dtype). The kernels compute the same steps with the same roundings; they differ
+only in the order of the dot's float32 sums (and, with the norm, in the order of the sum of
+squares), i.e. by float32 rounding before the final cast. Runs on any device; used by the tests and
+by `benchmarks/gemv.py` as ground truth.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from stage_ar.gemv import FP8_DTYPE, _check
+from stage_ar.gemv_checks import check_gemv_args
+from stage_ar.gemv_configs import FP8_DTYPE
+from stage_ar.layers import apply_rope, silu_and_mul
 
 try:  # the repository's one Qwen2 RMSNorm once the AR engine rebuild (issue 16) has landed
     from mammoth_core.norms import rms_norm as _rms_norm
@@ -43,9 +46,12 @@ def gemv_reference(
     norm_eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rope_columns: int = 0,
 ) -> torch.Tensor:
     """What `stage_ar.gemv.gemv` computes, step by step in torch (same arguments, same checks)."""
-    _check(x, weight, weight_scale, bias, norm_weight, residual, swiglu)
+    check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, norm_eps)
     w = weight.float()
     acc = h.float() @ w.T
@@ -55,8 +61,12 @@ def gemv_reference(
         acc = acc + bias.float()
     y = acc.to(x.dtype)
     if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
+        y = silu_and_mul(y)
     if residual is not None:
         y = y + residual
+    if cos is not None and rope_columns:
+        m, d = cos.shape
+        heads = y[:, :rope_columns].reshape(m, rope_columns // d, d)
+        rotated = apply_rope(heads, cos[:, None], sin[:, None]).reshape(m, rope_columns)
+        y = torch.cat([rotated, y[:, rope_columns:]], dim=1)
     return y

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from mammoth_core.norms import RMSNorm, add_rms_norm, rms_norm
 
 __all__ = [
-    "EAGER_OPS", "PointwiseOps", "RMSNorm", "add_rms_norm", "compiled_ops", "masked_softmax", "rms_norm",
-    "rope_qkv", "rotate_half", "silu_and_mul",
+    "EAGER_OPS", "PointwiseOps", "RMSNorm", "add_rms_norm", "apply_rope", "compiled_ops", "masked_softmax",
+    "rms_norm", "rope_qkv", "rotate_half", "silu_and_mul", "split_qkv",
 ]
 
 logger = logging.getLogger(__name__)
@@ -32,22 +32,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE rule: ``x * cos + rotate_half(x) * sin`` over the last dim (``x (..., d)``, ``cos``/``sin``
+    broadcasting to it), each product and the sum in ``x``'s dtype (the GEMV's RoPE epilogue,
+    `stage_ar.gemv`, rounds the same way)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of a fused q/k/v block ``(B, T, (heads + 2 kv_heads) * d)``: q ``(B, T, heads, d)``, k and
+    v ``(B, T, kv_heads, d)``."""
+    b, t, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    q_out, kv_out = heads * d, kv_heads * d
+    q = qkv[..., :q_out].view(b, t, heads, d)
+    k = qkv[..., q_out : q_out + kv_out].view(b, t, kv_heads, d)
+    v = qkv[..., q_out + kv_out :].view(b, t, kv_heads, d)
+    return q, k, v
+
+
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
     """Split a fused q/k/v block ``(B, T, (heads + 2 kv_heads) * d)`` and rotate q and k.
 
     ``cos``/``sin``: ``(B, T, d)``. Returns q ``(B, T, heads, d)``, k and v ``(B, T, kv_heads, d)``
     (v a view of ``qkv``).
     """
-    b, t, _ = qkv.shape
-    d = cos.shape[-1]
-    q_out, kv_out = heads * d, kv_heads * d
-    q = qkv[..., :q_out].view(b, t, heads, d)
-    k = qkv[..., q_out : q_out + kv_out].view(b, t, kv_heads, d)
-    v = qkv[..., q_out + kv_out :].view(b, t, kv_heads, d)
+    q, k, v = split_qkv(qkv, heads, kv_heads)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    return q, k, v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

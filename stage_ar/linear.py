@@ -12,6 +12,14 @@ per output row). Backends:
 * `GemvLinear` (``"gemv"``): `stage_ar.gemv.gemv` (Triton weight streaming, scale and bias in its
   epilogue) for at most `GemvLinear.max_rows` (16) activation rows, `TorchLinear` above (prefill).
 
+Two layers hand their output straight to a pointwise op: the MLP's ``gate_up_proj`` to SwiGLU
+(`MammothLinear.forward_swiglu`) and attention's ``qkv_proj`` to RoPE
+(`MammothLinear.forward_rope_qkv`). A backend computes these as linear then the given op
+(`LinearBackend`: the op passed in is `stage_ar.layers`' eager or compiled one, the one definition
+of the rule); `GemvLinear` with ``fuse_epilogues`` instead runs the op in the GEMV's epilogue (one
+launch, no round trip of the linear output through memory) for calls it takes. Off by default
+until measured on the GPU (docs/PERFORMANCE.md).
+
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
 (the kernel pads to one 16-row tile; see `stage_ar.gemv`), so a row's bits do not depend on how many
@@ -25,7 +33,7 @@ and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpret
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +42,10 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
-    "BACKENDS", "GemvLinear", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
+    "BACKENDS", "GemvLinear", "LinearBackend", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
     "quantize_fp8_", "select_backend", "set_linear_backend",
 ]
 
@@ -47,7 +56,30 @@ logger = logging.getLogger(__name__)
 BACKENDS, WEIGHTS_DTYPES = AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 
 
-class TorchLinear:
+class LinearBackend:
+    """What every backend computes for the layers followed by a pointwise op: its own linear
+    (``__call__``), then that op, unfused. Subclasses define ``__call__``."""
+
+    def swiglu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None, act: Callable = silu_and_mul) -> torch.Tensor:
+        """``act(linear(x))`` for a fused gate/up ``weight (2 I, K)``: ``(..., K)`` -> ``(..., I)`` in
+        ``x.dtype``; ``act`` is `stage_ar.layers.silu_and_mul` or its compiled version."""
+        return act(self(x, weight, bias, weight_scale))
+
+    def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                 kv_heads: int, rope: Callable = rope_qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``rope(linear(x), cos, sin, heads, kv_heads)`` for a fused qkv ``weight ((heads + 2 kv_heads)
+        d, K)``: ``x (B, T, K)``, ``cos``/``sin`` ``(B, T, d)`` -> q ``(B, T, heads, d)``, k, v ``(B, T,
+        kv_heads, d)`` (`stage_ar.layers.rope_qkv` or its compiled version)."""
+        return rope(self(x, weight, bias, weight_scale), cos, sin, heads, kv_heads)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class TorchLinear(LinearBackend):
     """``F.linear``; FP8 weights widened per call, scaled per output row in float32."""
 
     name = "torch"
@@ -67,42 +99,75 @@ class TorchLinear:
 TORCH_LINEAR = TorchLinear()
 
 
-class GemvLinear:
+class GemvLinear(LinearBackend):
     """`stage_ar.gemv.gemv` for calls of at most ``max_rows`` rows, `TorchLinear` above.
 
     Args:
         config: a fixed `stage_ar.gemv.GemvConfig` (None: autotuned on CUDA, the interpreter's launch on CPU).
         fp8_compute: FP8 weights: `stage_ar.gemv.gemv`'s ``fp8_compute`` (None: its default,
             float16 products for 16-bit activations, saturating beyond +-65504).
+        fuse_epilogues: `swiglu` and `rope_qkv` of a call the kernel takes run in the GEMV's
+            epilogue (one launch; the eager ops' roundings, `stage_ar.gemv`) instead of the given
+            op after the linear. Default off: built, not yet measured on the GPU.
     """
 
     name = "gemv"
     max_rows = gemv_kernels.MAX_ROWS
 
-    def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None) -> None:
-        self.config, self.fp8_compute = config, fp8_compute
+    def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None,
+                 fuse_epilogues: bool = False) -> None:
+        self.config, self.fp8_compute, self.fuse_epilogues = config, fp8_compute, bool(fuse_epilogues)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None) -> torch.Tensor:
         """As `TorchLinear.__call__`; the kernel's numerics are `stage_ar.gemv_reference.gemv_reference`."""
+        flat = self._kernel_rows(x, weight)
+        if flat is None:
+            return TORCH_LINEAR(x, weight, bias, weight_scale)
+        out = self._gemv(flat, weight, bias, weight_scale)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def swiglu(self, x, weight, bias, weight_scale, act=silu_and_mul):
+        """`LinearBackend.swiglu`; with ``fuse_epilogues`` one SwiGLU-epilogue launch where the kernel
+        takes the call (``x`` of at most ``max_rows`` rows)."""
+        flat = self._kernel_rows(x, weight) if self.fuse_epilogues else None
+        if flat is None:
+            return super().swiglu(x, weight, bias, weight_scale, act)
+        out = self._gemv(flat, weight, bias, weight_scale, swiglu=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def rope_qkv(self, x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope=rope_qkv):
+        """`LinearBackend.rope_qkv`; with ``fuse_epilogues`` one RoPE-epilogue launch (q and k heads
+        rotated, v passed through) where the kernel takes the call; q, k, v are views of its output."""
+        flat = self._kernel_rows(x, weight) if self.fuse_epilogues else None
+        if flat is None:
+            return super().rope_qkv(x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope)
+        d = cos.shape[-1]
+        rows = flat.shape[0]
+        out = self._gemv(flat, weight, bias, weight_scale, cos=cos.reshape(rows, d).contiguous(),
+                         sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d)
+        return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
+
+    def _kernel_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as ``(rows, K)`` with contiguous rows when the kernel takes the call, else None."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not 1 <= rows <= self.max_rows or not weight.is_contiguous():
-            return TORCH_LINEAR(x, weight, bias, weight_scale)
+            return None
         flat = x.reshape(rows, k)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
-        out = gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
-                                fp8_compute=self.fp8_compute if weight_scale is not None else None)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return flat if flat.stride(1) == 1 else flat.contiguous()
+
+    def _gemv(self, flat, weight, bias, weight_scale, **epilogue) -> torch.Tensor:
+        return gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
+                                 fp8_compute=self.fp8_compute if weight_scale is not None else None, **epilogue)
 
 
-def select_backend(name: str, device: torch.device | str) -> TorchLinear | GemvLinear:
+def select_backend(name: str, device: torch.device | str, *, fuse_epilogues: bool = False) -> TorchLinear | GemvLinear:
     """The linear backend for ``name`` (`BACKENDS`) on ``device``.
 
     ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where
     the kernel cannot run (no triton; CPU without the interpreter) falls back to `TorchLinear` with
-    a logged warning.
+    a logged warning. ``fuse_epilogues``: `GemvLinear`'s (ignored by `TorchLinear`).
 
     Raises:
         ValueError: ``name`` is not one of `BACKENDS`.
@@ -116,14 +181,15 @@ def select_backend(name: str, device: torch.device | str) -> TorchLinear | GemvL
     if name == "gemv" and not usable:
         logger.warning("GEMV kernels cannot run on %s (needs CUDA and triton); using torch matmul", device)
         name = "torch"
-    return GemvLinear() if name == "gemv" else TORCH_LINEAR
+    return GemvLinear(fuse_epilogues=fuse_epilogues) if name == "gemv" else TORCH_LINEAR
 
 
 class MammothLinear(nn.Linear):
     """``nn.Linear`` whose product goes through a pluggable backend (`TorchLinear` by default).
 
     Attributes:
-        backend: the callable computing ``backend(x, weight, bias, weight_scale)``.
+        backend: a `LinearBackend`: ``backend(x, weight, bias, weight_scale)`` computes the product,
+            its ``swiglu`` / ``rope_qkv`` the product followed by that op.
         weight_scale: None, or after `quantize_fp8` the ``(out_features,)`` float32 row scales
             (a buffer: in the state dict as ``<name>.weight_scale``).
     """
@@ -136,6 +202,21 @@ class MammothLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., in_features)`` -> ``(..., out_features)`` in ``x.dtype``."""
         return self.backend(x, self.weight, self.bias, self.weight_scale)
+
+    def forward_swiglu(self, x: torch.Tensor, act: Callable = silu_and_mul) -> torch.Tensor:
+        """SwiGLU of this fused gate/up layer's output: ``x (..., in_features)`` -> ``(..., out_features
+        / 2)`` in ``x.dtype``, i.e. ``act(self(x))`` (`LinearBackend.swiglu`; ``act``:
+        `stage_ar.layers.silu_and_mul` or its compiled version). Calls the backend directly (no
+        ``nn.Module`` hooks)."""
+        return self.backend.swiglu(x, self.weight, self.bias, self.weight_scale, act)
+
+    def forward_rope_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                         rope: Callable = rope_qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of this fused qkv layer, q and k rotated: ``rope(self(x), cos, sin, heads,
+        kv_heads)`` (`LinearBackend.rope_qkv`; ``x (B, T, in_features)``, ``cos``/``sin`` ``(B, T, d)``
+        in ``x.dtype``; ``rope``: `stage_ar.layers.rope_qkv` or its compiled version). Calls the
+        backend directly (no ``nn.Module`` hooks)."""
+        return self.backend.rope_qkv(x, self.weight, self.bias, self.weight_scale, cos, sin, heads, kv_heads, rope)
 
     def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Only output rows ``[start, end)`` (e.g. the head's visual codes): ``(..., end - start)``."""

@@ -13,7 +13,6 @@ plain 1-D RoPE; this module takes 1-D ``position_ids``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
+from stage_ar.expert_routing import ExpertRouting, route_experts, single_expert
 from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
 from stage_ar.linear import TORCH_LINEAR, MammothLinear
@@ -104,74 +104,9 @@ class MammothMLP(nn.Module):
         _stack_hooks(self, "gate_up_proj", STACKED_PARAMS["gate_up_proj"], (inter, inter))
 
     def forward(self, x: torch.Tensor, ops: PointwiseOps = EAGER_OPS) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-@dataclass
-class ExpertRouting:
-    """Which tokens of one forward go to the generation experts, computed once per forward.
-
-    Attributes:
-        gen_token_mask: bool ``(batch, seq)``, True for ids ``>= gen_vocab_start_index`` (None for
-            `all_generation`, which needs no mask).
-        mode: ``"none"`` (no generation token), ``"all"`` (only generation tokens) or ``"mixed"``.
-        gen_index, und_index: flat token indices of each group (``"mixed"`` only).
-    """
-
-    gen_token_mask: torch.Tensor | None
-    mode: str
-    gen_index: torch.Tensor | None = None
-    und_index: torch.Tensor | None = None
-
-    @classmethod
-    def from_mask(cls, gen_token_mask: torch.Tensor, n_gen: int) -> ExpertRouting:
-        """Build from the mask and its (already host-side) count of True entries."""
-        if n_gen == 0:
-            return cls(gen_token_mask, "none")
-        if n_gen == gen_token_mask.numel():
-            return cls(gen_token_mask, "all")
-        flat = gen_token_mask.reshape(-1)
-        return cls(gen_token_mask, "mixed", flat.nonzero(as_tuple=True)[0], (~flat).nonzero(as_tuple=True)[0])
-
-    @classmethod
-    def all_generation(cls, input_ids: torch.Tensor) -> ExpertRouting:
-        """Every token is a generation token (grid decode): no host sync, no kernel, capturable."""
-        return cls(None, "all")
-
-
-def route_experts(
-    hidden_states: torch.Tensor,
-    und_expert: Callable[[torch.Tensor], torch.Tensor],
-    gen_expert: Callable[[torch.Tensor], torch.Tensor] | None,
-    routing: ExpertRouting | None,
-    *args: Any,
-) -> torch.Tensor:
-    """Hard routing between the understanding and the generation expert (upstream ``moe_forward``).
-
-    Args:
-        hidden_states: ``(batch, seq, in_features)``.
-        und_expert: module for non-generation tokens.
-        gen_expert: module for generation tokens; ``None`` (non-expert layer) routes all to
-            ``und_expert``.
-        routing: the forward's `ExpertRouting`; ``None`` routes all to ``und_expert``.
-        args: passed to the expert after the tokens.
-
-    Returns:
-        ``(batch, seq, out_features)`` in token order. Each token's output depends only on that token
-        and its expert, so the result equals upstream's permute/split/inverse-permute.
-    """
-    if gen_expert is None or routing is None or routing.mode == "none":
-        return und_expert(hidden_states, *args)
-    if routing.mode == "all":
-        return gen_expert(hidden_states, *args)
-    batch, seq, _ = hidden_states.shape
-    flat = hidden_states.reshape(batch * seq, -1)
-    gen_out = gen_expert(flat.index_select(0, routing.gen_index), *args)
-    und_out = und_expert(flat.index_select(0, routing.und_index), *args)
-    out = gen_out.new_empty(batch * seq, gen_out.shape[-1])
-    out.index_copy_(0, routing.gen_index, gen_out)
-    out.index_copy_(0, routing.und_index, und_out)
-    return out.view(batch, seq, -1)
+        """``x (..., hidden)`` -> ``(..., hidden)``; SwiGLU by ``ops`` (or in the GEMV's epilogue,
+        `stage_ar.linear.GemvLinear`'s ``fuse_epilogues``)."""
+        return self.down_proj(self.gate_up_proj.forward_swiglu(x, ops.silu_and_mul))
 
 
 class MammothRotaryEmbedding(nn.Module):
@@ -242,8 +177,13 @@ class MammothAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``hidden_states (B, T, hidden)`` -> ``(B, T, hidden)``."""
         routing = ctx.routing if self.has_experts else None
-        qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
-        q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_key_value_heads)
+        heads, kv_heads = self.num_heads, self.num_key_value_heads
+        qkv_proj = single_expert(self.qkv_proj, self.gen_qkv_proj, routing)
+        if qkv_proj is not None:  # one projection for every token: RoPE may run in its epilogue
+            q, k, v = qkv_proj.forward_rope_qkv(hidden_states, ctx.cos, ctx.sin, heads, kv_heads, ctx.ops.rope_qkv)
+        else:
+            qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
+            q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, heads, kv_heads)
         out = ctx.attention.forward(self.layer_idx, q, k, v)
         return route_experts(out, self.o_proj, self.gen_o_proj, routing)
 
