@@ -28,15 +28,33 @@ def reference() -> dict[str, torch.Tensor]:
     return load_file(FIXTURE / "tiny_outputs.safetensors")
 
 
+#: 128 output columns per program: 8x fewer interpreted programs than serving's 16/32 (a row's
+#: bits still do not depend on M: the launch is the same for every M)
+TEST_CONFIG = gemv_kernels.GemvConfig(128, 4, 1)
+
+
 @pytest.fixture
 def gemv_model(model):
     if not gemv_kernels.available(torch.device("cpu")):
         pytest.skip("triton cannot run here (no CUDA, interpreter off)")
-    # 128 output columns per program: 8x fewer interpreted programs than serving's 16/32 (a row's
-    # bits still do not depend on M: the launch is the same for every M)
-    set_linear_backend(model, GemvLinear(gemv_kernels.GemvConfig(128, 4, 1)))
+    set_linear_backend(model, GemvLinear(TEST_CONFIG))
     yield model
     set_linear_backend(model, TORCH_LINEAR)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """``(rows, epilogue)`` of each real kernel launch (it still runs); epilogue ``"swiglu"``,
+    ``"rope"`` or ``""``."""
+    calls = []
+    real = gemv_kernels.gemv
+
+    def recording(x, *args, **kwargs):
+        calls.append((x.shape[0], "swiglu" if kwargs.get("swiglu") else "rope" if kwargs.get("cos") is not None else ""))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    return calls
 
 
 @pytest.fixture
@@ -82,39 +100,71 @@ def test_gemv_backend_forward_matches_the_reference_fixture(gemv_model, referenc
     torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
 
 
-def _decode_together(model, tok, specs: list[int]) -> dict[int, torch.Tensor]:
-    """Requests ``specs`` (test_batch_engine's SPECS, all joining at once) through one batched
-    `ARModelRunner` step loop as served on CUDA: one generation token per slot, the split-KV Triton
-    attention (batch-invariant), projections through the model's linear backend; rows per request."""
-    from test_batch_engine import grid_ids, make_seq
-
-    from stage_ar.runner import ARModelRunner
-
-    runner = ARModelRunner(model, 8, 96, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
-                           grid_ids(tok))), exact_rows=False, fused_attention=True, compile=False)
-    rows, first = {}, 0
-    for i in specs:
-        seq = make_seq(model, tok, i)
-        seq.attach_kv_cache(runner.kv_view(first, seq.cache_batch))
-        seq.prefill()
-        runner.activate(i, seq, first)
-        rows[i], first = [], first + seq.cache_batch
-    while (pending := runner.launch()) is not None:
-        runner.collect(pending)
-        for e in pending.entries:
-            rows[e.key].append(pending.hidden[e.slot])
-    return {i: torch.stack(r) for i, r in rows.items()}
+def test_fused_epilogues_forward_matches_the_fixture_and_the_unfused_forward(gemv_model, reference, launches):
+    """``fuse_epilogues``: every layer's qkv launch rotates q and k and its gate/up launch applies
+    SwiGLU (one launch each, no eager op after them), in the 16-row prefill and every decode step;
+    the result stays within the fixture's tolerance and within float32 rounding of the unfused
+    forward (torch matmul, then `stage_ar.layers`' eager ops; the unfused GEMV forward is as close
+    to it, the test above)."""
+    set_linear_backend(gemv_model, GemvLinear(TEST_CONFIG, fuse_epilogues=True))
+    rows, logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
+    layers, forwards = gemv_model.config.num_hidden_layers, 17
+    kinds = [epilogue for _, epilogue in launches]
+    assert kinds.count("rope") == kinds.count("swiglu") == layers * forwards
+    assert max(r for r, _ in launches) == 16
+    torch.testing.assert_close(logits, reference["ar_logits"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows, reference["ar_last_hidden_states"], atol=ATOL, rtol=0)
+    set_linear_backend(gemv_model, TORCH_LINEAR)
+    torch_rows, torch_logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
+    torch.testing.assert_close(logits, torch_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
 
 
-def test_gemv_backend_rows_do_not_depend_on_the_batch(gemv_model, tokenizer):
-    """A request decoded inside a batch (bucket 4: 3 rows of 4 in use per projection call) gives the
-    bits it gives decoded alone (bucket 2: its two AR-CFG rows): the kernel's per-row reduction
-    order is fixed, whatever M. The torch backend fails this on CPU (measured 2026-12-01: the CPU
-    matmul's order depends on M). The CPU's SDPA is not batch-invariant either, hence the runner's
-    Triton attention, as served on CUDA."""
+def test_fused_epilogues_rows_do_not_depend_on_the_batch(gemv_model, tokenizer, launches):
+    """With ``fuse_epilogues`` a request decoded inside a batch gives the bits it gives alone (as
+    `test_gemv_backend_rows_do_not_depend_on_the_batch`, the fused launches in every step)."""
+    set_linear_backend(gemv_model, GemvLinear(TEST_CONFIG, fuse_epilogues=True))
     together = _decode_together(gemv_model, tokenizer, [2, 3])
+    assert {"rope", "swiglu"} <= {epilogue for _, epilogue in launches}
     alone = _decode_together(gemv_model, tokenizer, [2])[2]
     assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
+
+
+def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
+    """`MammothLinear.forward_swiglu` / `forward_rope_qkv` with a fusing `GemvLinear`: at most 16 rows
+    one fused launch; above, torch matmul then the op passed in (the eager or compiled one), the
+    result the same as the unfused path's."""
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    from stage_ar.layers import rope_qkv, silu_and_mul
+
+    g = torch.Generator().manual_seed(2)
+    gate_up, qkv = MammothLinear(32, 48, bias=False), MammothLinear(32, 64, bias=True)
+    with torch.no_grad():
+        for layer in (gate_up, qkv):
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, generator=g) / 4)
+    x = torch.randn(2, 12, 32, generator=g)
+    angles = torch.arange(24.0).view(2, 12, 1) * torch.tensor([1.0, 0.3, 0.1, 0.03])
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # head_dim 8
+    used = []
+
+    def act(y):
+        used.append("act")
+        return silu_and_mul(y)
+
+    for layer in (gate_up, qkv):
+        layer.backend = GemvLinear(TEST_CONFIG, fuse_epilogues=True)
+    small, big = gate_up.forward_swiglu(x[:1], act), gate_up.forward_swiglu(x, act)  # 12 rows, 24 rows
+    q, k, v = qkv.forward_rope_qkv(x[:1], cos[:1], sin[:1], 4, 2)
+    assert launches == [(12, "swiglu"), (12, "rope")] and used == ["act"]  # the 24-row call: torch, then act
+    torch.testing.assert_close(big[:1], small, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(small, silu_and_mul(TORCH_LINEAR(x[:1], gate_up.weight, None, None)), atol=1e-5,
+                               rtol=1e-5)
+    want = rope_qkv(TORCH_LINEAR(x[:1], qkv.weight, qkv.bias, None), cos[:1], sin[:1], 4, 2)
+    for got, ref in zip((q, k, v), want):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_more_than_16_rows_go_to_torch_and_fp8_matches_the_kernel(kernel_calls):
@@ -146,3 +196,6 @@ def test_backend_selection():
         select_backend("cutlass", "cpu")
     expected = GemvLinear if gemv_kernels.available(torch.device("cpu")) else TorchLinear
     assert isinstance(select_backend("gemv", "cpu"), expected)
+    assert not GemvLinear().fuse_epilogues  # off until measured on the GPU (docs/PERFORMANCE.md)
+    if expected is GemvLinear:
+        assert select_backend("gemv", "cpu", fuse_epilogues=True).fuse_epilogues

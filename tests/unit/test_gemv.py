@@ -7,7 +7,9 @@ shapes there). The interpreter computes ``tl.dot`` with numpy, which has no bflo
 cases are float32 and float16 activations (FP8 weights included: they are widened in registers).
 
 Shapes are small on purpose (the interpreter is slow) but cross every boundary the kernel has: K
-spans several K tiles and ends in a partial one, N ends in a partial column block.
+spans several K tiles and ends in a partial one, N ends in a partial column block; the RoPE variant
+has heads of 8 columns (a 16-column program block spans several heads), 3 heads rotated, 2 passed
+through (a fused qkv's v heads).
 
 Tolerances (output vs the reference, which accumulates in float32 in another order): float32
 ``2e-5`` abs+rel; float16 ``3e-3`` (two float16 ulps near 1: the dot's rounding, then one more in
@@ -32,7 +34,9 @@ VARIANTS = {
     "residual": {"residual": True},
     "norm_swiglu": {"norm": True, "swiglu": True},
     "norm": {"norm": True},
+    "bias_rope": {"bias": True, "rope": True},  # the fused qkv
 }
+HEAD_DIM, ROPE_COLUMNS = 8, 24  # N = 40: 5 heads, the first 3 rotated
 
 
 @pytest.fixture
@@ -66,8 +70,27 @@ def make_inputs(variant, dtype, fp8=False, m=16, n=N, k=K, seed=0):
         kwargs["residual"] = torch.randn(m, n, generator=g).to(dtype)
     if use.get("swiglu"):
         kwargs["swiglu"] = True
+    if use.get("rope"):
+        kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(m) * 7 + 3, dtype)
+        kwargs["rope_columns"] = ROPE_COLUMNS
     to_device = {key: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for key, v in kwargs.items()}
     return x.to(DEVICE), weight.to(DEVICE), to_device
+
+
+def rope_tables(positions: torch.Tensor, dtype: torch.dtype, head_dim: int = HEAD_DIM):
+    """``(cos, sin)`` ``(len(positions), head_dim)`` in ``dtype``: the model's own rotary embedding."""
+    from types import SimpleNamespace
+
+    from stage_ar.modeling_mammoth_ar import MammothRotaryEmbedding
+
+    rotary = MammothRotaryEmbedding(SimpleNamespace(head_dim=head_dim, rope_theta=10000.0))
+    cos, sin = rotary(positions[None], dtype)
+    return cos[0], sin[0]
+
+
+def row_slice(kwargs: dict, lo: int, hi: int) -> dict:
+    """``kwargs`` with its per-row tensors (residual, cos, sin) cut to rows ``[lo, hi)``."""
+    return kwargs | {key: kwargs[key][lo:hi] for key in ("residual", "cos", "sin") if key in kwargs}
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["w16", "fp8"])
@@ -87,7 +110,7 @@ def test_matches_reference(gemv, variant, dtype, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["w16", "fp8"])
-@pytest.mark.parametrize("variant", ["plain", "norm_bias", "residual", "norm_swiglu"])
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "residual", "norm_swiglu", "bias_rope"])
 def test_row_bits_do_not_depend_on_the_other_rows(gemv, variant, fp8):
     """Row i alone (M = 1), inside M = 5 and inside M = 16 gives the same bits (on a GPU each M
     bucket is autotuned on its own, so this also covers different tuned launches)."""
@@ -95,10 +118,7 @@ def test_row_bits_do_not_depend_on_the_other_rows(gemv, variant, fp8):
     full = gemv.gemv(x, weight, **kwargs)
 
     def rows(lo, hi):
-        sub = dict(kwargs)
-        if "residual" in sub:
-            sub["residual"] = sub["residual"][lo:hi]
-        return gemv.gemv(x[lo:hi], weight, **sub)
+        return gemv.gemv(x[lo:hi], weight, **row_slice(kwargs, lo, hi))
 
     for i in (0, 7, 15):
         assert torch.equal(rows(i, i + 1)[0], full[i]), f"row {i} alone"
@@ -118,6 +138,51 @@ def test_norm_in_the_prologue_matches_and_is_batch_invariant(gemv, variant, fp8)
     assert torch.equal(gemv.gemv(x[4:5], weight, norm_in_prologue=True, **kwargs)[0], full[4])
 
 
+def exact_inputs(dtype, rows: int, m: int = 16, seed: int = 4):
+    """Activations, weight and bias whose every dot product is exact in float32 whatever the order
+    (small integers times eighths) and representable in float16: the linear output has the same
+    bits in every launch, so what differs between two paths is their epilogue alone."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (m, K), generator=g).to(dtype)
+    weight = (torch.randint(-2, 3, (rows, K), generator=g) / 8).to(dtype)
+    bias = (torch.randint(-8, 9, (rows,), generator=g) / 4).to(dtype)
+    return x.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rope_epilogue_gives_the_bits_of_the_eager_rope(gemv, dtype):
+    """The fused qkv launch (q and k heads rotated in the epilogue, v passed through) gives the bits of
+    the model's unfused path: the plain GEMV, then `stage_ar.layers.rope_qkv` (each product and the
+    sum rounded to the activation dtype). Inputs with exact dot products, so only the epilogues differ."""
+    from stage_ar.layers import rope_qkv
+
+    heads, kv_heads = 2, 1  # q 16 + k 8 rotated columns, v 8, one more pass-through head: N = 40
+    x, weight, bias = exact_inputs(dtype, N)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(torch.arange(16) * 11 + 5, dtype))
+    fused = gemv.gemv(x, weight, bias=bias, cos=cos, sin=sin, rope_columns=(heads + kv_heads) * HEAD_DIM)
+    plain = gemv.gemv(x, weight, bias=bias)
+    qkv = plain[:, : (heads + 2 * kv_heads) * HEAD_DIM]
+    q, k, v = rope_qkv(qkv[:, None], cos[:, None], sin[:, None], heads, kv_heads)
+    eager = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), plain[:, qkv.shape[1]:]], dim=1)
+    assert not torch.equal(fused, plain)  # it did rotate
+    assert torch.equal(fused, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_swiglu_epilogue_matches_the_eager_silu_and_mul(gemv, dtype):
+    """The fused gate/up launch against the model's unfused path (the plain GEMV, then
+    `stage_ar.layers.silu_and_mul`), exact dot products: they differ only by the exponential's
+    implementation inside SiLU (at most one ulp of the activation dtype)."""
+    from stage_ar.layers import silu_and_mul
+
+    x, weight, _ = exact_inputs(dtype, 2 * N)
+    x = x / 4  # gates in SiLU's curved range
+    fused = gemv.gemv(x, weight, swiglu=True)
+    eager = silu_and_mul(gemv.gemv(x, weight))
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(fused, eager, atol=ulp, rtol=ulp)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_rms_norm_rows_matches_the_model_norm(gemv, dtype):
     from stage_ar.gemv_reference import rms_norm_reference
@@ -130,7 +195,7 @@ def test_rms_norm_rows_matches_the_model_norm(gemv, dtype):
     assert torch.equal(gemv.rms_norm_rows(x[2:3], w, 1e-6)[0], got[2])
 
 
-@pytest.mark.parametrize("variant", ["plain", "norm_swiglu"])
+@pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "bias_rope"])
 def test_tuned_parameters_do_not_change_bits(gemv, variant):
     """The column block width (what autotuning picks, with warps and stages) leaves every output bit
     as it is: the reduction order of a row is fixed by the K tile alone. GPU only: the interpreter's
@@ -159,7 +224,7 @@ def test_fp8_float16_compute_gives_the_same_bits(gemv, variant, compute):
     assert torch.equal(fast, gemv.gemv(x, weight, config=config, fp8_compute="activation", **kwargs))
     want = gemv_reference(x, weight, **kwargs).float()
     torch.testing.assert_close(fast.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(gemv.gemv(x[2:3], weight, config=config, fp8_compute=compute, **_one_row(kwargs, 2))[0],
+    assert torch.equal(gemv.gemv(x[2:3], weight, config=config, fp8_compute=compute, **row_slice(kwargs, 2, 3))[0],
                        fast[2])
     x32, w32, kw32 = make_inputs("plain", torch.float32, fp8=True)
     with pytest.raises(ValueError, match="fp8_compute"):
@@ -198,10 +263,6 @@ def test_fp8_float16_compute_saturates_activations(gemv):
                                       **kwargs))
 
 
-def _one_row(kwargs, i):
-    return kwargs | ({"residual": kwargs["residual"][i : i + 1]} if "residual" in kwargs else {})
-
-
 def test_bad_inputs_are_refused_with_clear_errors(gemv):
     x, weight, _ = make_inputs("plain", torch.float16)
     w8, scale = _fp8(weight)
@@ -220,6 +281,18 @@ def test_bad_inputs_are_refused_with_clear_errors(gemv):
         (ValueError, "residual", dict(residual=torch.zeros(16, N + 1, dtype=x.dtype, device=DEVICE))),
         (ValueError, "norm_weight", dict(norm_weight=torch.ones(K - 1, dtype=x.dtype, device=DEVICE))),
         (ValueError, "swiglu", dict(weight=weight[:-1].contiguous(), swiglu=True)),
+    ]
+    cos, sin = (t.to(DEVICE) for t in rope_tables(torch.arange(16), x.dtype))
+    rope = dict(cos=cos, sin=sin, rope_columns=ROPE_COLUMNS)
+    cases += [
+        (ValueError, "cos and sin together", dict(cos=cos)),
+        (ValueError, "without cos and sin", dict(rope_columns=8)),
+        (TypeError, "cos dtype", rope | dict(cos=cos.float())),
+        (ValueError, "sin must have shape", rope | dict(sin=sin[:3])),
+        (ValueError, "even head_dim", rope | dict(cos=cos[:, :5].contiguous(), sin=sin[:, :5].contiguous())),
+        (ValueError, "rope_columns", rope | dict(rope_columns=12)),
+        (ValueError, "rope_columns", rope | dict(rope_columns=N + 8)),
+        (ValueError, "does not combine", rope | dict(residual=torch.zeros(16, N, dtype=x.dtype, device=DEVICE))),
     ]
     for error, match, change in cases:
         args = {"x": x, "weight": weight} | change
