@@ -120,6 +120,41 @@ def test_fused_epilogues_forward_matches_the_fixture_and_the_unfused_forward(gem
     torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
 
 
+def _decode_together(model, tok, specs: list[int]) -> dict[int, torch.Tensor]:
+    """Requests ``specs`` (test_batch_engine's SPECS, all joining at once) through one batched
+    `ARModelRunner` step loop as served on CUDA: one generation token per slot, the split-KV Triton
+    attention (batch-invariant), projections through the model's linear backend; rows per request."""
+    from test_batch_engine import grid_ids, make_seq
+
+    from stage_ar.runner import ARModelRunner
+
+    runner = ARModelRunner(model, 8, 96, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
+                           grid_ids(tok))), exact_rows=False, fused_attention=True, compile=False)
+    rows, first = {}, 0
+    for i in specs:
+        seq = make_seq(model, tok, i)
+        seq.attach_kv_cache(runner.kv_view(first, seq.cache_batch))
+        seq.prefill()
+        runner.activate(i, seq, first)
+        rows[i], first = [], first + seq.cache_batch
+    while (pending := runner.launch()) is not None:
+        runner.collect(pending)
+        for e in pending.entries:
+            rows[e.key].append(pending.hidden[e.slot])
+    return {i: torch.stack(r) for i, r in rows.items()}
+
+
+def test_gemv_backend_rows_do_not_depend_on_the_batch(gemv_model, tokenizer):
+    """A request decoded inside a batch (bucket 4: 3 rows of 4 in use per projection call) gives the
+    bits it gives decoded alone (bucket 2: its two AR-CFG rows): the kernel's per-row reduction
+    order is fixed, whatever M. The torch backend fails this on CPU (measured 2026-12-01: the CPU
+    matmul's order depends on M). The CPU's SDPA is not batch-invariant either, hence the runner's
+    Triton attention, as served on CUDA."""
+    together = _decode_together(gemv_model, tokenizer, [2, 3])
+    alone = _decode_together(gemv_model, tokenizer, [2])[2]
+    assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
+
+
 def test_fused_epilogues_rows_do_not_depend_on_the_batch(gemv_model, tokenizer, launches):
     """With ``fuse_epilogues`` a request decoded inside a batch gives the bits it gives alone (as
     `test_gemv_backend_rows_do_not_depend_on_the_batch`, the fused launches in every step)."""
