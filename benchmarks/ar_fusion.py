@@ -22,8 +22,9 @@ the others go on):
    forward through the model with fusion off and on: relative error of the hidden rows, and the
    argmax agreement of the visual-code logits;
 3. decode (CUDA only): `benchmarks/ar_decode.py`'s ``time_variant`` (the AR stage's engine with CUDA
-   graphs, compiled pointwise ops, fused attention) with fusion off, then on: ms/step at batch 1
-   (image start and mid-image) and batch 8, against the HBM floor (`ar_decode.floor_bytes`).
+   graphs, compiled pointwise ops, fused attention) for each of `VARIANTS` (none fused, RoPE only,
+   SwiGLU only, both): ms/step at batch 1 (image start and mid-image) and batch 8, against the HBM
+   floor (`ar_decode.floor_bytes`), in one table.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from stage_ar.linear import GemvLinear, set_linear_backend  # noqa: E402
 #: Preview attention shape: 28 query heads, 4 key/value heads of 128; hidden 3584; MLP 18944.
 PREVIEW = dict(heads=28, kv_heads=4, head_dim=128, hidden=3584, inter=18944, layers=28)
 SMOKE = dict(heads=4, kv_heads=2, head_dim=16, hidden=272, inter=200, layers=2)
-BACKENDS = {"unfused": False, "fused": True}
+#: decode variants: label -> `GemvLinear`'s ``fuse_epilogues``
+VARIANTS = {"unfused": False, "rope": ("rope",), "swiglu": ("swiglu",), "fused": True}
 
 
 def _inputs(dims: dict, m: int, device: str, dtype: torch.dtype, seed: int = 0):
@@ -146,8 +148,8 @@ def numerics(res: dict, model, steps: int, save) -> None:
     codes = torch.randint(cfg.gen_vocab_start_index, cfg.full_vocab_size, (steps,), generator=g)
     ids = torch.cat([prompt, codes])[None].to(device)
     got = {}
-    for label, fuse in BACKENDS.items():
-        set_linear_backend(model, GemvLinear(fuse_epilogues=fuse))
+    for label in ("unfused", "fused"):
+        set_linear_backend(model, GemvLinear(fuse_epilogues=VARIANTS[label]))
         got[label] = _decode_rows(model, ids, prompt.numel())
     (h0, a0), (h1, a1) = got["unfused"], got["fused"]
     res["numerics"] = {
@@ -167,7 +169,7 @@ def decode(res: dict, model, steps: int, save) -> None:
     res["ceilings"] = ceilings()
     fb = ar_decode.floor_bytes(model, ar_decode.MID)
     res["floor"] = {**fb, "ms_per_token": fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3}
-    for label, fuse in BACKENDS.items():
+    for label, fuse in VARIANTS.items():
         set_linear_backend(model, GemvLinear(fuse_epilogues=fuse))
         ar_decode.time_variant(model, res, label, {}, (1, 8), steps, mid_image=True, save=save)
 
@@ -184,12 +186,13 @@ def print_summary(res: dict) -> None:
     t = res.get("timings", {})
     floor = res.get("floor", {}).get("ms_per_token")
     if t:
-        print("\n| decode | unfused ms/step | fused ms/step | fused / floor |\n| --- | --- | --- | --- |")
+        print("\n| decode ms/step (x floor) | " + " | ".join(VARIANTS) + " |\n| --- |" + " --- |" * len(VARIANTS))
         for key in ("B1", "B1_mid", "B8"):
-            a, b = t.get(f"unfused_{key}", {}), t.get(f"fused_{key}", {})
-            if a and b:
-                ratio = f"{b['ms_per_step'] / floor:.3f} x" if floor else "-"
-                print(f"| {key} | {a['ms_per_step']:.3f} | {b['ms_per_step']:.3f} | {ratio} |")
+            cells = []
+            for label in VARIANTS:
+                ms = t.get(f"{label}_{key}", {}).get("ms_per_step")
+                cells.append("-" if ms is None else f"{ms:.3f}" + (f" ({ms / floor:.3f} x)" if floor else ""))
+            print(f"| {key} | " + " | ".join(cells) + " |")
     if "numerics" in res:
         print(f"\nnumerics: {res['numerics']}")
 

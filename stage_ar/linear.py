@@ -106,17 +106,29 @@ class GemvLinear(LinearBackend):
         config: a fixed `stage_ar.gemv.GemvConfig` (None: autotuned on CUDA, the interpreter's launch on CPU).
         fp8_compute: FP8 weights: `stage_ar.gemv.gemv`'s ``fp8_compute`` (None: its default,
             float16 products for 16-bit activations, saturating beyond +-65504).
-        fuse_epilogues: `swiglu` and `rope_qkv` of a call the kernel takes run in the GEMV's
-            epilogue (one launch; the eager ops' roundings, `stage_ar.gemv`) instead of the given
-            op after the linear. Default off: built, not yet measured on the GPU.
+        fuse_epilogues: which of `swiglu` and `rope_qkv` run in the GEMV's epilogue for the calls
+            the kernel takes (one launch; the eager ops' roundings, `stage_ar.gemv`) instead of the
+            given op after the linear: names from `EPILOGUES`, or True for both. Default none:
+            built, not yet measured on the GPU.
+
+    Raises:
+        ValueError: an unknown epilogue name.
     """
+
+    #: The epilogues ``fuse_epilogues`` may name.
+    EPILOGUES = ("rope", "swiglu")
 
     name = "gemv"
     max_rows = gemv_kernels.MAX_ROWS
 
     def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None,
-                 fuse_epilogues: bool = False) -> None:
-        self.config, self.fp8_compute, self.fuse_epilogues = config, fp8_compute, bool(fuse_epilogues)
+                 fuse_epilogues: bool | Iterable[str] = False) -> None:
+        self.config, self.fp8_compute = config, fp8_compute
+        names = self.EPILOGUES if fuse_epilogues is True else () if fuse_epilogues is False else tuple(fuse_epilogues)
+        if unknown := set(names) - set(self.EPILOGUES):
+            raise ValueError(f"fuse_epilogues takes {self.EPILOGUES}, got {sorted(unknown)}")
+        #: the epilogues fused (empty: none)
+        self.fuse_epilogues = frozenset(names)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None) -> torch.Tensor:
@@ -128,18 +140,18 @@ class GemvLinear(LinearBackend):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def swiglu(self, x, weight, bias, weight_scale, act=silu_and_mul):
-        """`LinearBackend.swiglu`; with ``fuse_epilogues`` one SwiGLU-epilogue launch where the kernel
+        """`LinearBackend.swiglu`; with ``"swiglu"`` fused one SwiGLU-epilogue launch where the kernel
         takes the call (``x`` of at most ``max_rows`` rows)."""
-        flat = self._kernel_rows(x, weight) if self.fuse_epilogues else None
+        flat = self._kernel_rows(x, weight) if "swiglu" in self.fuse_epilogues else None
         if flat is None:
             return super().swiglu(x, weight, bias, weight_scale, act)
         out = self._gemv(flat, weight, bias, weight_scale, swiglu=True)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def rope_qkv(self, x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope=rope_qkv):
-        """`LinearBackend.rope_qkv`; with ``fuse_epilogues`` one RoPE-epilogue launch (q and k heads
+        """`LinearBackend.rope_qkv`; with ``"rope"`` fused one RoPE-epilogue launch (q and k heads
         rotated, v passed through) where the kernel takes the call; q, k, v are views of its output."""
-        flat = self._kernel_rows(x, weight) if self.fuse_epilogues else None
+        flat = self._kernel_rows(x, weight) if "rope" in self.fuse_epilogues else None
         if flat is None:
             return super().rope_qkv(x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope)
         d = cos.shape[-1]
@@ -162,7 +174,8 @@ class GemvLinear(LinearBackend):
                                  fp8_compute=self.fp8_compute if weight_scale is not None else None, **epilogue)
 
 
-def select_backend(name: str, device: torch.device | str, *, fuse_epilogues: bool = False) -> TorchLinear | GemvLinear:
+def select_backend(name: str, device: torch.device | str, *,
+                   fuse_epilogues: bool | Iterable[str] = False) -> TorchLinear | GemvLinear:
     """The linear backend for ``name`` (`BACKENDS`) on ``device``.
 
     ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where

@@ -200,6 +200,11 @@ def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
     for got, ref in zip((q, k, v), want):
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    launches.clear()
+    for layer in (gate_up, qkv):
+        layer.backend = GemvLinear(TEST_CONFIG, fuse_epilogues=["rope"])  # one of the two only
+    gate_up.forward_swiglu(x[:1], act), qkv.forward_rope_qkv(x[:1], cos[:1], sin[:1], 4, 2)
+    assert launches == [(12, ""), (12, "rope")] and used == ["act", "act"]
 
 
 def test_more_than_16_rows_go_to_torch_and_fp8_matches_the_kernel(kernel_calls):
@@ -233,4 +238,6 @@ def test_backend_selection():
     assert isinstance(select_backend("gemv", "cpu"), expected)
     assert not GemvLinear().fuse_epilogues  # off until measured on the GPU (docs/PERFORMANCE.md)
     if expected is GemvLinear:
-        assert select_backend("gemv", "cpu", fuse_epilogues=True).fuse_epilogues
+        assert select_backend("gemv", "cpu", fuse_epilogues=True).fuse_epilogues == {"rope", "swiglu"}
+    with pytest.raises(ValueError, match="fuse_epilogues"):
+        GemvLinear(fuse_epilogues=["norm"])
