@@ -5,8 +5,10 @@ What a cold first request would otherwise pay, and what each job here exercises 
 own loop (`stage_ar.engine.DecodeEngine`: schedule -> prefill -> launch -> collect -> emit):
 
 * prefill: cuBLAS handles and heuristics, the SDPA kernels, and the GEMV kernels at every row count
-  a short prefill can hit (1, 2, 4, 8, 16 rows; `stage_ar.gemv` tunes once per shape, at the first
-  call, with a device sync) — prompts of 1, 2, 4, 8 and 16 tokens, then (with two KV slots or more)
+  a short prefill can hit (1, 2, 4, 8, 16 rows; `stage_ar.gemv` tunes once per shape and variant,
+  at the first call, with a device sync; with `stage_ar.linear.GemvLinear`'s ``fuse_epilogues`` the
+  RoPE and SwiGLU launches are those calls, the same forward; the decode step's variants were
+  already tuned by `ARModelRunner.capture`'s warm-up steps before capture) — prompts of 1, 2, 4, 8 and 16 tokens, then (with two KV slots or more)
   a 64-token prompt with AR-side CFG and a negative prompt (two cache rows, the negative rows,
   cuBLAS above 16 rows);
 * decode: `ARModelRunner.activate`, graph replay (the graphs themselves were captured before, one
