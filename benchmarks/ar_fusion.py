@@ -2,7 +2,8 @@
 ``fuse_epilogues`` (RoPE in the qkv launch, SwiGLU in the gate/up launch; `stage_ar.gemv`).
 
 Run on the GPU machine from the source tree (random bf16 weights at MammothModa2-Preview
-dimensions, no checkpoint; about 4 minutes on the H200, most of it the two engines' graph capture):
+dimensions, no checkpoint; estimated at about 4 minutes on the H200, most of it the four engines'
+graph capture; not yet run there):
 
     PYTHONPATH=. python3 benchmarks/ar_fusion.py --out "$OUT"
 
