@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules  # noqa: E402
+from sections import run_sections  # noqa: E402
 
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
@@ -441,19 +442,11 @@ def main() -> int:
     fb = floor_bytes(model, mid)
     res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
     save()
-    for section in (
+    run_sections(res, (
         lambda: timings(model, res, args.steps, save, eager=args.eager),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
         lambda: fp8_timings(model, res, args.steps, save),
-    ):
-        if section is None:
-            continue
-        try:
-            section()
-        except Exception:  # noqa: BLE001 - keep the other sections
-            res.setdefault("errors", []).append(traceback.format_exc())
-            print(traceback.format_exc(), flush=True)
-        save()
+    ), save)
     del model
     gc.collect()
     torch.cuda.empty_cache()

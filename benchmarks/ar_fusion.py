@@ -36,7 +36,6 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 
 import torch
 
@@ -44,6 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from sections import run_sections  # noqa: E402 - benchmarks/sections.py
 import gemv as bench_gemv  # noqa: E402 - benchmarks/gemv.py: graph_ms_per_call and its DEVICE
 
 from stage_ar import gemv as G  # noqa: E402
@@ -252,13 +252,7 @@ def main() -> int:
                 lambda: numerics(res, model, 8 if args.smoke else args.numerics_steps, save)]
     if not args.smoke:
         sections.append(lambda: decode(res, model, args.steps, save))
-    for section in sections:
-        try:
-            section()
-        except Exception:  # noqa: BLE001 - keep the other sections
-            res.setdefault("errors", []).append(traceback.format_exc())
-            print(traceback.format_exc(), flush=True)
-        save()
+    run_sections(res, sections, save)
     print_summary(res)
     return 1 if res.get("errors") else 0
 

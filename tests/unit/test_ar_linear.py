@@ -84,6 +84,17 @@ def _decode_all(model, ids: torch.Tensor, prefill: int):
     return torch.cat(rows, 1)[0], torch.cat(logits, 1)[0]
 
 
+def _assert_fixture_and_torch(model, reference, rows, logits) -> None:
+    """``rows``/``logits`` of `_decode_all` over the fixture's ids are within the fixture's tolerance,
+    and within float32 rounding of the same decode through torch matmul (the model is left on it)."""
+    torch.testing.assert_close(logits, reference["ar_logits"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows, reference["ar_last_hidden_states"], atol=ATOL, rtol=0)
+    set_linear_backend(model, TORCH_LINEAR)
+    torch_rows, torch_logits = _decode_all(model, reference["ar_input_ids"], 16)
+    torch.testing.assert_close(logits, torch_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
+
+
 def test_gemv_backend_forward_matches_the_reference_fixture(gemv_model, reference, kernel_calls):
     """The fixture's 32 ids (20 text, 12 generation: both experts) through the GEMV kernels: a
     16-token prefill (16 rows) and 16 single-token steps, every projection and both heads in the kernel."""
@@ -91,13 +102,7 @@ def test_gemv_backend_forward_matches_the_reference_fixture(gemv_model, referenc
     layers = gemv_model.config.num_hidden_layers
     # prefill: 4 projections per layer per expert group present (text + generation tokens in layers 2, 3), 2 heads
     assert len(kernel_calls) >= 17 * (4 * layers + 2) and max(kernel_calls) <= 16
-    torch.testing.assert_close(logits, reference["ar_logits"], atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows, reference["ar_last_hidden_states"], atol=ATOL, rtol=0)
-
-    set_linear_backend(gemv_model, TORCH_LINEAR)
-    torch_rows, torch_logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
-    torch.testing.assert_close(logits, torch_logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
+    _assert_fixture_and_torch(gemv_model, reference, rows, logits)
 
 
 def test_fused_epilogues_forward_matches_the_fixture_and_the_unfused_forward(gemv_model, reference, launches):
@@ -112,12 +117,7 @@ def test_fused_epilogues_forward_matches_the_fixture_and_the_unfused_forward(gem
     kinds = [epilogue for _, epilogue in launches]
     assert kinds.count("rope") == kinds.count("swiglu") == layers * forwards
     assert max(r for r, _ in launches) == 16
-    torch.testing.assert_close(logits, reference["ar_logits"], atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows, reference["ar_last_hidden_states"], atol=ATOL, rtol=0)
-    set_linear_backend(gemv_model, TORCH_LINEAR)
-    torch_rows, torch_logits = _decode_all(gemv_model, reference["ar_input_ids"], 16)
-    torch.testing.assert_close(logits, torch_logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rows, torch_rows, atol=1e-5, rtol=0)
+    _assert_fixture_and_torch(gemv_model, reference, rows, logits)
 
 
 def _decode_together(model, tok, specs: list[int]) -> dict[int, torch.Tensor]:
