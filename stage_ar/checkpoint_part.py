@@ -13,11 +13,10 @@ from mammoth_core.checkpoint_check import CheckpointPart, Shapes
 
 def expected_shapes(config: dict) -> Shapes:
     """``{"llm_model.": {state-dict key: shape}}`` of the AR model ``config["llm_config"]`` describes."""
-    import torch
-
+    from mammoth_core.meta_build import shapes_only
     from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 
-    with torch.device("meta"):
+    with shapes_only():
         model = MammothARForCausalLM.from_llm_config(config["llm_config"])
     return {AR_PREFIX: {k: tuple(v.shape) for k, v in model.state_dict().items()}}
 

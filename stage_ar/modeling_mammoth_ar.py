@@ -118,10 +118,12 @@ class MammothRotaryEmbedding(nn.Module):
     def __init__(self, config: MammothARConfig) -> None:
         super().__init__()
         dim = config.head_dim
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float32) / dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # On the default device; under ``meta`` (shape checks: `mammoth_core.meta_build`) computed on
+        # the CPU and moved there, since arithmetic on meta tensors imports torch._dynamo (seconds).
+        target = torch.empty(0).device
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu" if target.type == "meta" else target)
+        inv_freq = 1.0 / (config.rope_theta ** (exponents.to(dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq.to(target), persistent=False)
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

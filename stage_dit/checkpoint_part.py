@@ -13,11 +13,10 @@ from mammoth_core.checkpoint_check import CheckpointPart, Shapes
 def expected_shapes(config: dict) -> Shapes:
     """``{"gen_transformer.": {...}, "gen_vae.": {...}, "gen_image_condition_refiner.": {...}}``:
     state-dict key -> shape of each DiT module ``config`` describes."""
-    import torch
-
+    from mammoth_core.meta_build import shapes_only
     from stage_dit.pipeline import build_dit_modules
 
-    with torch.device("meta"):
+    with shapes_only():
         modules = build_dit_modules(config)
     return {f"{prefix}.": {k: tuple(v.shape) for k, v in m.state_dict().items()}
             for prefix, m in modules.named_modules_by_prefix().items()}

@@ -54,17 +54,21 @@ def test_the_blocker_really_blocks():
     assert out.returncode != 0 and "blocked in this test" in out.stderr
 
 
-def test_the_ar_loads_its_checkpoint_without_diffusers(tiny_checkpoint):
-    """The AR stage verifies and loads the tiny checkpoint with diffusers unimportable."""
+def test_the_ar_loads_its_checkpoint_without_diffusers_or_torch_dynamo(tiny_checkpoint):
+    """The AR stage verifies and loads the tiny checkpoint on the CPU with diffusers unimportable,
+    and without importing torch._dynamo (which arithmetic on ``meta`` tensors pulls in: about 2 s of
+    the stage's start-up; `mammoth_core.meta_build`)."""
     out = _blocked_python(("diffusers",), f"""
         import torch
         from stage_ar.loader import load_ar
         bundle = load_ar({str(tiny_checkpoint)!r}, "/nonexistent", "cpu", torch.float32)
         assert "diffusers" not in sys.modules
         print("loaded", type(bundle.model).__name__)
+        print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
     """)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loaded MammothARForCausalLM" in out.stdout
+    assert "torch._dynamo imported: False" in out.stdout, out.stdout
 
 
 def _drop_tensor(src: pathlib.Path, dst: pathlib.Path, prefix: str) -> str:
