@@ -116,10 +116,7 @@ def test_bad_tensor_is_refused_with_its_name(tiny_checkpoint, tmp_path, kind):
         module = build_dit_modules(ckpt.config).named_modules_by_prefix()[prefix[:-1]]
     with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
         ckpt.load_module(module, prefix)
-    cli = subprocess.run(
-        [sys.executable, "-m", "mammoth_app.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
-    )
-    assert cli.returncode == 1 and key in cli.stdout
+    assert report.render().startswith("FAILED:") and key in report.render()  # what the command prints
 
 
 def test_check_checkpoint_accepts_a_good_one(tiny_checkpoint):
@@ -128,9 +125,9 @@ def test_check_checkpoint_accepts_a_good_one(tiny_checkpoint):
     assert report.tensors_checked == len(Checkpoint(tiny_checkpoint).tensor_names())
 
 
-@pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard"])
-def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, damage):
-    broken = tmp_path / "broken"
+def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) -> str:
+    """Copy ``tiny_checkpoint`` to ``broken`` with its first shard damaged; returns the name the
+    report must give (the renamed tensor, or the damaged shard's file)."""
     shutil.copytree(tiny_checkpoint, broken)
     index_path = broken / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -139,16 +136,31 @@ def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, 
         key = sorted(k for k, v in index["weight_map"].items() if v == shard)[0]
         index["weight_map"][key + "_x"] = index["weight_map"].pop(key)
         index_path.write_text(json.dumps(index))
-        expected = key
-    elif damage == "truncated_shard":
+        return key
+    if damage == "truncated_shard":
         data = (broken / shard).read_bytes()
         (broken / shard).write_bytes(data[: len(data) // 2])
-        expected = shard
     else:
         (broken / shard).write_bytes(b"\xff" * 4096)
-        expected = shard
+    return shard
+
+
+@pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard"])
+def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, damage):
+    """In this process, what ``mammoth check-checkpoint`` runs (an exception here would be the
+    command's traceback); the command itself is the next test."""
+    expected = _damage(tiny_checkpoint, tmp_path / "broken", damage)
+    report = check_checkpoint(tmp_path / "broken")
+    assert not report.ok
+    assert report.render().startswith("FAILED:") and expected in report.render(), report.render()
+
+
+def test_the_check_checkpoint_command_reports_a_damaged_file_in_one_report(tiny_checkpoint, tmp_path):
+    """The console command end to end: exit status 1, the report on stdout, no traceback."""
+    expected = _damage(tiny_checkpoint, tmp_path / "broken", "junk_shard")
     cli = subprocess.run(
-        [sys.executable, "-m", "mammoth_app.cli", "check-checkpoint", str(broken)], capture_output=True, text=True
+        [sys.executable, "-m", "mammoth_app.cli", "check-checkpoint", str(tmp_path / "broken")],
+        capture_output=True, text=True, timeout=120,
     )
     assert cli.returncode == 1
     assert cli.stdout.startswith("FAILED:") and expected in cli.stdout, cli.stdout + cli.stderr
