@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -158,13 +159,24 @@ def _slow_request(url: str) -> threading.Thread:
     return t
 
 
+def wait_for_active_pipeline(u: Up, timeout: float = 60.0) -> None:
+    """Until the gateway of ``u`` reports an image pipeline in progress (its ``/metrics``)."""
+    from pipeline_harness import metric_samples
+
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{u.port}/metrics"
+    while sum(metric_samples(url, "mammoth_gateway_active_pipelines")) < 1:
+        assert time.monotonic() < deadline, f"no request in progress after {timeout} s:\n{u.text()}"
+        time.sleep(0.05)
+
+
 def test_second_ctrl_c_stops_every_component_now(up):
     u = up()
     u.wait_up()
     children, ports = u.children(), u.ports()
     assert len(children) == 3 and u.port in ports
     _slow_request(f"http://127.0.0.1:{u.port}")
-    time.sleep(2.0)  # the request is in the pipeline: a graceful stop would wait for it
+    wait_for_active_pipeline(u)  # the request is in the pipeline: a graceful stop would wait for it
     u.signal_group(signal.SIGINT)
     time.sleep(1.0)
     assert u.proc.poll() is None, "the first Ctrl-C must drain, not exit at once"
@@ -185,16 +197,10 @@ def test_sighup_closing_the_terminal_stops_every_component(up):
     assert_all_gone(children, ports, within=5.0)
 
 
-def test_sigkill_of_mammoth_up_kills_every_component(up):
-    u = up()
-    u.wait_up()
-    children, ports = u.children(), u.ports()
-    os.kill(u.proc.pid, signal.SIGKILL)
-    u.proc.wait(10)
-    assert_all_gone(children, ports, within=5.0)
-
-
-def test_two_up_started_at_the_same_moment_the_loser_says_one_line(up):
+def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_winner_kills_all(up):
+    """Two ``mammoth up`` on one port: the loser ends with one line naming the winner, which comes
+    up unaffected; then SIGKILL of that winner kills every one of its components (one ``mammoth
+    up`` serves both checks: each start costs 10-30 s of a CI run)."""
     port = free_port()
     a, b = up(port=port), up(port=port)
     deadline = time.monotonic() + 180
@@ -209,6 +215,12 @@ def test_two_up_started_at_the_same_moment_the_loser_says_one_line(up):
     assert len(lines) == 1, loser.text()
     assert f"another mammoth up (pid {winner.proc.pid})" in lines[0], lines
     winner.wait_up()  # the winner is unaffected
+
+    children, ports = winner.children(), winner.ports()
+    assert len(children) == 3 and port in ports
+    os.kill(winner.proc.pid, signal.SIGKILL)
+    winner.proc.wait(10)
+    assert_all_gone(children, ports, within=5.0)
 
 
 def test_a_stale_component_on_the_port_is_named(up, tmp_path):
@@ -233,28 +245,35 @@ def test_a_stale_component_on_the_port_is_named(up, tmp_path):
         stale.wait()
 
 
-def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work(up, tmp_path):
-    import base64
-    import io
+def seed_builtin_tiny(tiny_checkpoint: pathlib.Path, cache: pathlib.Path) -> None:
+    """Put the session's tiny checkpoint in ``cache`` as the built-in ``tiny`` one, complete (the same
+    files: both are `make_checkpoint`'s ``tiny`` preset with its default seed). ``mammoth up`` making
+    it in an empty cache is `test_readme_generate_part_in_a_fresh_clone`'s case."""
+    from mammoth_core.checkpoint import builtin_folder
 
-    from openai import OpenAI
+    target = builtin_folder("tiny", cache)
+    shutil.copytree(tiny_checkpoint, target)
+    (target / ".complete").write_text("ok\n")
+
+
+def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work(up, tiny_checkpoint, tmp_path):
     from PIL import Image
 
-    u = up(checkpoint="builtin://tiny")  # made in this test's empty cache
+    seed_builtin_tiny(tiny_checkpoint, tmp_path / "cache")
+    u = up(checkpoint="builtin://tiny")
     u.wait_up()
     banner = "".join(u.out)
     assert "Request defaults: 256x256, 20 steps" in banner, banner
-    client = OpenAI(base_url=f"http://127.0.0.1:{u.port}/v1", api_key="unused", timeout=120)
-    resp = client.images.generate(model="mammothmoda2", prompt="a fox", response_format="b64_json")
-    assert Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))).size == (256, 256)
 
-    # The banner's two commands, pasted into a shell whose PATH has no virtual environment.
+    # The banner's two commands, pasted into a shell whose PATH has no virtual environment; neither
+    # sends a size: their images show the defaults in force.
     commands = [line.strip() for line in banner.splitlines() if " generate " in line or line.strip().startswith("curl")]
     assert len(commands) == 2, banner
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAMMOTH_", "VIRTUAL_ENV"))}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not (pathlib.Path(p) / "mammoth").exists())
     for command in commands:
+        assert "size" not in command and "steps" not in command, command
         work = tmp_path / f"paste{commands.index(command)}"
         work.mkdir()
         proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
@@ -262,7 +281,8 @@ def test_local_defaults_suit_the_builtin_checkpoint_and_the_banner_commands_work
         assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
         assert len(proc.stdout) < 1000, f"{command!r} printed {len(proc.stdout)} characters"
         (image,) = list(work.iterdir())
-        assert Image.open(image).format == "PNG", command
+        with Image.open(image) as opened:
+            assert opened.format == "PNG" and opened.size == (256, 256), (command, opened.format, opened.size)
 
 
 def instance_lock_running(env: dict[str, str], port: int) -> bool:
