@@ -155,6 +155,7 @@ def test_gemv_backend_rows_do_not_depend_on_the_batch(gemv_model, tokenizer):
     assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
 
 
+@pytest.mark.slow  # 38 s in the interpreter; the kernel-level invariance (test_gemv) runs by default
 def test_fused_epilogues_rows_do_not_depend_on_the_batch(gemv_model, tokenizer, launches):
     """With ``fuse_epilogues`` a request decoded inside a batch gives the bits it gives alone (as
     `test_gemv_backend_rows_do_not_depend_on_the_batch`, the fused launches in every step)."""
