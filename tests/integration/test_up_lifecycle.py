@@ -37,6 +37,9 @@ class Up:
     def __init__(self, checkpoint: pathlib.Path | str, cache: pathlib.Path, port: int, *extra: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
         env["MAMMOTH_CACHE_DIR"] = str(cache)
+        # its work folder (stage tokens) under the test's tmp_path: a SIGKILLed `up` cannot remove it
+        env["TMPDIR"] = str(cache.parent / "tmp")
+        os.makedirs(env["TMPDIR"], exist_ok=True)
         cmd = [sys.executable, "-m", "mammoth_app.cli", "up", "--port", str(port), "--checkpoint",
                str(checkpoint), "--log-level", "warning", *extra]
         self.port = port
