@@ -11,6 +11,10 @@
   holder dies, so a lock file left behind is never mistaken for a running instance.
 - `port_holder`: which process listens on a TCP port (``/proc/net/tcp*``), to name a stale
   component that holds the gateway's port.
+- `WorkFolder`: the private ``$TMPDIR/mammoth-up-*`` folder of one ``mammoth up`` (ready files,
+  stage tokens), with an ``flock`` on its ``owner.lock`` held for that ``mammoth up``'s life. A
+  ``mammoth up`` killed with SIGKILL cannot remove its folder; the next one removes every folder
+  of this user whose lock nobody holds (`WorkFolder.sweep_stale`), so stage tokens do not pile up.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import json
 import os
 import pathlib
 import signal
+import shutil
 import subprocess
+import tempfile
 import time
 
 from mammoth_core.runtime import die_with_parent  # noqa: F401 - its one home; re-exported
@@ -142,3 +148,45 @@ def port_holder(port: int) -> tuple[int, str] | None:
                     cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                     return int(proc.name), cmd.strip()
     return None
+
+
+class WorkFolder:
+    """A private work folder (mode 0700, in ``$TMPDIR``) locked by the process that made it.
+
+    Attributes:
+        path: the folder.
+    """
+
+    PREFIX = "mammoth-up-"
+    LOCK = "owner.lock"
+
+    def __init__(self, parent: str | os.PathLike | None = None):
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix=self.PREFIX, dir=parent))
+        self._lock = open(self.path / self.LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+
+    def remove(self) -> None:
+        """Delete the folder and drop its lock (idempotent)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if not self._lock.closed:
+            self._lock.close()
+
+    @classmethod
+    def sweep_stale(cls, parent: str | os.PathLike | None = None) -> list[pathlib.Path]:
+        """Remove the work folders in ``parent`` (default ``$TMPDIR``) that belong to this user and
+        whose owner is gone (its ``owner.lock`` not held: the kernel drops an ``flock`` when its
+        holder dies, SIGKILL included). Folders without a lock file (older versions, other
+        programs) and other users' folders are left alone. Returns the folders removed."""
+        removed = []
+        for folder in pathlib.Path(parent or tempfile.gettempdir()).glob(cls.PREFIX + "*"):
+            lock = folder / cls.LOCK
+            try:
+                if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                    continue
+                with open(lock) as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (OSError, BlockingIOError):  # no lock file, not ours, or its owner is alive
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        return removed

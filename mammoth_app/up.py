@@ -12,7 +12,8 @@ Around `mammoth_app.local.start_pipeline` (which starts the three processes) thi
   or the ``--config`` file sets them; the banner states the defaults in force;
 - one line, never a traceback, for a missing checkpoint folder or an unusable ``--config`` file;
 - a private work folder (``$TMPDIR/mammoth-up-*``: the components' ready files and the run's stage
-  tokens), removed once the components have stopped (not after a SIGKILL of ``mammoth up``).
+  tokens), removed once the components have stopped; after a SIGKILL of ``mammoth up`` the next
+  ``mammoth up`` removes it (`supervise.WorkFolder`).
 
 ``--generate PROMPT`` instead makes one request through the HTTP API once everything is up, writes
 the image to ``--output`` and shuts everything down.
@@ -28,7 +29,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import time
 
 import yaml
@@ -36,7 +36,7 @@ import yaml
 from mammoth_core import settings as settings_mod
 from mammoth_core.checkpoint import BUILTIN_SCHEME, CheckpointError, check_files, resolve_checkpoint
 from mammoth_app.local import Component, StartupError, cache_dir, start_pipeline, stop_pipeline
-from mammoth_app.supervise import AlreadyRunning, InstanceLock
+from mammoth_app.supervise import AlreadyRunning, InstanceLock, WorkFolder
 
 #: Gateway request defaults with a built-in checkpoint (random weights: its images are noise), sized
 #: so that a request without ``size``/``num_inference_steps`` takes seconds on a CPU.
@@ -196,7 +196,9 @@ def run_up(args: argparse.Namespace) -> int:
     state = _install_signal_handlers()
     lock = InstanceLock(pathlib.Path(cache_dir(env)) / "run", args.port) if args.port else None
     components: list[Component] = []
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))  # ready files, stage tokens
+    WorkFolder.sweep_stale()  # folders of `mammoth up`s killed with SIGKILL (their stage tokens)
+    work = WorkFolder()  # ready files, stage tokens
+    workdir = work.path
     try:
         try:
             if lock:
@@ -213,7 +215,7 @@ def run_up(args: argparse.Namespace) -> int:
         return _serve(args, components, plan, lock, state)
     finally:
         _shutdown(components)
-        shutil.rmtree(workdir, ignore_errors=True)  # the components are gone: nothing reads it now
+        work.remove()  # the components are gone: nothing reads it now
         if lock:
             lock.release()
 

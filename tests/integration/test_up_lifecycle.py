@@ -200,11 +200,17 @@ def test_sighup_closing_the_terminal_stops_every_component(up):
     assert_all_gone(children, ports, within=5.0)
 
 
-def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_winner_kills_all(up):
+def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_winner_kills_all(up, tmp_path):
     """Two ``mammoth up`` on one port: the loser ends with one line naming the winner, which comes
     up unaffected; then SIGKILL of that winner kills every one of its components (one ``mammoth
-    up`` serves both checks: each start costs 10-30 s of a CI run)."""
+    up`` serves both checks: each start costs 10-30 s of a CI run). The work folder (stage tokens)
+    of an earlier ``mammoth up`` killed with SIGKILL is removed by the next one; a live one's is kept."""
     port = free_port()
+    tmpdir = tmp_path / "tmp"  # the TMPDIR `Up` gives its `mammoth up`
+    tmpdir.mkdir(exist_ok=True)
+    stale = tmpdir / "mammoth-up-stale"  # as a SIGKILLed `mammoth up` leaves it: lock not held
+    (stale / "tokens").mkdir(parents=True)
+    (stale / "owner.lock").touch()
     a, b = up(port=port), up(port=port)
     deadline = time.monotonic() + 180
     while a.proc.poll() is None and b.proc.poll() is None and time.monotonic() < deadline:
@@ -218,12 +224,16 @@ def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_wi
     assert len(lines) == 1, loser.text()
     assert f"another mammoth up (pid {winner.proc.pid})" in lines[0], lines
     winner.wait_up()  # the winner is unaffected
+    assert not stale.exists(), "the SIGKILLed run's work folder is still there"
+    (mine,) = tmpdir.glob("mammoth-up-*")  # the winner's (the loser removed its own)
 
     children, ports = winner.children(), winner.ports()
     assert len(children) == 3 and port in ports
     os.kill(winner.proc.pid, signal.SIGKILL)
     winner.proc.wait(10)
     assert_all_gone(children, ports, within=5.0)
+    from mammoth_app.supervise import WorkFolder
+    assert WorkFolder.sweep_stale(tmpdir) == [mine]  # its lock went with it: the next `up` removes it
 
 
 def test_a_stale_component_on_the_port_is_named(up, tmp_path):
