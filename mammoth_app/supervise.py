@@ -159,6 +159,9 @@ class WorkFolder:
 
     PREFIX = "mammoth-up-"
     LOCK = "owner.lock"
+    #: Folders younger than this are never swept: between `mkdtemp` and its ``flock`` a live
+    #: owner's folder has no held lock yet.
+    MIN_AGE_S = 10.0
 
     def __init__(self, parent: str | os.PathLike | None = None):
         self.path = pathlib.Path(tempfile.mkdtemp(prefix=self.PREFIX, dir=parent))
@@ -175,13 +178,14 @@ class WorkFolder:
     def sweep_stale(cls, parent: str | os.PathLike | None = None) -> list[pathlib.Path]:
         """Remove the work folders in ``parent`` (default ``$TMPDIR``) that belong to this user and
         whose owner is gone (its ``owner.lock`` not held: the kernel drops an ``flock`` when its
-        holder dies, SIGKILL included). Folders without a lock file (older versions, other
+        holder dies, SIGKILL included) and that are at least `MIN_AGE_S` old. Folders without a lock file (older versions, other
         programs) and other users' folders are left alone. Returns the folders removed."""
         removed = []
         for folder in pathlib.Path(parent or tempfile.gettempdir()).glob(cls.PREFIX + "*"):
             lock = folder / cls.LOCK
             try:
-                if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                info = folder.lstat()
+                if folder.is_symlink() or info.st_uid != os.getuid() or time.time() - info.st_mtime < cls.MIN_AGE_S:
                     continue
                 with open(lock) as f:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

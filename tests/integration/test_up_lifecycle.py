@@ -211,6 +211,8 @@ def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_wi
     stale = tmpdir / "mammoth-up-stale"  # as a SIGKILLed `mammoth up` leaves it: lock not held
     (stale / "tokens").mkdir(parents=True)
     (stale / "owner.lock").touch()
+    old = time.time() - 60  # older than WorkFolder.MIN_AGE_S
+    os.utime(stale, (old, old))
     a, b = up(port=port), up(port=port)
     deadline = time.monotonic() + 180
     while a.proc.poll() is None and b.proc.poll() is None and time.monotonic() < deadline:
@@ -233,6 +235,7 @@ def test_two_up_at_the_same_moment_the_loser_says_one_line_and_sigkill_of_the_wi
     winner.proc.wait(10)
     assert_all_gone(children, ports, within=5.0)
     from mammoth_app.supervise import WorkFolder
+    os.utime(mine, (old, old))
     assert WorkFolder.sweep_stale(tmpdir) == [mine]  # its lock went with it: the next `up` removes it
 
 

@@ -36,6 +36,10 @@ def test_a_sigkilled_owners_folder_is_swept_and_live_or_foreign_ones_are_kept(tm
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / "mammoth-up-link").symlink_to(target)
+    assert WorkFolder.sweep_stale(tmp_path) == [], "a folder younger than MIN_AGE_S was removed"
+    old = os.stat(dead).st_mtime - WorkFolder.MIN_AGE_S - 1
+    for folder in (dead, live.path, unlocked):
+        os.utime(folder, (old, old))
     assert [str(p) for p in WorkFolder.sweep_stale(tmp_path)] == [dead]
     assert not os.path.exists(dead)
     assert live.path.is_dir() and unlocked.is_dir() and target.is_dir()
