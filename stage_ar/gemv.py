@@ -24,7 +24,8 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
   differs from eager only by the dot's summation order (`stage_ar.gemv_reference` is that chain).
 - W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
   codes widened in registers (to float16 by default, activations too: ``fp8_compute``), scale
-  applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`.
+  applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`. W8A8 (opt-in
+  ``fp8_compute="fp8"``): rows quantized per token first, FP8 x FP8 dots, both scales in the epilogue.
 
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
@@ -53,6 +54,7 @@ from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch para
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
 )
 from stage_ar.gemv_checks import ACTIVATION_DTYPES, MAX_ROWS, check_gemv_args, expect_tensor  # noqa: F401 - re-exported
+from stage_ar.fp8_activations import quantize_rows
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -64,8 +66,8 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``), and the kernel's ``FP8_MODE`` for each.
-FP8_COMPUTES = ("activation", "float16", "float16_bits")
-_FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2}
+FP8_COMPUTES = ("activation", "float16", "float16_bits", "fp8")
+_FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2, "fp8": 3}
 #: float16's largest finite magnitude: float16-compute activations saturate there.
 F16_MAX = 65504.0
 
@@ -155,15 +157,17 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, dtype: tl.constexpr,
+    def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype: tl.constexpr,
                 FP8: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_MODE: tl.constexpr = 0):
         """The linear output rounded to ``dtype``: ``acc * scale + bias`` in float32 first (``FP8_MODE``
-        2: ``scale * 2^8``, exact, undoing `_f16_bits`' factor)."""
+        2: ``scale * 2^8``, exact, undoing `_f16_bits`' factor; 3: ``acc * scale[n] * x_scale[m]``)."""
         if FP8:
             scale = tl.load(scale_ptr + rows, mask=n_mask, other=0.0)
             if FP8_MODE == 2:
                 scale = scale * 256.0
             acc = acc * scale[:, None]
+            if FP8_MODE == 3:  # W8A8: each activation row's own scale (`stage_ar.fp8_activations`)
+                acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         return acc.to(dtype)
@@ -189,7 +193,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr,
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr,
         M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
@@ -199,8 +203,9 @@ if triton is not None:
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
         (``c``, ``c + HEAD_DIM / 2``) of the j-th first-half column ``c`` of the heads, both written, the
-        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed."""
-        dtype: tl.constexpr = x_ptr.dtype.element_ty
+        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed. ``FP8_MODE``
+        3 (W8A8): ``x_ptr`` holds E4M3 codes, ``xs_ptr`` their row scales, the dots are FP8 x FP8."""
+        dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROPE:
@@ -222,14 +227,15 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            if FP8_MODE != 0:  # float16 products: codes (and activations, saturated) in float16
+            if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
                 x_t = _f16_saturated(x_t)
             acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
             if PAIRED:
                 acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
-        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS, FP8_MODE)
+        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
         if PAIRED:
-            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, dtype, FP8, HAS_BIAS, FP8_MODE)
+            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS,
+                         FP8_MODE)
         if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
             gate = y.to(tl.float32)
             y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * y2.to(tl.float32)).to(dtype)
@@ -344,7 +350,12 @@ def gemv(
             the same products with the codes widened by integer operations (measured slower).
             Codes and bfloat16 activations are exact in float16, so all three give the same bits
             while every ``|x| <= 65504`` (and ``>= 2^-17``, float16's subnormal resolution); larger
-            activations saturate at +-65504 in the float16 modes. ``None`` (the default):
+            activations saturate at +-65504 in the float16 modes. ``"fp8"`` (W8A8, opt-in, not yet
+            measured): each activation row quantized to E4M3 with its own scale first
+            (`stage_ar.fp8_activations.quantize_rows`, a second launch; after the norm, which then
+            always runs as `rms_norm_rows`), FP8 x FP8 tensor-core dots in float32, ``acc * scale[n] *
+            x_scale[m]``: other numerics (`stage_ar.gemv_reference.gemv_reference`'s ``fp8_compute``).
+            ``None`` (the default):
             `default_fp8_compute` (``"float16"`` for 16-bit activations: 1.5 x faster than
             ``"activation"`` per visual token on the H200, 2026-12-01).
         cos, sin: ``(M, head_dim)`` in ``x.dtype``, contiguous, each row's RoPE table (as
@@ -369,11 +380,16 @@ def gemv(
     _check_fp8_compute(fp8_compute, x)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
-    if norm_weight is not None and not norm_in_prologue:
+    w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
+    if norm_weight is not None and (w8a8 or not norm_in_prologue):
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     rope = (cos, sin, rope_columns) if cos is not None else None
-    _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope)
+    x_scales = None
+    if w8a8:
+        x, x_scales = quantize_rows(x)
+    _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
+            x_scales)
     return out
 
 
@@ -386,14 +402,14 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
     if fp8_compute not in FP8_COMPUTES:
         raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
-    if fp8_compute != "activation" and x.dtype == torch.float32:
+    if fp8_compute in ("float16", "float16_bits") and x.dtype == torch.float32:
         raise ValueError(f"fp8_compute={fp8_compute!r} takes 16-bit activations (float32 ones would be rounded)")
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None) -> None:
+            rope=None, x_scales=None) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
-    ``(cos, sin, rope_columns)`` or None."""
+    ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8)."""
     (m, k), n = x.shape, out.shape[1]
     cos, sin, rope_columns = rope or (x, x, 0)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
@@ -401,14 +417,14 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     args = (
         x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), cos, sin, out,
-        m, n, k,
+        _or(x_scales, out), m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
         float(norm_eps), rope_columns,
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
-        SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32,
+        SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0,
     )
@@ -475,12 +491,14 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     fp8 = weight_dtype == FP8_DTYPE
     norm = norm and norm_in_prologue  # else `rms_norm_rows` runs first and the GEMV has no norm
     fp8_compute = fp8_compute or default_fp8_compute(x_dtype)
+    w8a8 = fp8 and fp8_compute == "fp8"
+    norm = norm and not w8a8  # W8A8 quantizes the normalised rows first
     _kernel.warmup(
-        x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, x_dtype,
-        MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6, rope_head_dim and n // 2,
+        FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
+        x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6, rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
-        HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32,
+        HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
     )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from stage_ar.gemv_checks import check_gemv_args
+from stage_ar.fp8 import FP8_MAX
+from stage_ar.fp8_activations import MIN_ROW_SCALE
 from stage_ar.gemv_configs import FP8_DTYPE
 from stage_ar.layers import apply_rope, silu_and_mul
 
@@ -49,14 +51,25 @@ def gemv_reference(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
+    fp8_compute: str | None = None,
 ) -> torch.Tensor:
-    """What `stage_ar.gemv.gemv` computes, step by step in torch (same arguments, same checks)."""
+    """What `stage_ar.gemv.gemv` computes, step by step in torch (same arguments, same checks).
+
+    ``fp8_compute="fp8"`` with FP8 weights (W8A8): the (normalised) rows are quantized by
+    `quantize_rows_reference` and the linear is ``((codes.float() @ w_codes.float().T) * weight_scale)
+    * x_scale[:, None]``; every other ``fp8_compute`` gives the W8A16 numerics computed here
+    regardless (the kernels' modes agree bit for bit within float16's range)."""
     check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, norm_eps)
-    w = weight.float()
-    acc = h.float() @ w.T
+    w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
+    x_scale = None
+    if w8a8:
+        h, x_scale = quantize_rows_reference(h)
+    acc = h.float() @ weight.float().T
     if weight.dtype == FP8_DTYPE:
         acc = acc * weight_scale
+    if x_scale is not None:
+        acc = acc * x_scale[:, None]
     if bias is not None:
         acc = acc + bias.float()
     y = acc.to(x.dtype)
@@ -70,3 +83,18 @@ def gemv_reference(
         rotated = apply_rope(heads, cos[:, None], sin[:, None]).reshape(m, rope_columns)
         y = torch.cat([rotated, y[:, rope_columns:]], dim=1)
     return y
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stage_ar.fp8_activations.quantize_rows` in torch: ``x (M, K)`` (any float dtype) ->
+    ``codes (M, K)`` ``float8_e4m3fn`` and ``scales (M,)`` float32, ``scale = max(amax(|row|) / 448,
+    MIN_ROW_SCALE)``, ``codes = e4m3(clamp(row / scale, -448, 448))``."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=1) / FP8_MAX).clamp_min(MIN_ROW_SCALE)
+    codes = (xf / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scales
+
+
+def dequantize_rows_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes (M, K)`` E4M3 times ``scales (M,)``, float32: the activations W8A8 actually multiplies."""
+    return codes.float() * scales[:, None]

@@ -1,0 +1,95 @@
+"""Per-row (per-token) dynamic E4M3 quantization of activations: the pre-pass of `stage_ar.gemv`'s W8A8
+mode (``fp8_compute="fp8"``), one Triton program per row (CUDA; Triton's interpreter on CPU tensors).
+
+Scheme (the usual per-token one of vLLM and DeepSeek-style W8A8 serving): row ``m``'s scale is
+``s[m] = max(amax(|x[m]|) / 448, MIN_ROW_SCALE)`` in float32 and its codes are
+``q[m, k] = e4m3(clamp(x[m, k] / s[m], -448, 448))`` (round to nearest even, both divisions IEEE
+``div_rn``), so ``x[m, k] ≈ q[m, k] * s[m]`` within E4M3's rounding: at most 2^-4 of the magnitude for
+values above ``2^-6 * s[m]``, at most ``2^-10 * s[m]`` below. An all-zero row gets
+``MIN_ROW_SCALE`` and zero codes (no NaN). A row's scale and codes are computed from that row alone,
+by its own program, so they are the same bits alone and inside any batch. Torch reference:
+`stage_ar.gemv_reference.quantize_rows_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
+from stage_ar.gemv_checks import ACTIVATION_DTYPES
+
+try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+#: Floor of a row scale (an all-zero row's scale): ``1 / (448 * 512)``.
+MIN_ROW_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: Columns per chunk of the quantization pass.
+QUANT_BLOCK = 1024
+
+if triton is not None:
+
+    @triton.jit
+    def _round_e4m3(v):
+        """float32 ``v`` in [-448, 448] rounded to nearest even on E4M3's grid (exactly representable,
+        so the cast after it is exact): step ``2^(e - 3)`` for ``|v|`` in ``[2^e, 2^(e+1))``, ``2^-9`` below
+        ``2^-6`` (subnormals). Done in float32 because Triton's interpreter rounds the direct cast
+        wrongly where the mantissa carries into the exponent (126.7 -> 64); the GPU's cast does not."""
+        e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+        inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+        t = v * inv_step  # exact, |t| <= 16
+        return ((t + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds t to even
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, BLOCK: tl.constexpr):
+        """Row ``program_id(0)``: ``amax`` over K (max is exact in any order), the scale, then the codes."""
+        row = tl.program_id(0)
+        x_ptr += row * stride_xm
+        q_ptr += row * stride_qm
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            tl.store(q_ptr + k0 + offs, _round_e4m3(q).to(tl.float8e4nv), mask=k0 + offs < K)
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes and one float32 scale per row of ``x`` (the module's scheme), one program per row.
+
+    Args:
+        x: ``(M, K)`` activations, bfloat16/float16/float32, rows contiguous, on CUDA (or any
+            device under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        ``(codes, scales)``: ``codes (M, K)`` ``torch.float8_e4m3fn`` (contiguous) and ``scales (M,)``
+        float32, on ``x``'s device, with ``x ≈ codes.float() * scales[:, None]``.
+
+    Raises:
+        ValueError: ``x`` is not 2-D with contiguous rows.
+        TypeError: ``x`` is not bfloat16, float16 or float32.
+        RuntimeError: triton cannot run on ``x``'s device.
+    """
+    from stage_ar.gemv import available  # the one availability rule (CUDA, or the interpreter)
+
+    if x.ndim != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows takes a 2-D x with contiguous rows, got shape {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"quantize_rows takes {ACTIVATION_DTYPES} activations, got {x.dtype}")
+    if not available(x.device):
+        raise RuntimeError(f"quantize_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _quantize_rows_kernel[(x.shape[0],)](x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
+                                             MIN_ROW_SCALE, BLOCK=QUANT_BLOCK, num_warps=4)
+    return codes, scales
