@@ -38,11 +38,13 @@ if triton is not None:
         so the cast after it is exact): step ``2^(e - 3)`` for ``|v|`` in ``[2^e, 2^(e+1))``, ``2^-9`` below
         ``2^-6`` (subnormals). Done in float32 because Triton's interpreter rounds the direct cast
         wrongly where the mantissa carries into the exponent (126.7 -> 64); the GPU's cast does not."""
-        e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
         inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
-        t = v * inv_step  # exact, |t| <= 16
-        return ((t + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds t to even
+        t = tl.abs(v) * inv_step  # exact, t <= 16
+        r = ((t + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds t to even
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign (-0 too)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, BLOCK: tl.constexpr):

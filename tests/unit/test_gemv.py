@@ -356,3 +356,87 @@ def test_fp8_converter_refuses_bad_inputs():
         quantize_fp8_per_channel(torch.tensor([[1.0, float("inf")]]))
     with pytest.raises(ValueError, match="scale"):
         dequantize_fp8_per_channel(torch.ones(4, 4).to(torch.float8_e4m3fn), torch.ones(3), torch.float32)
+
+
+# --- W8A8 (fp8_compute="fp8"): per-row E4M3 activations (stage_ar.fp8_activations), FP8 x FP8 dots ---
+
+#: Row 1's values over its scale (2^-3: the row's amax is 56), and the E4M3 value each must become:
+#: exact midpoints round to the even neighbour, some carrying into the next binade, subnormals too.
+QUANT_CASES = [(448.0, 448.0), (1.0625, 1.0), (1.1875, 1.25), (3.875, 4.0), (7.75, 8.0), (15.5, 16.0),
+               (31.0, 32.0), (-124.0, -128.0), (2.0**-10, 0.0), (3 * 2.0**-10, 2.0**-8), (-5 * 2.0**-10, -2.0**-8)]
+
+
+def _rows_to_quantize(dtype, m=16, k=K, seed=11):
+    """``(m, k)`` rows spanning magnitudes 1e-3..1e3 (each row its own), a zero row (2), and row 1
+    starting with `QUANT_CASES` (below its amax of 56 = 448 * 2^-3, so its scale is exactly 2^-3)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    x[1] = x[1].clamp(-40.0, 40.0)
+    x[1, : len(QUANT_CASES)] = torch.tensor([v for v, _ in QUANT_CASES]) * 0.125
+    x[2] = 0.0
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_quantize_rows_matches_the_reference_bit_for_bit(gemv, dtype):
+    """Scales and E4M3 codes equal the torch reference's exactly (round to nearest even, incl. carries
+    into the next binade, subnormals, a zero row -> MIN_ROW_SCALE and zero codes)."""
+    from stage_ar.fp8_activations import MIN_ROW_SCALE, quantize_rows
+    from stage_ar.gemv_reference import quantize_rows_reference
+
+    if dtype == torch.bfloat16 and gemv.INTERPRETED:
+        pytest.skip("numpy (the interpreter) has no bfloat16")
+    x = _rows_to_quantize(dtype)
+    codes, scales = quantize_rows(x)
+    want_codes, want_scales = quantize_rows_reference(x)
+    assert codes.dtype == gemv.FP8_DTYPE and codes.shape == x.shape and scales.dtype == torch.float32
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert scales[2] == MIN_ROW_SCALE and not codes[2].view(torch.uint8).any()
+    assert scales[1] == 0.125 and codes[1, : len(QUANT_CASES)].float().tolist() == [q for _, q in QUANT_CASES]
+    assert codes.float().abs().amax(dim=1)[[0, 1, 3, 15]].eq(448.0).all()  # each row's amax maps to 448
+
+
+def test_quantize_rows_row_alone_equals_row_in_a_batch(gemv):
+    """A row's scale and codes come from the row alone: bit-equal at M = 1 and inside M = 16."""
+    from stage_ar.fp8_activations import quantize_rows
+
+    x = _rows_to_quantize(torch.float16, seed=12)
+    codes, scales = quantize_rows(x)
+    for i in (0, 1, 9, 15):
+        c1, s1 = quantize_rows(x[i : i + 1])
+        assert torch.equal(s1[0], scales[i]) and torch.equal(c1[0].view(torch.uint8), codes[i].view(torch.uint8))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_rows(x[0])
+    with pytest.raises(TypeError, match="activations"):
+        quantize_rows(x.to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "bias", "norm_swiglu", "residual", "bias_rope"])
+def test_w8a8_matches_its_reference(gemv, variant, dtype):
+    """The FP8 x FP8 launch equals `gemv_reference(..., fp8_compute="fp8")` to the dot's summation order,
+    and really quantizes the activations (it is off W8A16's result by far more than that tolerance)."""
+    from stage_ar.gemv_reference import gemv_reference
+
+    if dtype == torch.bfloat16 and gemv.INTERPRETED:
+        pytest.skip("numpy (the interpreter) has no bfloat16")
+    x, weight, kwargs = make_inputs(variant, dtype, fp8=True, seed=13)
+    got = gemv.gemv(x, weight, config=gemv.GemvConfig(16, 4, 3), fp8_compute="fp8", **kwargs)
+    want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    w8a16 = gemv_reference(x, weight, **kwargs).float()
+    assert (want.float() - w8a16).abs().max() > 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "bias_rope"])
+def test_w8a8_row_bits_do_not_depend_on_the_other_rows(gemv, variant):
+    """W8A8 keeps batch invariance: row i alone equals row i of the 16-row batch, bit for bit
+    (autotuned on a GPU: the first call of the shape fixes the launch for every M)."""
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    x, weight, kwargs = make_inputs(variant, dtype, fp8=True, seed=14)
+    full = gemv.gemv(x, weight, fp8_compute="fp8", **kwargs)
+    for i in (0, 7, 15):
+        assert torch.equal(gemv.gemv(x[i : i + 1], weight, fp8_compute="fp8", **row_slice(kwargs, i, i + 1))[0],
+                           full[i]), f"row {i} alone"
