@@ -10,7 +10,7 @@ crash or the time budget keeps what finished; a failing variant records its erro
 run order: precompile, 1, 0, timings at M = 1 and 16, 2, the other timings, 4, 5):
 0. variants side by side (`benchmarks/gemv_variants.py`, first, within ``--variants-budget-s``): one
    plain linear per shape at M = 1 and 16 by cuBLAS bf16, our GEMV bf16, our FP8 GEMV (bf16 or
-   float16 widening, 256- or 512-column K tiles), the torch dequantise-then-cuBLAS FP8 path and
+   float16 widening, 256- or 512-column K tiles; W8A8), the torch dequantise-then-cuBLAS FP8 path and
    ``torch._scaled_mm`` (FP8 x FP8); per visual token against the bf16 and FP8 floors;
 1. ceiling: device-to-device copy bandwidth of a 2 GiB buffer (bytes read + written);
 2. correctness at every shape in its fused form (the way a decoder layer uses it) and plain, bf16
@@ -325,10 +325,10 @@ def precompile_jobs(table: dict) -> list[tuple]:
     """Every (shape, form, candidate config) autotuning will compile, as `stage_ar.gemv.compile_ahead` arguments."""
     jobs = []
     for name, shape in table.items():
-        for c in G.FP8_TUNED_CONFIGS:  # section 0's float16-compute FP8 launch (plain)
+        for c in G.FP8_TUNED_CONFIGS:  # section 0's float16-compute and W8A8 FP8 launches (plain)
             if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
-                jobs.append((f"{name}/fp8-f16/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
-                             {"fp8_compute": "float16"}))
+                jobs += [(f"{name}/fp8-{mode}/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
+                          {"fp8_compute": mode}) for mode in ("float16", "fp8")]
         for form in ("plain", "fused", "fp8"):
             flags = {} if form == "plain" else dict(shape["fused"])
             w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16

@@ -6,6 +6,8 @@ Variants (``name: what``):
 - ``gemv_bf16``: `stage_ar.gemv.gemv`, bf16 weights (autotuned);
 - ``gemv_fp8``: FP8 E4M3 weights widened to bf16 in registers (the default FP8 path, autotuned);
 - ``gemv_fp8_f16``: FP8 widened to float16, activations too (``fp8_compute="float16"``);
+- ``gemv_fp8_w8a8``: W8A8 (``fp8_compute="fp8"``): each activation row quantized to E4M3 by
+  `stage_ar.fp8_activations.quantize_rows` (its launch included in the time), FP8 x FP8 dots;
 - ``gemv_fp8_bk512`` / ``gemv_fp8_f16_bk512``: the same with 512-column K tiles (as many weight
   bytes per tile as bf16's 256), launch otherwise the tuned one's; ``bits_equal`` says whether their
   output equals the 256-column launch's bit for bit;
@@ -32,7 +34,7 @@ from stage_ar import gemv as G
 from stage_ar.fp8 import FP8_MAX
 from stage_ar.linear import TorchLinear
 
-VARIANTS = ("cublas_bf16", "gemv_bf16", "gemv_fp8", "gemv_fp8_f16", "gemv_fp8_bk512", "gemv_fp8_f16_bk512",
+VARIANTS = ("cublas_bf16", "gemv_bf16", "gemv_fp8", "gemv_fp8_f16", "gemv_fp8_w8a8", "gemv_fp8_bk512", "gemv_fp8_f16_bk512",
             "torch_dequant_fp8", "scaled_mm_fp8")
 FP8_VARIANTS = {v for v in VARIANTS if "fp8" in v}
 
@@ -57,6 +59,8 @@ def _call(variant: str, x: torch.Tensor, ws: dict, config: G.GemvConfig | None):
         return lambda: G.gemv(x, w)
     if variant in ("gemv_fp8", "gemv_fp8_f16"):
         return lambda: G.gemv(x, w8, weight_scale=scale, fp8_compute=compute)
+    if variant == "gemv_fp8_w8a8":
+        return lambda: G.gemv(x, w8, weight_scale=scale, fp8_compute="fp8")
     if variant.endswith("bk512"):
         return lambda: G.gemv(x, w8, weight_scale=scale, fp8_compute=compute, config=config)
     if variant == "torch_dequant_fp8":
