@@ -411,12 +411,12 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
     ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8)."""
     (m, k), n = x.shape, out.shape[1]
-    cos, sin, rope_columns = rope or (x, x, 0)
+    cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     args = (
-        x, weight, _or(weight_scale, x), _or(bias, x), _or(norm_weight, x), _or(residual, x), cos, sin, out,
+        x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
         _or(x_scales, out), m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
         float(norm_eps), rope_columns,
