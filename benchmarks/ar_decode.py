@@ -56,7 +56,7 @@ from sections import run_sections  # noqa: E402
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
-from stage_ar.linear import TORCH_LINEAR, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
+from stage_ar.linear import TORCH_LINEAR, GemvLinear, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM  # noqa: E402
 from stage_ar.sampling import GridConstrainedSampler  # noqa: E402
 
@@ -287,10 +287,11 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return h.float(), model.compute_logits(h, VSTART, VEND).argmax(-1)
 
 
-def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID) -> None:
+def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID, w8a8: bool = False) -> None:
     """Section 6: a greedy bf16 ``grid`` x ``grid`` image, then the visual-token weights converted to
     FP8 in place; the same ids forced through both (relative hidden-state error and argmax agreement
-    over the image's positions), then timed (the model stays FP8)."""
+    over the image's positions), then timed (the model stays FP8). ``w8a8``: then the same deviation
+    and timings with the GEMV backend's ``fp8_compute="fp8"`` (W8A8, ``fp8_w8a8_*``)."""
     engine = make_engine(model, 1, len(PROMPT) + grid * (grid + 1) + 1, pad_to_max_bucket=True)  # 2 graphs
     sink = drive(engine, {0: [job("fp8-ref", grid, grid, 0, temperature=0.0)]})["fp8-ref"]
     del engine
@@ -300,17 +301,28 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     torch.cuda.empty_cache()
     h8, a8 = _teacher_forced(model, ids)
     n = len(PROMPT)
-    res["fp8_vs_bf16"] = {
-        "grid": grid, "positions": len(ids) - n,
-        "rel_hidden_error": float((h8[n:] - h16[n:]).norm() / h16[n:].norm()),
-        "max_abs_hidden_error": float((h8[n:] - h16[n:]).abs().max()),
-        "argmax_agreement": float((a8[n - 1 : -1] == a16[n - 1 : -1]).float().mean()),
-    }
+    res["fp8_vs_bf16"] = _deviation(h8, a8, h16, a16, n, grid, len(ids) - n)
     print("FP8 vs bf16 weights (teacher-forced over a greedy bf16 image):", res["fp8_vs_bf16"], flush=True)
     res["floor_fp8"] = fb = floor_bytes(model, MID)
     res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
     set_linear_backend(model, select_backend("auto", "cuda"))
     time_variant(model, res, "fp8", {}, (1, 8), steps, mid_image=True, save=save)
+    if w8a8:
+        set_linear_backend(model, GemvLinear(fp8_compute="fp8"))
+        hq, aq = _teacher_forced(model, ids)
+        res["fp8_w8a8_vs_bf16"] = _deviation(hq, aq, h16, a16, n, grid, len(ids) - n)
+        print("W8A8 vs bf16 (teacher-forced, same ids):", res["fp8_w8a8_vs_bf16"], flush=True)
+        time_variant(model, res, "fp8_w8a8", {}, (1, 8), steps, save=save)
+
+
+def _deviation(h, a, h16, a16, n: int, grid: int, positions: int) -> dict:
+    """Relative / max hidden-state error and argmax agreement of ``(h, a)`` against bf16's, past the prompt."""
+    return {
+        "grid": grid, "positions": positions,
+        "rel_hidden_error": float((h[n:] - h16[n:]).norm() / h16[n:].norm()),
+        "max_abs_hidden_error": float((h[n:] - h16[n:]).abs().max()),
+        "argmax_agreement": float((a[n - 1 : -1] == a16[n - 1 : -1]).float().mean()),
+    }
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
@@ -392,6 +404,9 @@ def print_summary(res: dict) -> None:
         d = res["fp8_vs_bf16"]
         print(f"| FP8 vs bf16, {d['grid']}x{d['grid']} grid forced | relative hidden error {d['rel_hidden_error']:.4f}, "
               f"argmax agreement {d['argmax_agreement']:.4f} |")
+    if "fp8_w8a8_B1" in t:
+        print(f"| FP8 W8A8 B=1 | {t['fp8_w8a8_B1']['ms_per_step']:.3f} ms/token (float16 mode: "
+              f"{t.get('fp8_B1', {}).get('ms_per_step', float('nan')):.3f}) |")
     if "fp8_B8" in t and "fp8_B1" in t:
         print(f"| FP8 B=8 tok/s / B=1 tok/s | {t['fp8_B8']['tokens_per_s'] / t['fp8_B1']['tokens_per_s']:.2f} x "
               f"(target >= 7) |")
@@ -415,6 +430,7 @@ def main() -> int:
                         help="also time eager graphs (compile=False) and the GEMM attention path")
     parser.add_argument("--skip-served", action="store_true", help="skip section 7 (a real mammoth ar process)")
     parser.add_argument("--served-fp8", action="store_true", help="section 7 also with --weights-dtype fp8")
+    parser.add_argument("--fp8-w8a8", action="store_true", help="section 6 also with W8A8 (fp8_compute='fp8')")
     parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt", help="section 7's checkpoint")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -445,7 +461,7 @@ def main() -> int:
     run_sections(res, (
         lambda: timings(model, res, args.steps, save, eager=args.eager),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
-        lambda: fp8_timings(model, res, args.steps, save),
+        lambda: fp8_timings(model, res, args.steps, save, w8a8=args.fp8_w8a8),
     ), save)
     del model
     gc.collect()
