@@ -14,7 +14,7 @@ run order: precompile, 1, 0, timings at M = 1 and 16, 2, the other timings, 4, 5
    ``torch._scaled_mm`` (FP8 x FP8); per visual token against the bf16 and FP8 floors;
 1. ceiling: device-to-device copy bandwidth of a 2 GiB buffer (bytes read + written);
 2. correctness at every shape in its fused form (the way a decoder layer uses it) and plain, bf16
-   and FP8 weights: vs `stage_ar.gemv_reference` at M = 1 and 16 (max abs error, and how many
+   and FP8 weights (and W8A8, fused): vs `stage_ar.gemv_reference` at M = 1 and 16 (max abs error, and how many
    outputs differ by more than one bf16 ulp); batch invariance (rows alone, as M = 5 and inside
    M = 16, bit for bit); every autotuning candidate bit for bit equal to the tuned one;
 3. timings, M in {1, 2, 4, 8, 16}: cuBLAS bf16 (``F.linear``), ours plain bf16, ours fused bf16,
@@ -132,7 +132,8 @@ def make_weights(shape: dict, copies: int, seed: int) -> list[dict]:
 
 
 def call_kwargs(shape: dict, ws: dict, m: int, form: str, residual: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """(weight, gemv keyword arguments) of one form: ``plain``, ``fused`` (bf16) or ``fp8`` (fused)."""
+    """(weight, gemv keyword arguments) of one form: ``plain``, ``fused`` (bf16), ``fp8`` (fused) or
+    ``w8a8`` (fused FP8, ``fp8_compute="fp8"``)."""
     if form == "plain":
         return ws["w"], {}
     flags = shape["fused"]
@@ -145,8 +146,8 @@ def call_kwargs(shape: dict, ws: dict, m: int, form: str, residual: torch.Tensor
         kw["residual"] = residual[:m]
     if flags.get("swiglu"):
         kw["swiglu"] = True
-    if form == "fp8":
-        return ws["w8"], kw | {"weight_scale": ws["scale"]}
+    if form in ("fp8", "w8a8"):
+        return ws["w8"], kw | {"weight_scale": ws["scale"]} | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
     return ws["w"], kw
 
 
@@ -169,7 +170,7 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
             over_1ulp=int((diff > BF16_ULP * want.abs().clamp_min(2.0**-20)).sum()), outputs=diff.numel(),
             close=bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2)),
         )
-        if form == "fp8":  # what quantising the weights costs: vs the same call with the bf16 weights
+        if form in ("fp8", "w8a8"):  # what quantising the weights (and activations) costs: vs the same call with the bf16 weights
             w16, kw16 = call_kwargs(shape, ws, m, "fused", residual)
             bf16 = gemv_reference(x[:m], w16, **kw16).float()
             rec[f"M{m}"]["rel_err_vs_bf16_weights"] = float((got - bf16).norm() / bf16.norm())
@@ -329,10 +330,10 @@ def precompile_jobs(table: dict) -> list[tuple]:
             if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
                 jobs += [(f"{name}/fp8-{mode}/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
                           {"fp8_compute": mode}) for mode in ("float16", "fp8")]
-        for form in ("plain", "fused", "fp8"):
-            flags = {} if form == "plain" else dict(shape["fused"])
-            w_dtype = G.FP8_DTYPE if form == "fp8" else torch.bfloat16
-            for c in G.FP8_TUNED_CONFIGS if form == "fp8" else G.TUNED_CONFIGS:
+        for form in ("plain", "fused", "fp8", "w8a8"):
+            flags = {} if form == "plain" else dict(shape["fused"]) | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
+            w_dtype = G.FP8_DTYPE if form in ("fp8", "w8a8") else torch.bfloat16
+            for c in G.FP8_TUNED_CONFIGS if w_dtype == G.FP8_DTYPE else G.TUNED_CONFIGS:
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
                     if form == "fused" and flags.get("norm"):
@@ -446,7 +447,7 @@ def run_checks(table: dict, sets: dict, save) -> dict:
         dtype = sets[name][0]["w"].dtype
         x = torch.randn(16, shape["K"], device=DEVICE).to(dtype)
         residual = torch.randn(16, out_width(shape), device=DEVICE).to(dtype)
-        for form in ("fused", "fp8", "plain"):
+        for form in ("fused", "fp8", "plain", "w8a8"):
             try:
                 checks[f"{name}/{form}"] = check_form(name, shape, sets[name][0], form, x, residual)
             except Exception as exc:  # noqa: BLE001 - record and go on with the other variants
