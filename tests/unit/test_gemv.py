@@ -5,6 +5,9 @@ Without a GPU the kernels run in Triton's CPU interpreter (`tests/conftest.py` t
 GPU machine the same tests run compiled and add bfloat16 (`benchmarks/gemv.py` checks the Preview
 shapes there). The interpreter computes ``tl.dot`` with numpy, which has no bfloat16, so the CPU
 cases are float32 and float16 activations (FP8 weights included: they are widened in registers).
+W8A8 (``fp8_compute="fp8"``) runs in the interpreter too: its FP8 x FP8 ``tl.dot`` is numpy's float32
+matmul of the exact code values (checked: equal to torch's), and its activation pre-pass rounds to
+E4M3's grid itself (the interpreter's direct float32 -> E4M3 cast misrounds binade carries).
 
 Shapes are small on purpose (the interpreter is slow) but cross every boundary the kernel has: K
 spans several K tiles and ends in a partial one, N ends in a partial column block; the RoPE variant
