@@ -418,16 +418,18 @@ def test_quantize_rows_row_alone_equals_row_in_a_batch(gemv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", ["plain", "bias", "norm_swiglu", "residual", "bias_rope"])
 def test_w8a8_matches_its_reference(gemv, variant, dtype):
-    """The FP8 x FP8 launch equals `gemv_reference(..., fp8_compute="fp8")` to the dot's summation order,
-    and really quantizes the activations (it is off W8A16's result by far more than that tolerance)."""
+    """The FP8 x FP8 launch equals `gemv_reference(..., fp8_compute="fp8")` to the dot's summation order
+    (float32 activations too: W8A8 takes them), and really quantizes the activations (it is off
+    W8A16's result by far more than that tolerance)."""
     from stage_ar.gemv_reference import gemv_reference
 
     if dtype == torch.bfloat16 and gemv.INTERPRETED:
         pytest.skip("numpy (the interpreter) has no bfloat16")
     x, weight, kwargs = make_inputs(variant, dtype, fp8=True, seed=13)
+    x[3] = 0.0  # an all-zero row: MIN_ROW_SCALE, zero codes, finite output
     got = gemv.gemv(x, weight, config=gemv.GemvConfig(16, 4, 3), fp8_compute="fp8", **kwargs)
     want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs)
-    assert got.dtype == dtype and got.shape == want.shape
+    assert got.dtype == dtype and got.shape == want.shape and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     w8a16 = gemv_reference(x, weight, **kwargs).float()
     assert (want.float() - w8a16).abs().max() > 10 * TOL[dtype]
