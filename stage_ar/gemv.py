@@ -53,7 +53,9 @@ import torch
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
 )
-from stage_ar.gemv_checks import ACTIVATION_DTYPES, MAX_ROWS, check_gemv_args, expect_tensor  # noqa: F401 - re-exported
+from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
+    ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
+)
 from stage_ar.fp8_activations import quantize_rows
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -65,8 +67,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-#: How FP8 weights are multiplied (`gemv`'s ``fp8_compute``), and the kernel's ``FP8_MODE`` for each.
-FP8_COMPUTES = ("activation", "float16", "float16_bits", "fp8")
+#: The kernel's ``FP8_MODE`` for each of `FP8_COMPUTES` (`gemv`'s ``fp8_compute``).
 _FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2, "fp8": 3}
 #: float16's largest finite magnitude: float16-compute activations saturate there.
 F16_MAX = 65504.0
@@ -377,7 +378,7 @@ def gemv(
     """
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
     fp8_compute = fp8_compute or default_fp8_compute(x.dtype)
-    _check_fp8_compute(fp8_compute, x)
+    check_fp8_compute(fp8_compute, x.dtype)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
@@ -397,13 +398,6 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
     """How FP8 weights are multiplied with activations of ``x_dtype`` unless a call says otherwise:
     ``"float16"`` for 16-bit activations, ``"activation"`` (exact widening) for float32 ones."""
     return "activation" if x_dtype == torch.float32 else "float16"
-
-
-def _check_fp8_compute(fp8_compute: str, x: torch.Tensor) -> None:
-    if fp8_compute not in FP8_COMPUTES:
-        raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
-    if fp8_compute in ("float16", "float16_bits") and x.dtype == torch.float32:
-        raise ValueError(f"fp8_compute={fp8_compute!r} takes 16-bit activations (float32 ones would be rounded)")
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,

@@ -10,6 +10,17 @@ from stage_ar.gemv_configs import FP8_DTYPE
 #: Largest M (activation rows) one launch takes: the kernels pad to one 16-row tile.
 MAX_ROWS = 16
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: How FP8 weights are multiplied (`stage_ar.gemv.gemv`'s ``fp8_compute``).
+FP8_COMPUTES = ("activation", "float16", "float16_bits", "fp8")
+
+
+def check_fp8_compute(fp8_compute: str, x_dtype: torch.dtype) -> None:
+    """Raises ValueError unless ``fp8_compute`` is one of `FP8_COMPUTES` and fits ``x_dtype`` (the
+    float16 modes take 16-bit activations only)."""
+    if fp8_compute not in FP8_COMPUTES:
+        raise ValueError(f"fp8_compute must be one of {FP8_COMPUTES}, got {fp8_compute!r}")
+    if fp8_compute in ("float16", "float16_bits") and x_dtype == torch.float32:
+        raise ValueError(f"fp8_compute={fp8_compute!r} takes 16-bit activations (float32 ones would be rounded)")
 
 
 def check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu,

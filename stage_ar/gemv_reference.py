@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_ar.gemv_checks import check_gemv_args
+from stage_ar.gemv_checks import check_fp8_compute, check_gemv_args
 from stage_ar.fp8 import FP8_MAX
 from stage_ar.fp8_activations import MIN_ROW_SCALE
 from stage_ar.gemv_configs import FP8_DTYPE
@@ -60,6 +60,8 @@ def gemv_reference(
     * x_scale[:, None]``; every other ``fp8_compute`` gives the W8A16 numerics computed here
     regardless (the kernels' modes agree bit for bit within float16's range)."""
     check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
+    if fp8_compute is not None:
+        check_fp8_compute(fp8_compute, x.dtype)
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, norm_eps)
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
     x_scale = None
