@@ -47,8 +47,10 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign (-0 too)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, BLOCK: tl.constexpr):
-        """Row ``program_id(0)``: ``amax`` over K (max is exact in any order), the scale, then the codes."""
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, FP8_MAX_: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """Row ``program_id(0)``: ``amax`` over K (max is exact in any order), the scale, then the codes
+        (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value)."""
         row = tl.program_id(0)
         x_ptr += row * stride_xm
         q_ptr += row * stride_qm
@@ -57,10 +59,10 @@ if triton is not None:
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), min_scale)
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
             tl.store(q_ptr + k0 + offs, _round_e4m3(q).to(tl.float8e4nv), mask=k0 + offs < K)
         tl.store(s_ptr + row, scale)
 
@@ -93,5 +95,5 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _quantize_rows_kernel[(x.shape[0],)](x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
-                                             MIN_ROW_SCALE, BLOCK=QUANT_BLOCK, num_warps=4)
+                                             MIN_ROW_SCALE, FP8_MAX_=FP8_MAX, BLOCK=QUANT_BLOCK, num_warps=4)
     return codes, scales
