@@ -23,7 +23,7 @@ from typing import Sequence
 
 from mammoth_app.make_checkpoint import materialize_checkpoint
 from mammoth_core.settings import default_cache_dir
-from mammoth_app.supervise import kill_now, port_holder
+from mammoth_app.supervise import WorkFolder, kill_now, port_holder
 
 logger = logging.getLogger("mammoth.up")
 
@@ -168,7 +168,7 @@ def start_pipeline(
     if gateway_port:
         _check_port_free(host, gateway_port)  # fail before the stages spend time loading
     ckpt_path = materialize_checkpoint(checkpoint, cache_dir(env))  # create the built-in one once, up front
-    workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="mammoth-up-"))
+    workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix=WorkFolder.PREFIX))
     if not _auth_configured(env, config):
         env.update(generate_role_tokens(workdir))
     # The DiT's port is chosen up front: the AR dials only the DiT it was told about.
