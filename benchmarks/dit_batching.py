@@ -52,7 +52,10 @@ def build_pipeline(tiny: bool):
     the tiny dimensions on the CPU (float32)."""
     import torch
 
-    from mammoth_app.make_checkpoint import PREVIEW_TOKENS, preview_config, tiny_config
+    try:
+        from mammoth_app.make_checkpoint import PREVIEW_TOKENS, preview_config, tiny_config
+    except ImportError:  # a tree from before `mammoth_app` (its checkpoint tools were in mammoth_core)
+        from mammoth_core.make_checkpoint import PREVIEW_TOKENS, preview_config, tiny_config
     from stage_dit.pipeline import MammothDiTPipeline, build_dit_modules
 
     if tiny:
