@@ -77,53 +77,61 @@ if triton is not None:
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_b = tl.arange(0, BLOCK)
-        cache_off = row * stride_cs + kvh * stride_ch
-        k_new = tl.load(k_new_ptr + row * stride_nb + kvh * stride_nh + offs_d)
-        v_new = tl.load(v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d)
-        q = tl.load(q_ptr + row * stride_qb + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=(offs_g < GROUP)[:, None], other=0.0)
-        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        l_sum = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for t in range(TILES):  # fixed tile order; tiles outside [start, pos] are skipped
-            lo = (split * TILES + t) * BLOCK
-            if (lo <= pos) & (lo + BLOCK > start):
-                offs_n = lo + offs_b
-                if (pos >= lo) & (pos < lo + BLOCK):  # the KV-cache write of this step, fused
-                    tl.store(k_cache_ptr + cache_off + pos * stride_cn + offs_d, k_new)
-                    tl.store(v_cache_ptr + cache_off + pos * stride_cn + offs_d, v_new)
-                valid = (offs_n >= start) & (offs_n < pos)  # the new position comes from registers
-                is_new = offs_n == pos
-                tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
-                k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
-                k = tl.where(is_new[:, None], k_new[None, :], k)
-                s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
-                s = tl.where((valid | is_new)[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new[:, None])
-                v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
-                v = tl.where(is_new[:, None], v_new[None, :], v)
-                l_sum = l_sum * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
-        part = (row * tl.num_programs(1) + kvh) * n_splits + split
-        tl.store(part_ml_ptr + part * 2 * GROUP_PAD + offs_g, m)
-        tl.store(part_ml_ptr + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_sum)
-        tl.store(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
+        if (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_g = tl.arange(0, GROUP_PAD)
+            offs_b = tl.arange(0, BLOCK)
+            cache_off = row * stride_cs + kvh * stride_ch
+            k_new = tl.load(k_new_ptr + row * stride_nb + kvh * stride_nh + offs_d)
+            v_new = tl.load(v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d)
+            q = tl.load(q_ptr + row * stride_qb + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                        mask=(offs_g < GROUP)[:, None], other=0.0)
+            m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+            l_sum = tl.zeros((GROUP_PAD,), tl.float32)
+            acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+            for t in range(TILES):  # fixed tile order; tiles outside [start, pos] are skipped
+                lo = (split * TILES + t) * BLOCK
+                if (lo <= pos) & (lo + BLOCK > start):
+                    offs_n = lo + offs_b
+                    if (pos >= lo) & (pos < lo + BLOCK):  # the KV-cache write of this step, fused
+                        tl.store(k_cache_ptr + cache_off + pos * stride_cn + offs_d, k_new)
+                        tl.store(v_cache_ptr + cache_off + pos * stride_cn + offs_d, v_new)
+                    valid = (offs_n >= start) & (offs_n < pos)  # the new position comes from registers
+                    is_new = offs_n == pos
+                    tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
+                    k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
+                    k = tl.where(is_new[:, None], k_new[None, :], k)
+                    s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
+                    s = tl.where((valid | is_new)[None, :], s, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(s, 1))
+                    alpha = tl.exp(m - m_new)
+                    p = tl.exp(s - m_new[:, None])
+                    v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
+                    v = tl.where(is_new[:, None], v_new[None, :], v)
+                    l_sum = l_sum * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    m = m_new
+            part = (row * tl.num_programs(1) + kvh) * n_splits + split
+            tl.store(part_ml_ptr + part * 2 * GROUP_PAD + offs_g, m)
+            tl.store(part_ml_ptr + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_sum)
+            tl.store(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
 
     @triton.jit
-    def _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, q_rows, q,
+    def _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, q_rows, q, first_split, last_split,
                       HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
         """Query row ``q`` of this (row, KV head) program: the split partials ``(max, sum, acc)``
         (``q_rows`` query rows per split) merged by log-sum-exp; ``(HEAD_DIM,)`` float32. The one
-        merge of both kernels' combine passes."""
+        merge of both kernels' combine passes.
+
+        Only splits ``first_split ..= last_split`` (those overlapping the row's key range) are read:
+        the split kernels store nothing for the others, which hold no key of the row, and the masked
+        loads give exactly what such a split would have stored (max ``-inf``, sum 0, acc 0), so the
+        reduction over the fixed ``MAX_SPLITS`` lanes sees the same values as if every split had been
+        written. Traffic follows the row's position, not the pool capacity."""
         offs_s = tl.arange(0, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        have = offs_s < n_splits
+        have = (offs_s < n_splits) & (offs_s >= first_split) & (offs_s <= last_split)
         parts = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits + offs_s
         m = tl.load(part_ml_ptr + parts * 2 * q_rows + q, mask=have, other=float("-inf"))
         l_sum = tl.load(part_ml_ptr + parts * 2 * q_rows + q_rows + q, mask=have, other=0.0)
@@ -137,13 +145,16 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, stride_ob,
+        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
-        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, HEAD_DIM, MAX_SPLITS)
+        first = tl.load(start_ptr + row) // SPLIT_KEYS
+        last = tl.load(pos_ptr + row) // SPLIT_KEYS
+        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
         tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -168,68 +179,82 @@ if triton is not None:
         slot = tl.load(slot_ptr + row)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_b = tl.arange(0, BLOCK)
-        real = offs_m < window * GROUP
-        t_q = tl.minimum(offs_m // GROUP, window - 1)
-        q_pos = pos + t_q  # each query row's own position (causal inside the window)
-        q_hi = pos + tl.minimum((qb * BLOCK_M + BLOCK_M - 1) // GROUP, window - 1)
-        cache_off = slot * stride_cs + kvh * stride_ch
-        q = tl.load(q_ptr + row * stride_qr + t_q[:, None] * stride_qt
-                    + (kvh * GROUP + offs_m % GROUP)[:, None] * stride_qh + offs_d[None, :],
-                    mask=real[:, None], other=0.0)
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_sum = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        for t in range(TILES):  # fixed tile order; tiles outside [start, q_hi] are skipped
-            lo = (split * TILES + t) * BLOCK
-            if (lo <= q_hi) & (lo + BLOCK > start):
-                offs_n = lo + offs_b
-                in_win = (offs_n >= pos) & (offs_n < pos + window)  # the window's keys, from k_new
-                w_off = (offs_n - pos)[:, None]
-                k_w = tl.load(k_new_ptr + row * stride_nr + w_off * stride_nt + kvh * stride_nh + offs_d[None, :],
-                              mask=in_win[:, None], other=0.0)
-                v_w = tl.load(v_new_ptr + row * stride_vnr + w_off * stride_vnt + kvh * stride_vnh
-                              + offs_d[None, :], mask=in_win[:, None], other=0.0)
-                tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
-                if qb == q_blocks - 1:  # the KV-cache write of the window, fused (one program per key)
-                    tl.store(k_cache_ptr + tile, k_w, mask=in_win[:, None])
-                    tl.store(v_cache_ptr + tile, v_w, mask=in_win[:, None])
-                cached = (offs_n >= start) & (offs_n < pos)
-                k = tl.load(k_cache_ptr + tile, mask=cached[:, None], other=0.0)
-                k = tl.where(in_win[:, None], k_w, k)
-                s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK) float32
-                valid = (offs_n[None, :] >= start) & (offs_n[None, :] <= q_pos[:, None])
-                s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key here yet
-                alpha = tl.exp(m - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                v = tl.load(v_cache_ptr + tile, mask=cached[:, None], other=0.0)
-                v = tl.where(in_win[:, None], v_w, v)
-                l_sum = l_sum * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
-        m_total = q_blocks * BLOCK_M
-        part = (row * tl.num_programs(1) + kvh) * n_splits + split
-        tl.store(part_ml_ptr + part * 2 * m_total + offs_m, m)
-        tl.store(part_ml_ptr + part * 2 * m_total + m_total + offs_m, l_sum)
-        tl.store(part_acc_ptr + part * m_total * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        # a split outside the window's keys [start, pos + window - 1] does nothing (the merge skips it)
+        if (split >= start // (TILES * BLOCK)) & (split <= (pos + window - 1) // (TILES * BLOCK)):
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_b = tl.arange(0, BLOCK)
+            real = offs_m < window * GROUP
+            t_q = tl.minimum(offs_m // GROUP, window - 1)
+            q_pos = pos + t_q  # each query row's own position (causal inside the window)
+            q_hi = pos + tl.minimum((qb * BLOCK_M + BLOCK_M - 1) // GROUP, window - 1)
+            cache_off = slot * stride_cs + kvh * stride_ch
+            q = tl.load(q_ptr + row * stride_qr + t_q[:, None] * stride_qt
+                        + (kvh * GROUP + offs_m % GROUP)[:, None] * stride_qh + offs_d[None, :],
+                        mask=real[:, None], other=0.0)
+            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_sum = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            for t in range(TILES):  # fixed tile order; tiles outside [start, q_hi] are skipped
+                lo = (split * TILES + t) * BLOCK
+                if (lo <= q_hi) & (lo + BLOCK > start):
+                    offs_n = lo + offs_b
+                    in_win = (offs_n >= pos) & (offs_n < pos + window)  # the window's keys, from k_new
+                    w_off = (offs_n - pos)[:, None]
+                    k_w = tl.load(k_new_ptr + row * stride_nr + w_off * stride_nt + kvh * stride_nh + offs_d[None, :],
+                                  mask=in_win[:, None], other=0.0)
+                    v_w = tl.load(v_new_ptr + row * stride_vnr + w_off * stride_vnt + kvh * stride_vnh
+                                  + offs_d[None, :], mask=in_win[:, None], other=0.0)
+                    tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
+                    if qb == q_blocks - 1:  # the KV-cache write of the window, fused (one program per key)
+                        tl.store(k_cache_ptr + tile, k_w, mask=in_win[:, None])
+                        tl.store(v_cache_ptr + tile, v_w, mask=in_win[:, None])
+                    cached = (offs_n >= start) & (offs_n < pos)
+                    k = tl.load(k_cache_ptr + tile, mask=cached[:, None], other=0.0)
+                    k = tl.where(in_win[:, None], k_w, k)
+                    s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK) float32
+                    valid = (offs_n[None, :] >= start) & (offs_n[None, :] <= q_pos[:, None])
+                    s = tl.where(valid, s, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key here yet
+                    alpha = tl.exp(m - m_safe)
+                    p = tl.exp(s - m_safe[:, None])
+                    v = tl.load(v_cache_ptr + tile, mask=cached[:, None], other=0.0)
+                    v = tl.where(in_win[:, None], v_w, v)
+                    l_sum = l_sum * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    m = m_new
+            m_total = q_blocks * BLOCK_M
+            part = (row * tl.num_programs(1) + kvh) * n_splits + split
+            tl.store(part_ml_ptr + part * 2 * m_total + offs_m, m)
+            tl.store(part_ml_ptr + part * 2 * m_total + m_total + offs_m, l_sum)
+            tl.store(part_acc_ptr + part * m_total * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
 
     @triton.jit
     def _window_combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, n_splits, m_total, stride_or, stride_ot,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, n_splits, m_total, window, stride_or, stride_ot,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         mq = tl.program_id(2)  # query row: window position mq // GROUP, query head mq % GROUP
-        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, m_total, mq, HEAD_DIM, MAX_SPLITS)
+        first = tl.load(start_ptr + row) // SPLIT_KEYS
+        last = (tl.load(pos_ptr + row) + window - 1) // SPLIT_KEYS  # the split kernels' stored range
+        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, m_total, mq, first, last, HEAD_DIM, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
         head = kvh * GROUP + mq % GROUP
         tl.store(out_ptr + row * stride_or + (mq // GROUP) * stride_ot + head * HEAD_DIM + offs_d,
                  out.to(out_ptr.dtype.element_ty))
+
+
+def split_partials(rows: int, kv_heads: int, n_splits: int, q_rows: int, head_dim: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' float32 workspace, uninitialised: partial outputs ``(rows, kv_heads,
+    n_splits, q_rows, head_dim)`` and softmax statistics ``(rows, kv_heads, n_splits, 2, q_rows)``
+    (max, then sum). Only the splits overlapping a row's key range are written and read."""
+    part_acc = torch.empty((rows, kv_heads, n_splits, q_rows, head_dim), device=device, dtype=torch.float32)
+    part_ml = torch.empty((rows, kv_heads, n_splits, 2, q_rows), device=device, dtype=torch.float32)
+    return part_acc, part_ml
 
 
 def _check_layout(q, k_new, v_new, k_cache, v_cache, length: int) -> None:  # noqa: ANN001 - tensors
@@ -291,8 +316,7 @@ def decode_attention(
     # The combine reads a fixed number of split slots (from the cache capacity, not ``length``), so
     # its reduction tree, like everything else a row computes, is the same for every length bucket.
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
-    part_acc = torch.empty((b, kv_heads, n_splits, group_pad, head_dim), device=q.device, dtype=torch.float32)
-    part_ml = torch.empty((b, kv_heads, n_splits, 2, group_pad), device=q.device, dtype=torch.float32)
+    part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml,
@@ -303,8 +327,8 @@ def decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
     )
     _combine_kernel[(b, kv_heads, group)](
-        part_acc, part_ml, out, n_splits, out.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+        part_acc, part_ml, out, pos, key_start, n_splits, out.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
     )
     return out
 
@@ -369,8 +393,7 @@ def window_attention(
     n_splits = triton.cdiv(length, SPLIT)
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     m_total = q_blocks * block_m
-    part_acc = torch.empty((r, kv_heads, n_splits, m_total, head_dim), device=q.device, dtype=torch.float32)
-    part_ml = torch.empty((r, kv_heads, n_splits, 2, m_total), device=q.device, dtype=torch.float32)
+    part_acc, part_ml = split_partials(r, kv_heads, n_splits, m_total, head_dim, q.device)
     out = torch.empty((r, window, heads * head_dim), device=q.device, dtype=q.dtype)
     _window_split_kernel[(r, kv_heads, n_splits * q_blocks)](
         q, k_new, v_new, k_cache, v_cache, slots, pos, key_start, part_acc, part_ml,
@@ -381,7 +404,7 @@ def window_attention(
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
     )
     _window_combine_kernel[(r, kv_heads, rows)](
-        part_acc, part_ml, out, n_splits, m_total, out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+        part_acc, part_ml, out, pos, key_start, n_splits, m_total, window, out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
     )
     return out

@@ -86,6 +86,40 @@ def test_batch_and_length_bucket_invariant(da):
         assert torch.equal(alone[0], batch[i]), f"row {i}"
 
 
+def poisoned_partials(da, monkeypatch) -> list:
+    """Make the split kernels' workspace NaN-filled (``torch.empty`` may hand back anything) and
+    keep each one handed out: a merge that read an entry no split kernel wrote would turn NaN."""
+    handed = []
+    make = da.split_partials
+
+    def poisoned(*args):
+        parts = tuple(t.fill_(float("nan")) for t in make(*args))
+        handed.append(parts)
+        return parts
+
+    monkeypatch.setattr(da, "split_partials", poisoned)
+    return handed
+
+
+def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
+    """Padded mode attends over the whole pool width (12,288 positions served: 96 splits per row
+    and KV head), so the split kernel's partials and the combine's reads must follow each row's key
+    range, not the grid: on the H200 writing and merging every split cost about 0.5 ms per served
+    step. Splits outside ``[start, pos]`` stay untouched, and the output is still exact."""
+    handed = poisoned_partials(da, monkeypatch)
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=3)
+    pos, start = ids(5, 300, 200), ids(0, 140, 0)  # splits of 128: {0}, {1, 2}, {0, 1} of 0..4
+    want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, pos, start, 128**-0.5)
+    got = da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
+    tol = 1e-5 if da.INTERPRETED else 5e-3
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)  # NaN never passes
+    (part_acc, part_ml), = handed
+    for row, used in enumerate(({0}, {1, 2}, {0, 1})):
+        for split in range(5):
+            untouched = bool(part_acc[row, :, split].isnan().all() and part_ml[row, :, split].isnan().all())
+            assert untouched == (split not in used), f"row {row} split {split}: untouched={untouched}"
+
+
 def test_rejects_mismatched_shapes(da):
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32)
     pos, start = ids(1, 2, 3), ids(0, 0, 0)

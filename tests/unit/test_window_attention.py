@@ -91,6 +91,27 @@ def test_rows_are_batch_and_length_invariant(da):
         assert torch.equal(alone[0], batch[i]), f"row {i}"
 
 
+def test_splits_outside_a_window_are_neither_written_nor_read(da, monkeypatch):
+    """As the decode kernel's (`test_decode_attention`): a row's window reads keys
+    ``[start, pos + T - 1]``; splits outside that range are not written, and the combine reads
+    none of them (the workspace is NaN-poisoned, so a stray read shows)."""
+    from test_decode_attention import poisoned_partials
+
+    handed = poisoned_partials(da, monkeypatch)
+    window = 3
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, 3, window, capacity=640, seed=4)
+    slots, pos, start = ids(1, 3, 0), ids(2, 254, 200), ids(0, 140, 0)  # ranges: {0}, {1, 2}, {0, 1}
+    want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, slots, pos, start, SCALE)
+    got = da.window_attention(q, k_new, v_new, k_cache, v_cache, slots, pos, start, 640, SCALE)
+    tol = 1e-5 if da.INTERPRETED else 5e-3
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)
+    (part_acc, part_ml), = handed
+    for row, used in enumerate(({0}, {1, 2}, {0, 1})):
+        for split in range(5):
+            untouched = bool(part_acc[row, :, split].isnan().all() and part_ml[row, :, split].isnan().all())
+            assert untouched == (split not in used), f"row {row} split {split}: untouched={untouched}"
+
+
 def test_rejects_mismatched_shapes(da):
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, 2, 2)
     slots, pos, start = ids(0, 1), ids(1, 2), ids(0, 0)
