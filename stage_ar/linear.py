@@ -17,8 +17,8 @@ Two layers hand their output straight to a pointwise op: the MLP's ``gate_up_pro
 (`MammothLinear.forward_rope_qkv`). A backend computes these as linear then the given op
 (`LinearBackend`: the op passed in is `stage_ar.layers`' eager or compiled one, the one definition
 of the rule); `GemvLinear` with ``fuse_epilogues`` instead runs the op in the GEMV's epilogue (one
-launch, no round trip of the linear output through memory) for calls it takes. Off by default
-until measured on the GPU (docs/PERFORMANCE.md).
+launch, no round trip of the linear output through memory) for calls it takes: on by default since
+it measured faster on the H200 (docs/PERFORMANCE.md, "Epilogue fusions").
 
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
@@ -108,8 +108,9 @@ class GemvLinear(LinearBackend):
             float16 products for 16-bit activations, saturating beyond +-65504).
         fuse_epilogues: which of `swiglu` and `rope_qkv` run in the GEMV's epilogue for the calls
             the kernel takes (one launch; the eager ops' roundings, `stage_ar.gemv`) instead of the
-            given op after the linear: names from `EPILOGUES`, or True for both. Default none:
-            built, not yet measured on the GPU.
+            given op after the linear: names from `EPILOGUES`, True for both (the default: on
+            the H200 both together took a batch-1 step from 4.175 to 4.086 ms, docs/PERFORMANCE.md),
+            False for none.
 
     Raises:
         ValueError: an unknown epilogue name.
@@ -122,7 +123,7 @@ class GemvLinear(LinearBackend):
     max_rows = gemv_kernels.MAX_ROWS
 
     def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None,
-                 fuse_epilogues: bool | Iterable[str] = False) -> None:
+                 fuse_epilogues: bool | Iterable[str] = True) -> None:
         self.config, self.fp8_compute = config, fp8_compute
         names = self.EPILOGUES if fuse_epilogues is True else () if fuse_epilogues is False else tuple(fuse_epilogues)
         if unknown := set(names) - set(self.EPILOGUES):
@@ -175,7 +176,7 @@ class GemvLinear(LinearBackend):
 
 
 def select_backend(name: str, device: torch.device | str, *,
-                   fuse_epilogues: bool | Iterable[str] = False) -> TorchLinear | GemvLinear:
+                   fuse_epilogues: bool | Iterable[str] = True) -> TorchLinear | GemvLinear:
     """The linear backend for ``name`` (`BACKENDS`) on ``device``.
 
     ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where
