@@ -8,7 +8,9 @@ own loop (`stage_ar.engine.DecodeEngine`: schedule -> prefill -> launch -> colle
   a short prefill can hit (1, 2, 4, 8, 16 rows; `stage_ar.gemv` tunes once per shape and variant,
   at the first call, with a device sync; with `stage_ar.linear.GemvLinear`'s ``fuse_epilogues`` the
   RoPE and SwiGLU launches are those calls, the same forward; the decode step's variants were
-  already tuned by `ARModelRunner.capture`'s warm-up steps before capture) — prompts of 1, 2, 4, 8 and 16 tokens, then (with two KV slots or more)
+  already tuned by `ARModelRunner.capture`'s warm-up steps before capture) — prompts of 1, 2, 4, 8 and 16
+  tokens, and of 24 and 40 (cuBLAS, then the compiled pointwise ops at two shapes: their static and
+  their dynamic-shape compile), then (with two KV slots or more)
   a 64-token prompt with AR-side CFG and a negative prompt (two cache rows, the negative rows,
   cuBLAS above 16 rows);
 * decode: `ARModelRunner.activate`, graph replay (the graphs themselves were captured before, one
@@ -29,8 +31,12 @@ __all__ = ["PROMPT_LENGTHS", "run_warmup", "warmup_jobs"]
 
 logger = logging.getLogger(__name__)
 
-#: Prompt lengths without CFG (1 row per token), then the CFG + negative prompt job's length.
-PROMPT_LENGTHS = (1, 2, 4, 8, 16)
+#: Prompt lengths without CFG (1 row per token), then the CFG + negative prompt job's length. The
+#: lengths above the GEMV's 16 rows are two: a prefill that long runs the compiled RoPE and SwiGLU
+#: ops after the linear (below it the GEMV epilogues do their work), and `torch.compile`
+#: specialises on the first shape it sees, recompiling for dynamic shapes at the second; both
+#: compiles must happen here, not in the first real request (H200: 4.3 s of its prefill).
+PROMPT_LENGTHS = (1, 2, 4, 8, 16, 24, 40)
 CFG_PROMPT_LENGTH = 64
 
 
