@@ -17,11 +17,16 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    step t+1, read step t back, emit rows): ms/token at batch 1 at image start and at mid-image (a
    prompt as long as the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the
    graph replay alone (CUDA events), a kernel profile of the mid-image batch-1 step, peak GPU memory
-   (weights alone, after the engine's capture, after each run); at batch 1 also the GEMM + softmax
-   attention path and padded mode; eager graphs with ``--eager``;
+   (weights alone, after the engine's capture, after each run); at batch 1 also the cuBLAS linear,
+   padded mode (8 slots) and the served engine's shape (padded, 16 slots of the default
+   ``max_sequence_length``: what section 7's process runs); the GEMM + softmax attention path and
+   eager graphs with ``--eager``;
 5. the per-token HBM floor (bytes one step must read / measured copy bandwidth), bf16 and FP8;
 6. FP8 weights (`stage_ar.linear`: the visual-token projections and MLPs converted in place, E4M3
    per output channel): batch 1 and 8 with the default GEMV (float16 products, `stage_ar.gemv`);
+   the deviation from bf16 over a greedy image forced in one forward (prefill numerics: cuBLAS on
+   widened codes) and over its first `DECODE_CHECK_STEPS` positions one token per forward (the
+   decode path's GEMV numerics); ``--fp8-w8a8`` also W8A8's decode deviation and timings;
 7. served: a real ``mammoth ar`` process on a Preview-size random checkpoint (`benchmarks/ar_served.py`,
    written once to --ckpt-dir), 10 requests of a 32x32 grid one after another: ms/token, first
    vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``; ``--skip-served``);
@@ -54,6 +59,7 @@ from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules
 from sections import run_sections  # noqa: E402
 
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
+from mammoth_core.limits import DEFAULTS  # noqa: E402
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role  # noqa: E402
 from stage_ar.generation import T2ISequence  # noqa: E402
 from stage_ar.linear import TORCH_LINEAR, GemvLinear, quantize_fp8_, select_backend, set_linear_backend  # noqa: E402
@@ -196,16 +202,18 @@ def _replay_ms(graph) -> float:
 
 
 def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, ...], steps: int,
-                 slots: int = 8, mid_image: bool = False, profile: bool = False, save=None) -> None:
+                 slots: int = 8, mid_image: bool = False, profile: bool = False, save=None,
+                 capacity: int | None = None) -> None:
     """ms/step of ``batches`` concurrent 1024x1024 requests through one `DecodeEngine` built with
     ``opts`` (the engine loop itself: schedule, launch step t+1, read step t back, emit rows).
 
     ``mid_image``: batch 1 again with a prompt as long as the floor's KV position (and a 32x32 grid
-    so it fits the pool), so attention covers what a mid-image step must read.
+    so it fits the pool), so attention covers what a mid-image step must read. ``capacity``:
+    positions per KV slot (default: the timing request's prompt + grid).
     """
     t = res.setdefault("timings", {})
     w = h = TIMING_GRID
-    capacity = len(PROMPT) + h * (w + 1) + 1
+    capacity = capacity or len(PROMPT) + h * (w + 1) + 1
     engine = make_engine(model, slots, capacity, **opts)
     runner = engine.runner
     t0 = time.perf_counter()
@@ -261,15 +269,23 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
     torch.cuda.empty_cache()
 
 
-def timings(model, res: dict, steps: int, save=None, eager: bool = False) -> None:
+def timings(model, res: dict, steps: int, save=None, eager: bool = False, padded_only: bool = False) -> None:
     """The default runner (compiled graphs, fused split-KV attention; buckets) at batch 1, image
     start and mid-image, and 2/4/8 concurrent; at batch 1 the GEMM + softmax attention path and
-    padded mode (the engine default); eager graphs (``compile=False``) with ``eager``."""
+    padded mode (the engine default); eager graphs (``compile=False``) with ``eager``.
+    ``padded_only``: only the two padded variants (8 slots; the served engine's shape)."""
     served_backend = select_backend("auto", "cuda")
     res["linear_backend"] = served_backend.name
-    time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
+    if not padded_only:
+        time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
     time_variant(model, res, "compiled_pad8", {"pad_to_max_bucket": True}, (1,), steps, mid_image=True,
                  save=save)
+    # the served engine's shape (`stage_ar.server.new_engine` with the default settings): 8 running
+    # sequences on 16 KV slots of `max_sequence_length` positions, padded (batch-invariant) mode
+    time_variant(model, res, "compiled_served_shape", {"pad_to_max_bucket": True}, (1,), steps, slots=16,
+                 capacity=min(DEFAULTS.max_sequence_length, model.config.max_position_embeddings), save=save)
+    if padded_only:
+        return
     set_linear_backend(model, TORCH_LINEAR)
     time_variant(model, res, "compiled_cublas", {}, (1,), steps, slots=1, save=save)  # 1 slot: fewer graphs
     set_linear_backend(model, served_backend)
@@ -296,23 +312,46 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     sink = drive(engine, {0: [job("fp8-ref", grid, grid, 0, temperature=0.0)]})["fp8-ref"]
     del engine
     ids = sink.token_ids[Role.CONDITION]
+    n = len(PROMPT)
     h16, a16 = _teacher_forced(model, ids)
+    # the decode path (<= 16 rows: the GEMV kernels, where W8A16 and W8A8 differ; one forward of the
+    # whole image above runs cuBLAS on widened codes in both modes)
+    forced = torch.tensor(ids[: n + DECODE_CHECK_STEPS], device="cuda")[None]
+    d16, c16 = _decode_rows(model, forced, n)
     quantize_fp8_(model.visual_token_linears())
     torch.cuda.empty_cache()
     h8, a8 = _teacher_forced(model, ids)
-    n = len(PROMPT)
     res["fp8_vs_bf16"] = _deviation(h8, a8, h16, a16, n, grid, len(ids) - n)
     print("FP8 vs bf16 weights (teacher-forced over a greedy bf16 image):", res["fp8_vs_bf16"], flush=True)
     res["floor_fp8"] = fb = floor_bytes(model, MID)
     res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
     set_linear_backend(model, select_backend("auto", "cuda"))
+    res["fp8_decode_vs_bf16"] = _decode_deviation(*_decode_rows(model, forced, n), d16, c16)
+    print("FP8 (W8A16) vs bf16, decode path:", res["fp8_decode_vs_bf16"], flush=True)
     time_variant(model, res, "fp8", {}, (1, 8), steps, mid_image=True, save=save)
     if w8a8:
         set_linear_backend(model, GemvLinear(fp8_compute="fp8"))
-        hq, aq = _teacher_forced(model, ids)
-        res["fp8_w8a8_vs_bf16"] = _deviation(hq, aq, h16, a16, n, grid, len(ids) - n)
-        print("W8A8 vs bf16 (teacher-forced, same ids):", res["fp8_w8a8_vs_bf16"], flush=True)
+        res["fp8_w8a8_decode_vs_bf16"] = _decode_deviation(*_decode_rows(model, forced, n), d16, c16)
+        print("W8A8 vs bf16, decode path:", res["fp8_w8a8_decode_vs_bf16"], flush=True)
         time_variant(model, res, "fp8_w8a8", {}, (1, 8), steps, save=save)
+
+
+#: Grid positions the decode-path deviation forces one token per forward (`_decode_rows`).
+DECODE_CHECK_STEPS = 256
+
+
+def _decode_rows(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`benchmarks/ar_fusion.py`'s teacher-forced decode: ``prefill`` ids at once, then one id per
+    forward; float32 hidden rows ``(T - prefill, H)`` and the argmax visual code per step."""
+    import ar_fusion
+
+    return ar_fusion._decode_rows(model, ids, prefill)
+
+
+def _decode_deviation(h, a, h16, a16) -> dict:
+    """Relative / max hidden-state error and argmax agreement of decode-path rows against bf16's."""
+    return {"steps": int(h.shape[0]), "rel_hidden_error": float((h - h16).norm() / h16.norm()),
+            "max_abs_hidden_error": float((h - h16).abs().max()), "argmax_agreement": float((a == a16).float().mean())}
 
 
 def _deviation(h, a, h16, a16, n: int, grid: int, positions: int) -> dict:
@@ -404,6 +443,11 @@ def print_summary(res: dict) -> None:
         d = res["fp8_vs_bf16"]
         print(f"| FP8 vs bf16, {d['grid']}x{d['grid']} grid forced | relative hidden error {d['rel_hidden_error']:.4f}, "
               f"argmax agreement {d['argmax_agreement']:.4f} |")
+    for key, label in (("fp8_decode_vs_bf16", "FP8 W8A16"), ("fp8_w8a8_decode_vs_bf16", "FP8 W8A8")):
+        if key in res:
+            d = res[key]
+            print(f"| {label} vs bf16, decode path, {d['steps']} forced steps | relative hidden error "
+                  f"{d['rel_hidden_error']:.4f}, argmax agreement {d['argmax_agreement']:.4f} |")
     if "fp8_w8a8_B1" in t:
         print(f"| FP8 W8A8 B=1 | {t['fp8_w8a8_B1']['ms_per_step']:.3f} ms/token (float16 mode: "
               f"{t.get('fp8_B1', {}).get('ms_per_step', float('nan')):.3f}) |")
@@ -413,9 +457,11 @@ def print_summary(res: dict) -> None:
     for key in ("served", "served_fp8"):
         if key in res:
             v = res[key]
-            ref = t.get("compiled_pad8_B1" if key == "served" else "fp8_B1", {}).get("ms_per_step", float("nan"))
+            ref = t.get("compiled_B1" if key == "served" else "fp8_B1", {}).get("ms_per_step", float("nan"))
+            pad = t.get("compiled_served_shape_B1" if key == "served" else "", {}).get("ms_per_step", float("nan"))
             print(f"| {key}: mammoth ar, 32x32 grid, 10 requests | {v['ms_per_token_median']:.3f} ms/token "
-                  f"({v['ms_per_token_median'] / ref:.3f} x the benchmark's B=1, target <= 1.05); first "
+                  f"({v['ms_per_token_median'] / ref:.3f} x the benchmark's B=1, target <= 1.05; "
+                  f"{v['ms_per_token_median'] / pad:.3f} x its served shape inline); first "
                   f"{v['first_wall_ms']:.0f} ms vs tenth {v['last_wall_ms']:.0f} ms ({v['first_over_last']:.2f} x, "
                   f"target <= 1.10); ready after {v['ready_s']:.0f} s |")
 
@@ -432,6 +478,8 @@ def main() -> int:
     parser.add_argument("--served-fp8", action="store_true", help="section 7 also with --weights-dtype fp8")
     parser.add_argument("--fp8-w8a8", action="store_true", help="section 6 also with W8A8 (fp8_compute='fp8')")
     parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt", help="section 7's checkpoint")
+    parser.add_argument("--padded-only", action="store_true",
+                        help="section 4 with only the padded variants (8 slots, the served shape); no 3, 6, 7, 8")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -458,10 +506,12 @@ def main() -> int:
     fb = floor_bytes(model, mid)
     res["floor"] = {**fb, "position": mid, "ms_per_token": fb["total"] / bw * 1e3}
     save()
+    if args.padded_only:
+        args.skip_correctness = args.skip_served = args.skip_hf = True
     run_sections(res, (
-        lambda: timings(model, res, args.steps, save, eager=args.eager),
+        lambda: timings(model, res, args.steps, save, eager=args.eager, padded_only=args.padded_only),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
-        lambda: fp8_timings(model, res, args.steps, save, w8a8=args.fp8_w8a8),
+        (lambda: fp8_timings(model, res, args.steps, save, w8a8=args.fp8_w8a8)) if not args.padded_only else None,
     ), save)
     del model
     gc.collect()

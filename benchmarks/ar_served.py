@@ -13,6 +13,12 @@ Used by `benchmarks/ar_decode.py` (section "served"); alone on the GPU machine:
     PYTHONPATH=. python3 benchmarks/ar_served.py --out "$OUT" [--weights-dtype fp8]
 
 ``--smoke``: the built-in tiny checkpoint on the CPU (checks this script's logic).
+
+``--profile-seconds N`` (needs ``py-spy`` on PATH; carried to the GPU machine as a wheel): while the
+requests run, samples the AR process twice for ``N`` seconds each without pausing it
+(``--nonblocking``): every thread with idle frames (``pyspy_threads.txt``), then only the thread
+holding the GIL (``pyspy_gil.txt``); folded stacks in ``--out``, one line per stack and its count.
+What it answers: where the decode thread's time goes between GPU steps, and who holds the GIL.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,9 +106,19 @@ async def _requests(address: str, dit_port: int, n: int, grid: int) -> list[dict
         return [await one_request(stub, i, dit_port, grid) for i in range(n)]
 
 
+def _py_spy(pid: int, seconds: int, out: pathlib.Path) -> None:
+    """Two py-spy recordings of ``pid`` one after another (see the module doc), folded stacks."""
+    common = ["record", "--pid", str(pid), "--duration", str(seconds), "--rate", "200", "--nonblocking",
+              "--threads", "--format", "raw"]
+    for name, extra in (("pyspy_threads.txt", ["--idle"]), ("pyspy_gil.txt", ["--gil"])):
+        subprocess.run(["py-spy", *common, *extra, "--output", str(out / name)], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int = 32,
-        extra: list[str] | None = None) -> dict:
-    """Start the AR, send ``requests`` requests of a ``grid`` x ``grid`` AR grid one at a time."""
+        extra: list[str] | None = None, profile_seconds: int = 0, profile_out: pathlib.Path | None = None) -> dict:
+    """Start the AR, send ``requests`` requests of a ``grid`` x ``grid`` AR grid one at a time
+    (``profile_seconds``: py-spy the AR process meanwhile, into ``profile_out``)."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="ar-served-"))
     dit_port = free_port()
 
@@ -111,7 +128,12 @@ def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int 
             ar, ready_s, address = await asyncio.to_thread(start_ar, checkpoint, dit_port, workdir, device,
                                                            extra or [])
             try:
+                spy = None
+                if profile_seconds:
+                    spy = asyncio.create_task(asyncio.to_thread(_py_spy, ar.proc.pid, profile_seconds, profile_out))
                 results = await _requests(address, dit_port, requests, grid)
+                if spy is not None:
+                    await spy
             finally:
                 stop_pipeline([ar])
         finally:
@@ -135,14 +157,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--grid", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="builtin://tiny on the CPU, a 4x4 grid, 3 requests")
+    parser.add_argument("--profile-seconds", type=int, default=0,
+                        help="py-spy the AR process for this many seconds twice while the requests run (module doc)")
     args = parser.parse_args()
-    if args.smoke:
-        res = run("builtin://tiny", device="cpu", requests=3, grid=4, extra=["--weights-dtype", args.weights_dtype])
-    else:
-        checkpoint = args.checkpoint or preview_checkpoint(pathlib.Path(args.ckpt_dir))
-        res = run(checkpoint, requests=args.requests, grid=args.grid, extra=["--weights-dtype", args.weights_dtype])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    spy = {"profile_seconds": args.profile_seconds, "profile_out": out}
+    if args.smoke:
+        res = run("builtin://tiny", device="cpu", requests=3, grid=4, extra=["--weights-dtype", args.weights_dtype],
+                  **spy)
+    else:
+        checkpoint = args.checkpoint or preview_checkpoint(pathlib.Path(args.ckpt_dir))
+        res = run(checkpoint, requests=args.requests, grid=args.grid, extra=["--weights-dtype", args.weights_dtype],
+                  **spy)
     (out / "ar_served.json").write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if k not in ("requests", "ar_log_tail")}, indent=1))
     return 0
