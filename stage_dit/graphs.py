@@ -28,6 +28,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from mammoth_core.cuda_streams import side_stream
+
 logger = logging.getLogger(__name__)
 
 
@@ -90,7 +92,9 @@ class GraphCache:
         """Warm up on a side stream, capture ``forward`` over static copies of ``inputs``; None on failure."""
         static = tuple(x.clone() for x in inputs)
         try:
-            side = torch.cuda.Stream(inputs[0].device)
+            # one process-wide warm-up stream: a new stream per capture would leave one more cuBLAS
+            # workspace (32 MiB) behind each time (`mammoth_core.cuda_streams`)
+            side = side_stream(inputs[0].device, "dit-graph-warmup")
             side.wait_stream(torch.cuda.current_stream(inputs[0].device))
             with torch.cuda.stream(side):
                 forward(*static)

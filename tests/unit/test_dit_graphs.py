@@ -40,3 +40,29 @@ def test_replayed_steps_equal_eager_steps():
         denoise_step(pipe.transformer, [eager], None)
     assert graphs.captures == 1 and graphs.replays == 4  # step 1 eager, step 2 captured, 2-5 replayed
     assert torch.equal(with_graphs.latents, eager.latents)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture streams and cuBLAS workspaces")
+def test_captures_of_new_shapes_do_not_grow_gpu_memory_by_a_workspace_each():
+    """Each capture warmed up on a new ``torch.cuda.Stream``; PyTorch keeps a cuBLAS workspace (32 MiB
+    on Hopper) per stream for the life of the process, so every captured shape (up to 16 per
+    device) left one behind. The AR's runner had the same fault (`test_batch_engine`)."""
+    import gc
+
+    pipe = tiny_pipeline("cuda", torch.bfloat16)
+    graphs = GraphCache()
+    after = []
+    for rows in (8, 12, 16, 20):  # each condition length is a new shape: a new capture
+        cond = torch.randn(rows, pipe.llm_hidden_size, device="cuda", dtype=torch.bfloat16)
+        state = DenoiseState(pipe, ImageRequest(cond, None, 64, 48, 3, 4.0, seed=1))
+        while not state.done:
+            denoise_step(pipe.transformer, [state], graphs)
+        del state, cond
+        gc.collect()
+        torch.cuda.synchronize()
+        after.append(torch.cuda.memory_allocated())
+    assert graphs.captures == 4
+    # graphs share one pool, so their buffers may grow with larger shapes a little; a workspace per
+    # capture is 32 MiB each time
+    growth = [(b - a) / 2**20 for a, b in zip(after[1:], after[2:])]
+    assert all(g < 16 for g in growth), growth
