@@ -14,8 +14,10 @@ Each tree (``--old-tree DIR`` and this one) is measured in its own subprocess th
   measured bf16 matmul rate;
 - at concurrency 1, 4 and 8, ``c`` requests submitted at once (``--waves`` times; DiT alone: noise,
   denoise, VAE, PNG encoding): ``images_per_min``, latency ``p50_s``/``p99_s`` (over the
-  ``c x waves`` requests: with few samples p99 is close to the maximum) and ``peak_gib`` of GPU memory.
-  A tree with `stage_dit.engine` runs them through its worker loop (``mode: engine``); an older one
+  ``c x waves`` requests: with few samples p99 is close to the maximum) and ``peak_gib`` of GPU memory;
+  each level after one untimed wave of ``c`` 2-step images (`warm_up`: the batch shape's first-call
+  costs, e.g. its CUDA graph capture; until 2026-12-02 only one 2-step image per size, so the c = 4
+  and c = 8 waves paid their capture inside the timing). A tree with `stage_dit.engine` runs them through its worker loop (``mode: engine``); an older one
   as the old servicer did, one `pipeline.generate` per thread (``mode: threads``).
 
 ``--tiny`` runs the tiny built-in dimensions on the CPU at 32²/4 and 64²/4 (a smoke test of the script,
@@ -195,10 +197,11 @@ def measure_tree(args) -> dict:
                 tokens = (size // 16) ** 2 + rows
                 flops = flop_floor(count(pipe.transformer), tokens, dc.hidden_size, dc.num_layers + dc.num_refiner_layers)
                 entry["floor_ms_per_step"] = flops / rate * 1e3
-            warm_up(pipe, engine, size, condition)
-            entry["concurrency"] = {str(c): measure_level(pipe, engine, size, steps, condition, c,
-                                                          c1_waves if c == 1 else args.waves, cuda)
-                                    for c in args.concurrency}
+            entry["concurrency"] = {}
+            for c in args.concurrency:
+                warm_up(pipe, engine, size, condition, c)
+                entry["concurrency"][str(c)] = measure_level(pipe, engine, size, steps, condition, c,
+                                                             c1_waves if c == 1 else args.waves, cuda)
             result["sizes"][str(size)] = entry
             print(json.dumps({size: entry}), flush=True)
             out.write_text(json.dumps(result))
@@ -215,12 +218,16 @@ def measure_tree(args) -> dict:
     return result
 
 
-def warm_up(pipe, engine, size: int, condition) -> None:
-    """One 2-step image at ``size`` the way the level runs it (first-call costs: VAE, kernels)."""
+def warm_up(pipe, engine, size: int, condition, c: int) -> None:
+    """One wave of ``c`` 2-step images at ``size``, the way the level runs them: the first-call costs
+    of that batch shape (VAE, kernels, cuDNN plans; in the worker loop the step's CUDA graph, captured
+    on a shape's second step) are paid once per shape and process, not by the timed wave. The
+    conditions here all have the same length, so every later wave of that size and concurrency reuses
+    the shape; prompts of other lengths are other shapes (`stage_dit.graphs`)."""
     if engine is not None:
-        run_wave_engine(engine, size, 2, condition, 1)
+        run_wave_engine(engine, size, 2, condition, c)
     else:
-        run_wave_threads(pipe, size, 2, condition, 1)
+        run_wave_threads(pipe, size, 2, condition, c)
 
 
 def measure_level(pipe, engine, size, steps, condition, c: int, waves: int, cuda: bool) -> dict:
