@@ -37,7 +37,7 @@ TEST_CONFIG = gemv_kernels.GemvConfig(128, 4, 1)
 def gemv_model(model):
     if not gemv_kernels.available(torch.device("cpu")):
         pytest.skip("triton cannot run here (no CUDA, interpreter off)")
-    set_linear_backend(model, GemvLinear(TEST_CONFIG))
+    set_linear_backend(model, GemvLinear(TEST_CONFIG, fuse_epilogues=False))  # the plain kernel
     yield model
     set_linear_backend(model, TORCH_LINEAR)
 
@@ -144,22 +144,23 @@ def _decode_together(model, tok, specs: list[int]) -> dict[int, torch.Tensor]:
     return {i: torch.stack(r) for i, r in rows.items()}
 
 
+@pytest.mark.slow  # 38 s in the interpreter; the served (fused) path's decode below runs by default
 def test_gemv_backend_rows_do_not_depend_on_the_batch(gemv_model, tokenizer):
     """A request decoded inside a batch (bucket 4: 3 rows of 4 in use per projection call) gives the
-    bits it gives decoded alone (bucket 2: its two AR-CFG rows): the kernel's per-row reduction
-    order is fixed, whatever M. The torch backend fails this on CPU (measured 2026-12-01: the CPU
-    matmul's order depends on M). The CPU's SDPA is not batch-invariant either, hence the runner's
-    Triton attention, as served on CUDA."""
+    bits it gives decoded alone (bucket 2: its two AR-CFG rows): the plain kernel's per-row
+    reduction order is fixed, whatever M. The torch backend fails this on CPU (measured 2026-12-01:
+    the CPU matmul's order depends on M). The CPU's SDPA is not batch-invariant either, hence the
+    runner's Triton attention, as served on CUDA."""
     together = _decode_together(gemv_model, tokenizer, [2, 3])
     alone = _decode_together(gemv_model, tokenizer, [2])[2]
     assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
 
 
-@pytest.mark.slow  # 38 s in the interpreter; the kernel-level invariance (test_gemv) runs by default
 def test_fused_epilogues_rows_do_not_depend_on_the_batch(gemv_model, tokenizer, launches):
-    """With ``fuse_epilogues`` a request decoded inside a batch gives the bits it gives alone (as
-    `test_gemv_backend_rows_do_not_depend_on_the_batch`, the fused launches in every step)."""
-    set_linear_backend(gemv_model, GemvLinear(TEST_CONFIG, fuse_epilogues=True))
+    """With the default ``fuse_epilogues`` (the served path) a request decoded inside a batch gives
+    the bits it gives alone (as `test_gemv_backend_rows_do_not_depend_on_the_batch` for the plain
+    kernel, the fused launches in every step)."""
+    set_linear_backend(gemv_model, GemvLinear(TEST_CONFIG))
     together = _decode_together(gemv_model, tokenizer, [2, 3])
     assert {"rope", "swiglu"} <= {epilogue for _, epilogue in launches}
     alone = _decode_together(gemv_model, tokenizer, [2])[2]
