@@ -317,7 +317,7 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     # the decode path (<= 16 rows: the GEMV kernels, where W8A16 and W8A8 differ; one forward of the
     # whole image above runs cuBLAS on widened codes in both modes)
     forced = torch.tensor(ids[: n + DECODE_CHECK_STEPS], device="cuda")[None]
-    d16, c16 = _decode_rows(model, forced, n)
+    d16, c16 = decode_rows(model, forced, n)
     quantize_fp8_(model.visual_token_linears())
     torch.cuda.empty_cache()
     h8, a8 = _teacher_forced(model, ids)
@@ -326,42 +326,51 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     res["floor_fp8"] = fb = floor_bytes(model, MID)
     res["floor_fp8"]["ms_per_token"] = fb["total"] / res["ceilings"]["hbm_bytes_per_s"] * 1e3
     set_linear_backend(model, select_backend("auto", "cuda"))
-    res["fp8_decode_vs_bf16"] = _decode_deviation(*_decode_rows(model, forced, n), d16, c16)
+    res["fp8_decode_vs_bf16"] = _decode_deviation(*decode_rows(model, forced, n), d16, c16)
     print("FP8 (W8A16) vs bf16, decode path:", res["fp8_decode_vs_bf16"], flush=True)
     time_variant(model, res, "fp8", {}, (1, 8), steps, mid_image=True, save=save)
     if w8a8:
         set_linear_backend(model, GemvLinear(fp8_compute="fp8"))
-        res["fp8_w8a8_decode_vs_bf16"] = _decode_deviation(*_decode_rows(model, forced, n), d16, c16)
+        res["fp8_w8a8_decode_vs_bf16"] = _decode_deviation(*decode_rows(model, forced, n), d16, c16)
         print("W8A8 vs bf16, decode path:", res["fp8_w8a8_decode_vs_bf16"], flush=True)
         time_variant(model, res, "fp8_w8a8", {}, (1, 8), steps, save=save)
 
 
-#: Grid positions the decode-path deviation forces one token per forward (`_decode_rows`).
+#: Grid positions the decode-path deviation forces one token per forward (`decode_rows`).
 DECODE_CHECK_STEPS = 256
 
 
-def _decode_rows(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`benchmarks/ar_fusion.py`'s teacher-forced decode: ``prefill`` ids at once, then one id per
-    forward; float32 hidden rows ``(T - prefill, H)`` and the argmax visual code per step."""
-    import ar_fusion
-
-    return ar_fusion._decode_rows(model, ids, prefill)
+def decode_rows(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced decode of ``ids (1, T)``: ``prefill`` ids in one forward, then one id per
+    forward (the decode path's shapes: <= 16 rows, the GEMV kernels); float32 hidden rows
+    ``(T - prefill, H)`` and the argmax generation-vocabulary code of each single-token step."""
+    cfg = model.config
+    cache = model.new_kv_cache(1, ids.shape[1])
+    device = ids.device
+    rows, codes = [], []
+    with torch.inference_mode():
+        model(ids[:, :prefill], torch.arange(prefill, device=device)[None], kv_cache=cache, compute_logits=False)
+        for t in range(prefill, ids.shape[1]):
+            h = model(ids[:, t : t + 1], torch.tensor([[t]], device=device), kv_cache=cache,
+                      compute_logits=False).last_hidden_state[0]
+            rows.append(h.float())
+            codes.append(model.compute_logits(h, cfg.gen_vocab_start_index).argmax(-1))
+    return torch.cat(rows), torch.cat(codes)
 
 
 def _decode_deviation(h, a, h16, a16) -> dict:
-    """Relative / max hidden-state error and argmax agreement of decode-path rows against bf16's."""
+    """Relative / max hidden-state error and argmax agreement of rows ``h`` and codes ``a`` against
+    bf16's ``h16`` and ``a16`` (same positions)."""
     return {"steps": int(h.shape[0]), "rel_hidden_error": float((h - h16).norm() / h16.norm()),
             "max_abs_hidden_error": float((h - h16).abs().max()), "argmax_agreement": float((a == a16).float().mean())}
 
 
 def _deviation(h, a, h16, a16, n: int, grid: int, positions: int) -> dict:
-    """Relative / max hidden-state error and argmax agreement of ``(h, a)`` against bf16's, past the prompt."""
-    return {
-        "grid": grid, "positions": positions,
-        "rel_hidden_error": float((h[n:] - h16[n:]).norm() / h16[n:].norm()),
-        "max_abs_hidden_error": float((h[n:] - h16[n:]).abs().max()),
-        "argmax_agreement": float((a[n - 1 : -1] == a16[n - 1 : -1]).float().mean()),
-    }
+    """`_decode_deviation` of ``(h, a)`` against bf16's past the prompt of ``n`` tokens (the argmax
+    at position ``i`` predicts token ``i + 1``)."""
+    deviation = _decode_deviation(h[n:], a[n - 1 : -1], h16[n:], a16[n - 1 : -1])
+    del deviation["steps"]
+    return {"grid": grid, "positions": positions, **deviation}
 
 
 def floor_bytes(model: MammothARForCausalLM, position: int) -> dict:
@@ -458,7 +467,8 @@ def print_summary(res: dict) -> None:
         if key in res:
             v = res[key]
             ref = t.get("compiled_B1" if key == "served" else "fp8_B1", {}).get("ms_per_step", float("nan"))
-            pad = t.get("compiled_served_shape_B1" if key == "served" else "", {}).get("ms_per_step", float("nan"))
+            inline = t.get("compiled_served_shape_B1", {}) if key == "served" else {}
+            pad = inline.get("ms_per_step", float("nan"))
             print(f"| {key}: mammoth ar, 32x32 grid, 10 requests | {v['ms_per_token_median']:.3f} ms/token "
                   f"({v['ms_per_token_median'] / ref:.3f} x the benchmark's B=1, target <= 1.05; "
                   f"{v['ms_per_token_median'] / pad:.3f} x its served shape inline); first "

@@ -129,25 +129,10 @@ def kernels(res: dict, dims: dict, device: str, dtype: torch.dtype, save) -> Non
     print("kernels:", json.dumps(out, indent=1), flush=True)
 
 
-def _decode_rows(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill ``prefill`` ids, then one id per forward: float32 hidden rows and argmax generation
-    logits of the single-token steps."""
-    cfg = model.config
-    cache = model.new_kv_cache(1, ids.shape[1])
-    device = ids.device
-    rows, codes = [], []
-    with torch.inference_mode():
-        model(ids[:, :prefill], torch.arange(prefill, device=device)[None], kv_cache=cache, compute_logits=False)
-        for t in range(prefill, ids.shape[1]):
-            h = model(ids[:, t : t + 1], torch.tensor([[t]], device=device), kv_cache=cache,
-                      compute_logits=False).last_hidden_state[0]
-            rows.append(h.float())
-            codes.append(model.compute_logits(h, cfg.gen_vocab_start_index).argmax(-1))
-    return torch.cat(rows), torch.cat(codes)
-
-
 def numerics(res: dict, model, steps: int, save) -> None:
     """Section 2."""
+    import ar_decode  # its teacher-forced `decode_rows`
+
     cfg = model.config
     device = model.lm_head.weight.device
     g = torch.Generator().manual_seed(5)
@@ -157,7 +142,7 @@ def numerics(res: dict, model, steps: int, save) -> None:
     got = {}
     for label in ("unfused", "fused"):
         set_linear_backend(model, GemvLinear(fuse_epilogues=VARIANTS[label]))
-        got[label] = _decode_rows(model, ids, prompt.numel())
+        got[label] = ar_decode.decode_rows(model, ids, prompt.numel())
     (h0, a0), (h1, a1) = got["unfused"], got["fused"]
     res["numerics"] = {
         "steps": steps, "rel_hidden_error": float((h1 - h0).norm() / h0.norm()),

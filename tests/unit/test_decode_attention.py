@@ -101,6 +101,16 @@ def poisoned_partials(da, monkeypatch) -> list:
     return handed
 
 
+def assert_only_used_splits_written(handed: list, used_by_row: tuple[set[int], ...], n_splits: int) -> None:
+    """The one workspace in ``handed``: row ``i``'s splits in ``used_by_row[i]`` were written, every
+    other split still holds the poison."""
+    (part_acc, part_ml), = handed
+    for row, used in enumerate(used_by_row):
+        for split in range(n_splits):
+            untouched = bool(part_acc[row, :, split].isnan().all() and part_ml[row, :, split].isnan().all())
+            assert untouched == (split not in used), f"row {row} split {split}: untouched={untouched}"
+
+
 def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     """Padded mode attends over the whole pool width (12,288 positions served: 96 splits per row
     and KV head), so the split kernel's partials and the combine's reads must follow each row's key
@@ -113,11 +123,7 @@ def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     got = da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
     tol = 1e-5 if da.INTERPRETED else 5e-3
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)  # NaN never passes
-    (part_acc, part_ml), = handed
-    for row, used in enumerate(({0}, {1, 2}, {0, 1})):
-        for split in range(5):
-            untouched = bool(part_acc[row, :, split].isnan().all() and part_ml[row, :, split].isnan().all())
-            assert untouched == (split not in used), f"row {row} split {split}: untouched={untouched}"
+    assert_only_used_splits_written(handed, ({0}, {1, 2}, {0, 1}), 5)
 
 
 def test_rejects_mismatched_shapes(da):
