@@ -157,12 +157,15 @@ def test_k_requests_metrics_on_every_component(metered, client):
     for outcome in ("cancelled", "deadline", "producer_lost", "consumer_lost"):
         assert delta(dit1, dit0, "mammoth_dit_requests_total", outcome=outcome) == 0
 
-    # per request: the stage times partition the end-to-end time (client clock) within 10 %
+    # per request: the stage times partition the end-to-end time (client clock) within 10 %, or 75 ms
+    # for what no stage covers (HTTP parsing, the client, scheduling on a loaded 2-core host: a 0.53 s
+    # request once left 56 ms outside the stages); a stage missing or counted twice (ar_decode alone
+    # is 0.35 s of such a request) is still far outside
     for stages, elapsed in timings:
         assert set(STAGES) <= set(stages), stages
         assert all(stages[s] >= 0 for s in STAGES), stages
         total = sum(stages[s] for s in STAGES)
-        assert abs(total - elapsed) <= 0.10 * elapsed, (total, elapsed, stages)
+        assert abs(total - elapsed) <= max(0.10 * elapsed, 0.075), (total, elapsed, stages)
         assert stages["total"] <= elapsed
 
 
