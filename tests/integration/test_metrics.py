@@ -157,15 +157,17 @@ def test_k_requests_metrics_on_every_component(metered, client):
     for outcome in ("cancelled", "deadline", "producer_lost", "consumer_lost"):
         assert delta(dit1, dit0, "mammoth_dit_requests_total", outcome=outcome) == 0
 
-    # per request: the stage times partition the end-to-end time (client clock) within 10 %, or 75 ms
-    # for what no stage covers (HTTP parsing, the client, scheduling on a loaded 2-core host: a 0.53 s
-    # request once left 56 ms outside the stages); a stage missing or counted twice (ar_decode alone
-    # is 0.35 s of such a request) is still far outside
+    # per request: the stage times partition the gateway's own total. They never overlap (their sum
+    # stays within the total, 5 ms for rounding: a stage counted twice or overlapping another fails)
+    # and cover at least 80 % of it (a missing stage fails: ar_decode alone is 0.35-0.42 s of such a
+    # request); the rest is the RPC hops between stages. That rest grows on a loaded host: measured
+    # 2-3 % here when idle, 11-13 % of the client's time in two CI runs on the shared 2-core host,
+    # where the old bound (sum within 10 % of the client's elapsed time) failed.
     for stages, elapsed in timings:
         assert set(STAGES) <= set(stages), stages
         assert all(stages[s] >= 0 for s in STAGES), stages
         total = sum(stages[s] for s in STAGES)
-        assert abs(total - elapsed) <= max(0.10 * elapsed, 0.075), (total, elapsed, stages)
+        assert 0.80 * stages["total"] <= total <= stages["total"] + 0.005, (total, stages["total"], stages)
         assert stages["total"] <= elapsed
 
 
