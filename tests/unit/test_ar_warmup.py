@@ -8,6 +8,7 @@ tenth-request latency is measured by `benchmarks/ar_decode.py`).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
@@ -89,15 +90,51 @@ def test_warm_up_on_a_one_slot_pool_runs_every_job_that_fits(model, tokenizer, c
     assert engine.warmup_jobs == len(warmup_jobs(model.config.vocab_size, 96, num_slots=1)) == len(PROMPT_LENGTHS) + 1
 
 
-def test_warm_up_prefills_two_lengths_above_the_gemv_rows():
-    """Prefills above `stage_ar.gemv.MAX_ROWS` rows run the linear, then the compiled RoPE and SwiGLU
-    ops (below it, with the epilogues fused, those ops never run). `torch.compile` specialises on
-    the first shape it sees and recompiles for dynamic shapes at the second: with one long warm-up
-    prompt that second compile landed on the first real request (H200: its prefill took 4,293 ms
-    against 47 ms for the next, first request 1.83 x the tenth). Two distinct long lengths (one pool
-    slot each: no CFG needed) move both compiles before ready."""
-    from stage_ar.gemv import MAX_ROWS
+def _variant(x, weight, **kwargs) -> tuple:
+    """What `stage_ar.gemv` autotunes (and compiles) once per process: the weight's shape and dtype
+    and the prologue/epilogue flags; not the row count (the tuning key leaves M out)."""
+    return (tuple(weight.shape), weight.dtype, kwargs.get("bias") is not None, bool(kwargs.get("swiglu")),
+            kwargs.get("cos") is not None, kwargs.get("residual") is not None, kwargs.get("norm_weight") is not None,
+            kwargs.get("weight_scale") is not None, kwargs.get("fp8_compute"))
 
-    jobs = warmup_jobs(vocab_size=1000, max_sequence_length=4096, num_slots=1)  # no CFG job on one slot
-    long = {len(job.prompt_ids) for job in jobs if len(job.prompt_ids) > MAX_ROWS}
-    assert len(long) >= 2, f"prompt lengths above {MAX_ROWS} rows: {sorted(long)}"
+
+def test_warm_up_launches_every_gemv_variant_a_real_prompt_does(model, tokenizer, monkeypatch):
+    """A real text-to-image prompt ends ``<|image start|>{w}*{h}<|image token|>``: two generation ids
+    among text ids, so the expert layers route it "mixed" and run the generation qkv without the
+    RoPE epilogue (a GEMV variant a text-only or an all-generation call never launches). On the
+    GPU the first launch of a variant autotunes it, compiling every candidate: on the H200 the first
+    request's prefill took 3,230 ms against 31-61 ms for the next nine (first request 1.71 x the
+    tenth, 2026-12-02). The warm-up's prompts must launch every variant a real request does, with
+    and without AR-side CFG, with and without a negative prompt."""
+    from stage_ar import gemv as gemv_kernels
+    from stage_ar.linear import TORCH_LINEAR, GemvLinear, set_linear_backend
+
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    seen: list[tuple] = []
+    real = gemv_kernels.gemv
+
+    def recording(x, weight, **kwargs):
+        seen.append(_variant(x, weight, **kwargs))
+        return real(x, weight, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    set_linear_backend(model, GemvLinear(gemv_kernels.GemvConfig(128, 4, 1)))  # the served (fused) backend
+    try:
+        engine = _engine(model, tokenizer, warm_up=True)
+        engine.run_until_idle()  # warm-up, then ready
+        warmed = set(seen)
+        seen.clear()
+        job, sink = _real_job(tokenizer)  # AR-side CFG, no negative prompt
+        jobs = [job] + [
+            DecodeJob(name, 0, tokenizer.encode_t2i_prompt("a cat", 2, 2), negative, 2, 2, 5, 1.0, 0, 0.0, scale,
+                      CollectingSink(), lambda a, b: None, lambda exc, stats: None)
+            for name, negative, scale in (("plain", None, 0.0), ("negative", tokenizer.encode_negative_prompt(), 3.0))
+        ]
+        for each in jobs:
+            engine.run_job(each)
+    finally:
+        set_linear_backend(model, TORCH_LINEAR)
+    assert all(each.sink.finished for each in jobs)
+    missing = set(seen) - warmed
+    assert not missing, f"GEMV variants first launched by a real request: {sorted(missing, key=str)}"
