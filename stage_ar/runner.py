@@ -26,8 +26,10 @@ On CUDA each (batch bucket, key-length bucket, sampler variant) step is captured
 graph over these static buffers and replayed; the host reads only the fed/sampled ids back (one
 asynchronous copy and one event per step, waited one step later, `collect`). Attention covers the
 first ``L`` key positions, ``L`` the batch's longest sequence rounded up to ``length_bucket``;
-``pad_to_max_bucket`` pins every step to one shape (largest bucket, whole pool width), which makes
-each request's rows independent of the other requests (batch invariance) at a small cost. The
+``pad_to_max_bucket`` pins every step to the largest batch bucket, which makes each request's rows
+independent of the other requests (batch invariance) at a small cost; its key lengths are a few
+doubling buckets with the fused attention (whose bits do not depend on the length), else the whole
+pool width (`_length_buckets`). The
 sampler variant without the top-k/top-p sorts runs when no active request uses either (same tokens).
 
 ``exact_rows`` (default on CPU): each request's token runs through the same forward with exactly
@@ -118,6 +120,32 @@ def _check_grid_ids(cfg, eol: int, vstart: int, vend: int, exact_rows: bool | No
     return exact_rows
 
 
+def _length_buckets(capacity: int, length_bucket: int, *, padded: bool, exact_rows: bool,
+                    fused_attention: bool) -> tuple[int, ...]:
+    """The key lengths a step may attend over (one CUDA graph each per batch bucket and sampler
+    variant), the pool width last.
+
+    Bucket mode: every multiple of ``length_bucket`` below ``capacity``. Padded mode (the served,
+    batch-invariant shape): ``length_bucket * 2**i`` below ``capacity`` with the fused attention,
+    whose bits do not depend on the length it is given (`stage_ar.decode_attention`: the grid only),
+    so a row decodes alike in every bucket; few buckets, so capture stays short (12,288 positions,
+    512: six lengths, twelve graphs). Without bucketing there, the split kernel ran a program per
+    split of the whole pool width for every row and step (16 slots x 12,288 positions: 96 splits
+    each, nearly all of them empty; H200, 2026-12-02: 4.30 ms/step against 4.19 at 8 x 4,224).
+    The GEMM attention path's reductions do depend on the length, so padded mode without the
+    fused kernel keeps one length: the pool width. ``length_bucket <= 0`` or ``exact_rows``: one length.
+    """
+    if length_bucket <= 0 or exact_rows or (padded and not fused_attention):
+        return (capacity,)
+    if padded:
+        lengths, n = [], length_bucket
+        while n < capacity:
+            lengths.append(n)
+            n *= 2
+        return (*lengths, capacity)
+    return (*range(length_bucket, capacity, length_bucket), capacity)
+
+
 class ARModelRunner:
     """Continuous-batching decode state over a `KVPool`.
 
@@ -130,13 +158,13 @@ class ARModelRunner:
         exact_rows: per-request B=1-shaped forwards (bit-identical rows); default True on CPU.
         cuda_graphs: capture each bucket's step; default True on CUDA (ignored elsewhere/with exact_rows).
         buckets: batch sizes a step may run at (slots ``[0, bucket)``).
-        pad_to_max_bucket: always run the largest bucket and attend over the whole pool width
-            (one shape for every step).
+        pad_to_max_bucket: always run the largest bucket (one batch shape for every step).
         compile: fuse each layer's elementwise chain with `torch.compile` (see module doc); default
             True on CUDA without ``exact_rows``, False elsewhere. Falls back to the eager helpers
             with a logged warning when compilation fails.
         length_bucket: attention covers the batch's longest sequence rounded up to a multiple of
-            this many positions (0: always the pool width). Ignored with ``pad_to_max_bucket``.
+            this many positions (0: always the pool width); with ``pad_to_max_bucket``, to this
+            many times a power of two, and only with ``fused_attention`` (`_length_buckets`).
         fused_attention: attention by `stage_ar.decode_attention` (split-KV Triton kernel, KV
             write fused in, batch-invariant by construction); default True on CUDA when triton is
             importable, else the eager GEMM + softmax path. Ignored with ``exact_rows``; on CPU
@@ -185,10 +213,9 @@ class ARModelRunner:
         self.fused_attention = want_fused and can_fuse
         if fused_attention and not self.fused_attention:
             logger.warning("fused decode attention unavailable (needs CUDA and triton); using the GEMM path")
-        if pad_to_max_bucket or length_bucket <= 0 or self.exact_rows:
-            self.length_buckets: tuple[int, ...] = (self.capacity,)
-        else:
-            self.length_buckets = tuple(range(length_bucket, self.capacity, length_bucket)) + (self.capacity,)
+        self.length_buckets: tuple[int, ...] = _length_buckets(
+            self.capacity, length_bucket, padded=pad_to_max_bucket, exact_rows=self.exact_rows,
+            fused_attention=self.fused_attention)
         self.eol = int(eol_token_id)
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
@@ -237,6 +264,9 @@ class ARModelRunner:
                     logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
                                    type(exc).__name__, exc)
                     self.fused_attention = False
+                    if self.pad_to_max_bucket:  # the GEMM path's bits depend on the length: one length
+                        self.length_buckets = (self.capacity,)
+                        length = self.capacity
                 elif self.model.linear_backend is not TORCH_LINEAR:
                     logger.warning("GEMV linear kernels failed (%s: %s); using torch matmul", type(exc).__name__, exc)
                     set_linear_backend(self.model, TORCH_LINEAR)

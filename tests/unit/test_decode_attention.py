@@ -175,3 +175,57 @@ def test_kernel_failure_falls_back_to_the_gemm_path(da, request, monkeypatch, ca
     assert "using the GEMM attention path" in caplog.text
     for i, (_hidden, seq) in got.items():
         assert seq.prompt_ids + seq.generated_ids == make_seq(model, tokenizer, i).run()[1], f"request {i}"
+
+
+def _decode_padded(model, tok, specs: list[int], **options) -> tuple[dict[int, torch.Tensor], set[int]]:
+    """Requests ``specs`` (test_batch_engine's SPECS, joining at once) through a padded (served,
+    batch-invariant) `ARModelRunner` with the fused attention: rows per request, and the key lengths
+    its steps attended over."""
+    from test_batch_engine import grid_ids, make_seq
+
+    from stage_ar.runner import ARModelRunner
+
+    runner = ARModelRunner(model, 4, 160, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
+                           grid_ids(tok))), exact_rows=False, fused_attention=True, compile=False,
+                           pad_to_max_bucket=True, **options)
+    rows, first, lengths = {}, 0, set()
+    for i in specs:
+        seq = make_seq(model, tok, i)
+        seq.attach_kv_cache(runner.kv_view(first, seq.cache_batch))
+        rows[i] = [seq.prefill().hidden]
+        runner.activate(i, seq, first)
+        first += seq.cache_batch
+    while runner.active_count:
+        lengths.add(runner.next_shape()[1])
+        pending = runner.launch()
+        runner.collect(pending)
+        for e in pending.entries:
+            rows[e.key].append(pending.hidden[e.slot : e.slot + 1])
+    return {i: torch.cat(r) for i, r in rows.items()}, lengths
+
+
+def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, request):
+    """The served shape (padded: every step runs all slots) attended over the whole pool width at
+    every step: a split program per row, KV head and split of 12,288 positions (96), nearly all
+    empty (H200, 2026-12-02: 4.30 ms/step at 16 x 12,288 against 4.19 at 8 x 4,224). With the fused
+    kernel, whose bits do not depend on the length it is given, padded mode now buckets key lengths
+    (doubling from ``length_bucket``): the steps attend over short lengths first, and every row is
+    bit for bit the row decoded over the pool width (``length_bucket=0``)."""
+    if not da.INTERPRETED:
+        pytest.skip("the fixture model runs on the CPU; on the GPU benchmarks/ar_decode.py covers this")
+    from stage_ar.runner import ARModelRunner
+    from test_batch_engine import grid_ids
+
+    model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
+    ids = dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"), grid_ids(tokenizer)))
+    bucketed, lengths = _decode_padded(model, tokenizer, [3, 4], length_bucket=30)
+    whole, whole_lengths = _decode_padded(model, tokenizer, [3, 4], length_bucket=0)
+    assert whole_lengths == {160} and len(lengths) >= 2 and max(lengths) < 160, lengths
+    for i in bucketed:
+        assert torch.equal(bucketed[i], whole[i]), f"request {i}: rows depend on the key-length bucket"
+    padded = ARModelRunner(model, 4, 160, **ids, exact_rows=False, fused_attention=True, compile=False,
+                           pad_to_max_bucket=True, length_bucket=30)
+    assert padded.length_buckets == (30, 60, 120, 160)
+    gemm = ARModelRunner(model, 4, 160, **ids, exact_rows=False, fused_attention=False, compile=False,
+                         pad_to_max_bucket=True, length_bucket=30)
+    assert gemm.length_buckets == (160,)  # the GEMM path's bits depend on the length: one length
