@@ -16,7 +16,8 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    (compiled graphs, fused split-KV attention), driven inline (`DecodeEngine.step`: schedule, launch
    step t+1, read step t back, emit rows): ms/token at batch 1 at image start and at mid-image (a
    prompt as long as the floor's position), aggregate tokens/s at 2, 4, 8 concurrent requests, the
-   graph replay alone (CUDA events), a kernel profile of the mid-image batch-1 step, peak GPU memory
+   graph replay alone (CUDA events), kernel profiles of the batch-1 steps (image start, mid-image; default
+   runner and the served shape), peak GPU memory
    (weights alone, after the engine's capture, after each run); at batch 1 also the cuBLAS linear,
    padded mode (8 slots) and the served engine's shape (padded, 16 slots of the default
    ``max_sequence_length``: what section 7's process runs); the GEMM + softmax attention path and
@@ -253,10 +254,10 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
             "shape": list(shape), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
         print(f"decode [{label}] B={batch}{' mid' if mid else ''}: {t[key]}", flush=True)
-        if profile and mid and graph is not None:
+        if profile and batch == 1 and graph is not None:  # batch 1 at image start, and mid-image
             try:
-                t[f"profile_{label}_B1_mid"] = _profile(graph)
-                print(t[f"profile_{label}_B1_mid"], flush=True)
+                t[f"profile_{key}"] = _profile(graph)
+                print(t[f"profile_{key}"], flush=True)
             except Exception as exc:  # noqa: BLE001
                 t["profile_error"] = repr(exc)
         for j, _ in jobs:
@@ -283,7 +284,8 @@ def timings(model, res: dict, steps: int, save=None, eager: bool = False, padded
     # the served engine's shape (`stage_ar.server.new_engine` with the default settings): 8 running
     # sequences on 16 KV slots of `max_sequence_length` positions, padded (batch-invariant) mode
     time_variant(model, res, "compiled_served_shape", {"pad_to_max_bucket": True}, (1,), steps, slots=16,
-                 capacity=min(DEFAULTS.max_sequence_length, model.config.max_position_embeddings), save=save)
+                 capacity=min(DEFAULTS.max_sequence_length, model.config.max_position_embeddings), save=save,
+                 mid_image=True, profile=True)
     if padded_only:
         return
     set_linear_backend(model, TORCH_LINEAR)
