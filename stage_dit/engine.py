@@ -130,10 +130,17 @@ class DiTEngine:
         profiler: a `mammoth_core.profiling.StageProfiler`: an armed request's trace covers the loop
             from its admission to its last step (its batch mates' work included).
         encode_workers: threads encoding final images (>= 1).
+        on_failure: called once, from the loop thread, with the exception when the loop itself
+            fails (a fault outside any one request's step, e.g. a CUDA error surfacing at the next
+            synchronisation): every waiting and active job has got `RequestFailed` by then and
+            `submit` refuses new ones; the server turns its health NOT_SERVING so the pod is replaced.
+
+    Attributes:
+        failure: the exception that stopped the loop, or None.
     """
 
     def __init__(self, pipeline, max_batch_requests: int, idle_wait_s: float = 0.05, profiler=None,
-                 encode_workers: int = 4) -> None:
+                 encode_workers: int = 4, on_failure: Callable[[BaseException], None] | None = None) -> None:
         if max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
         if encode_workers < 1:
@@ -147,6 +154,9 @@ class DiTEngine:
         self._waiting: list[EngineJob] = []
         self._active: list[EngineJob] = []
         self._closed = threading.Event()
+        self._admission = threading.Lock()  # submit vs the loop's final drain: no job slips past it
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure
         #: most requests one forward has carried so far (for tests and logs)
         self.largest_batch = 0
         self._loop = threading.Thread(target=self._run_loop, name="dit-loop", daemon=True)
@@ -164,17 +174,24 @@ class DiTEngine:
         """Queue ``job`` for admission between steps; returns it.
 
         Raises:
-            RuntimeError: the engine is closed.
+            RuntimeError: the engine is closed, or its loop failed (`failure`).
         """
-        if self._closed.is_set():
-            raise RuntimeError("the DiT engine is closed")
-        self._inbox.put(job)
+        with self._admission:
+            if self._closed.is_set():
+                raise RuntimeError(self._closed_reason())
+            self._inbox.put(job)
         return job
+
+    def _closed_reason(self) -> str:
+        if self.failure is None:
+            return "the DiT engine is closed"
+        return f"the DiT engine failed ({type(self.failure).__name__}: {self.failure}); it takes no new work"
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop both threads; jobs not finished get `RequestFailed(RuntimeError)`."""
-        self._closed.set()
-        self._inbox.put(None)
+        with self._admission:
+            self._closed.set()
+            self._inbox.put(None)
         self._loop.join(timeout)
         self._decodes.put(None)
         self._decoder.join(timeout)
@@ -183,15 +200,32 @@ class DiTEngine:
     # -- the loop thread ---------------------------------------------------------------------
 
     def _run_loop(self) -> None:
-        with torch.inference_mode():
-            while not self._closed.is_set():
-                self._collect(block=not self._active)
-                self._reap()
-                self._admit()
-                if self._active:
-                    self.step()
+        try:
+            with torch.inference_mode():
+                while not self._closed.is_set():
+                    self._collect(block=not self._active)
+                    self._reap()
+                    self._admit()
+                    if self._active:
+                        self.step()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own fault: fail its jobs, never strand them
+            logger.exception("DiT engine loop failed; failing its %d request(s) and refusing new ones",
+                             len(self._waiting) + len(self._active))
+            self.failure = exc
+        with self._admission:  # after this, submit raises: nothing reaches the inbox unseen
+            self._closed.set()
+            self._collect(block=False)
+        reason = RuntimeError(self._closed_reason())
         for job in self._waiting + self._active:
-            self._finish(job, RequestFailed(RuntimeError("the DiT engine closed")))
+            self._leave(job)
+            self._finish(job, RequestFailed(reason))
+        self._waiting, self._active = [], []
+        metrics.ACTIVE.set(0)
+        if self.failure is not None and self.on_failure is not None:
+            try:
+                self.on_failure(self.failure)
+            except Exception:  # noqa: BLE001 - the jobs are already failed
+                logger.exception("DiT engine on_failure callback failed")
 
     def _collect(self, block: bool) -> None:
         """Move submitted jobs into the waiting list (blocking briefly when idle)."""
@@ -281,10 +315,11 @@ class DiTEngine:
         if state.step in job.previews:
             self._decodes.put((job, state.latents, _ready_event(state.latents), job.previews[state.step]))
         if state.done:
+            ready = _ready_event(state.latents)  # may raise (a CUDA fault): the job is still the loop's
             self._active.remove(job)
             self._leave(job)
             metrics.ACTIVE.set(len(self._active))
-            self._decodes.put((job, state.latents, _ready_event(state.latents), None))
+            self._decodes.put((job, state.latents, ready, None))
 
     # -- the decode thread -------------------------------------------------------------------
 

@@ -89,6 +89,10 @@ class DiTServicer(pb_grpc.DiTServicer):
         request_limits: the size and step limits enforced on every call (the DiT's settings).
         max_batch_requests: requests denoised together by the worker loop (`stage_dit.engine`);
             None = one per slot.
+
+    Attributes:
+        on_engine_failure: passed to the engine as its ``on_failure`` (`serve` sets it to turn
+            health NOT_SERVING for good: a DiT whose loop died must be replaced, not probed as live).
     """
 
     def __init__(self, pipeline: Any = None, pool: SlotPool | None = None, *,
@@ -106,6 +110,7 @@ class DiTServicer(pb_grpc.DiTServicer):
         self.progress_interval_s = progress_interval_s
         self.producer_grace_s = producer_grace_s
         self.max_batch_requests = max_batch_requests
+        self.on_engine_failure: Any = None
         self.draining = False
         self.pipeline = self.pool = self.engine = None
         if pipeline is not None and pool is not None:
@@ -115,7 +120,8 @@ class DiTServicer(pb_grpc.DiTServicer):
         """Attach the loaded pipeline and its slot pool and start the worker loop (Generate starts
         being served)."""
         batch = self.max_batch_requests or len(pool.slots)
-        self.engine = DiTEngine(pipeline, max_batch_requests=batch, profiler=self.profiler)
+        self.engine = DiTEngine(pipeline, max_batch_requests=batch, profiler=self.profiler,
+                                on_failure=self.on_engine_failure)
         self.pool = pool
         self.pipeline = pipeline
 
@@ -322,6 +328,9 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     capacity.export()
     pool = SlotPool(capacity.slots, settings.max_rows_per_slot, hidden_size, dtype, settings.resolved_device())
     servicer.max_batch_requests = capacity.max_batch_requests
+    event_loop = asyncio.get_running_loop()
+    servicer.on_engine_failure = lambda exc: asyncio.run_coroutine_threadsafe(
+        health.enter_graceful_shutdown(), event_loop)
     servicer.set_model(pipeline, pool)
     await health.set_serving()
     address = f"{settings.host}:{port}"

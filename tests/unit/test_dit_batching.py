@@ -296,3 +296,34 @@ def test_the_final_event_comes_after_the_engine_let_go_of_the_job(pipe, conds):
         engine.close()
     assert isinstance(sinks["bad"].events[-1], RequestFailed)
     assert seen == {"good": True, "bad": True}, seen
+
+
+def test_a_fault_of_the_loop_itself_fails_every_job_and_refuses_new_ones(pipe, conds, monkeypatch):
+    """A fault outside any one request's step (on the GPU: a CUDA error surfacing at the event the
+    loop records after a step) used to end the loop thread silently: the active request and those
+    waiting for admission never got a terminal event and their callers waited forever, and `submit`
+    kept accepting work nobody would do. Now every one of them fails, new work is refused with the
+    reason, and ``on_failure`` runs once (the server turns its health NOT_SERVING)."""
+    import stage_dit.engine as engine_module
+
+    def broken_event(latents):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    reqs = requests(conds)
+    failures = []
+    engine = DiTEngine(pipe, max_batch_requests=1, on_failure=failures.append)
+    try:
+        monkeypatch.setattr(engine_module, "_ready_event", broken_event)
+        sinks = [Collector() for _ in range(3)]
+        for request, sink in zip(reqs, sinks):  # one active, two waiting for admission
+            engine.submit(job_for(request, sink))
+        for i, sink in enumerate(sinks):
+            assert sink.done.wait(30), f"job {i} never got a terminal event"
+            assert isinstance(sink.events[-1], RequestFailed), sink.events[-1]
+            assert "illegal memory access" in str(sink.events[-1].error)
+        assert len(failures) == 1 and engine.failure is failures[0]
+        with pytest.raises(RuntimeError, match="DiT engine failed"):
+            engine.submit(job_for(reqs[3], Collector()))
+        assert engine.active_requests == 0
+    finally:
+        engine.close()
