@@ -360,14 +360,20 @@ def _compile_job(job: tuple) -> tuple[str, float, str | None]:
 
 def precompile(table: dict, workers: int) -> dict:
     """Compile every candidate in a pool of processes (Triton compiles serially within one)."""
+    return run_compile_jobs(precompile_jobs(table), workers, _compile_job)
+
+
+def run_compile_jobs(jobs: list, workers: int, compile_one) -> dict:
+    """``compile_one(job) -> (key, seconds, error or None)`` over ``jobs`` in ``workers`` spawned
+    processes (fills Triton's on-disk cache); a summary dict (``error`` if the pool itself failed:
+    compiling is only a speed-up, autotuning compiles in-process otherwise)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = precompile_jobs(table)
     t = time.time()
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_compile_job, jobs))
+            done = list(pool.map(compile_one, jobs))
     except Exception as exc:  # noqa: BLE001 - only a speed-up
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "s": time.time() - t}
     errors = {key: err for key, _, err in done if err}

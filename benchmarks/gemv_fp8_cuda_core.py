@@ -147,18 +147,7 @@ SMOKE_CONFIGS = (
 
 
 if triton is not None:
-
-    @triton.jit
-    def _w_tile(w_ptr, rows, n_mask, k, K, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-        """The ``(BLOCK_N, BLOCK_K)`` FP8 codes of weight rows ``rows`` at columns ``k`` (zeros outside), as stored."""
-        ptrs = w_ptr + rows[:, None] * K + k[None, :]
-        if EVEN_K and EVEN_N:
-            w = tl.load(ptrs)
-        elif EVEN_K:
-            w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
-        else:
-            w = tl.load(ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
-        return w
+    from stage_ar.gemv import _w_tile  # noqa: E402 - the weight-tile load of the serving kernel (one home)
 
     @triton.jit
     def _x_row(x_ptr, k, K, EVEN_K: tl.constexpr):
@@ -401,9 +390,7 @@ def _compile_job(job: tuple) -> tuple[str, float, str | None]:
 def precompile(table: dict, workers: int) -> dict:
     """Compile our candidates and `stage_ar.gemv`'s autotuning candidates (FP8 and bf16, plain + bias
     where the shape has one) in a pool of processes (Triton compiles serially within one)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
+    import gemv as B
     from stage_ar import gemv as G
 
     jobs, seen = [], set()
@@ -420,15 +407,7 @@ def precompile(table: dict, workers: int) -> dict:
             for c in configs:
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, False):
                     jobs.append(("gemv", (f"{name}/gemv/{w_dtype}/{c}", torch.bfloat16, w_dtype, n, k, c, flags)))
-    t = time.time()
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_compile_job, jobs))
-    except Exception as exc:  # noqa: BLE001 - only a speed-up
-        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "s": time.time() - t}
-    return {"jobs": len(jobs), "workers": workers, "s": time.time() - t,
-            "max_compile_s": max((sec for _, sec, _ in done), default=0.0),
-            "errors": {key: err for key, _, err in done if err}}
+    return B.run_compile_jobs(jobs, workers, _compile_job)
 
 
 def _has_bias(shape: dict) -> bool:

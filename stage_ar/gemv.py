@@ -136,10 +136,10 @@ if triton is not None:
         return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     @triton.jit
-    def _w_dot(w_ptr, rows, n_mask, k, K, x_t, acc, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               IEEE: tl.constexpr, FP8_MODE: tl.constexpr = 0):
-        """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype (``FP8_MODE`` 2:
-        E4M3 codes to float16 ``code * 2^-8`` by `_f16_bits`, the epilogue scales by 2^8)."""
+    def _w_tile(w_ptr, rows, n_mask, k, K, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """The ``(BLOCK_N, BLOCK_K)`` tile of the row-major ``(N, K)`` weight at rows ``rows`` and
+        columns ``k``, as stored (zeros outside ``n_mask`` and past ``K``; the masks only where the
+        ``EVEN_*`` flags say a tile can be partial)."""
         ptrs = w_ptr + rows[:, None] * K + k[None, :]
         if EVEN_K and EVEN_N:
             w = tl.load(ptrs)
@@ -147,6 +147,14 @@ if triton is not None:
             w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(ptrs, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        return w
+
+    @triton.jit
+    def _w_dot(w_ptr, rows, n_mask, k, K, x_t, acc, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               IEEE: tl.constexpr, FP8_MODE: tl.constexpr = 0):
+        """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype (``FP8_MODE`` 2:
+        E4M3 codes to float16 ``code * 2^-8`` by `_f16_bits`, the epilogue scales by 2^8)."""
+        w = _w_tile(w_ptr, rows, n_mask, k, K, EVEN_K, EVEN_N)
         if FP8_MODE == 2:
             w = _f16_bits(w)
         else:
