@@ -95,6 +95,14 @@ class DecodeEngine:
         scheduler_factory: builds the scheduler from ``(num_slots, slot_capacity,
             max_running_sequences)``; the tensor-parallel ranks pass theirs
             (`stage_ar.tensor_parallel_stage`: rank 0 broadcasts each turn's decisions, the others follow).
+        on_failure: called once, from the decode thread, with the exception when the loop itself
+            fails (a fault outside any one request's prefill or step, e.g. a CUDA error surfacing at
+            a step's read-back): by then every admitted job has been failed with `EngineStopped`
+            naming it, its sink aborted, and `submit` refuses new jobs; `ready` is set if it was
+            not (a failed capture or warm-up). The server turns its health NOT_SERVING for good.
+
+    Attributes:
+        failure: the exception that stopped the decode loop, or None.
     """
 
     def __init__(
@@ -111,6 +119,7 @@ class DecodeEngine:
         kv_slots: int | None = None,
         warm_up: bool | None = None,
         scheduler_factory: Callable[..., ARScheduler] = ARScheduler,
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         self._make_sequence = make_sequence
         self.max_running_sequences = max_running_sequences
@@ -128,6 +137,8 @@ class DecodeEngine:
         self._runs: dict[DecodeJob, _Running] = {}  # by job (identity); touched by the engine thread
         self.steps_total = 0
         self.ready = threading.Event()
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure
         self._warm_up = self.runner.on_cuda if warm_up is None else bool(warm_up)
         self.warmup_s: float | None = None  # seconds, and jobs finished, of the warm-up
         self.warmup_jobs, self._prepared = 0, False
@@ -216,14 +227,28 @@ class DecodeEngine:
         self.ready.set()
 
     def _loop(self) -> None:
-        self._prepare()
-        while not self._stop.is_set():
-            if not self.runner.active_count and self._pending is None:
-                self.scheduler.wait_for_work(0.05)
-            self.step()
-        self._flush()
-        for request in self.scheduler.drain_all(EngineStopped("AR engine stopped")):
+        reason = EngineStopped("AR engine stopped")
+        try:
+            self._prepare()
+            while not self._stop.is_set():
+                if not self.runner.active_count and self._pending is None:
+                    self.scheduler.wait_for_work(0.05)
+                self.step()
+            self._flush()
+        except BaseException as exc:  # noqa: BLE001 - the loop's own fault: fail its jobs, never strand them
+            logger.exception("AR decode loop failed; failing its %d request(s) and refusing new ones",
+                             self.scheduler.num_admitted)
+            self.failure, self._pending = exc, None
+            reason = EngineStopped(f"the AR engine failed ({type(exc).__name__}: {exc}); it takes no new work")
+        for request in self.scheduler.drain_all(reason):
             self._emit([SequenceDone(request.payload.job, request.abort_reason)])
+        if self.failure is not None:
+            self.ready.set()  # a server waiting for readiness sees `failure` instead of waiting forever
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(self.failure)
+                except Exception:  # noqa: BLE001 - the jobs are already failed
+                    logger.exception("AR engine on_failure callback failed")
 
     def run_until_idle(self) -> None:
         """Run the loop in the calling thread until no job is left (in-process runs, benchmarks)."""
@@ -381,10 +406,17 @@ class DecodeEngine:
             except ValueError:  # the caller cleared the list
                 pass
             run.cancel_callback = None
-        self._leave(run, error)
+        try:  # device bookkeeping; after a device fault it may raise again: the caller must still hear
+            self._leave(run, error)
+        except Exception:  # noqa: BLE001
+            logger.exception("freeing %s's batch slot failed", run.job.request_id)
+            run.slot = None
         self.scheduler.finish(run.request)
         if run.seq is not None:
-            run.seq.release()  # frees the KV cache now, whatever happens to the request
+            try:
+                run.seq.release()  # frees the KV cache now, whatever happens to the request
+            except Exception:  # noqa: BLE001
+                logger.exception("releasing %s's KV cache failed", run.job.request_id)
         stats = run.stats
         if error is None:
             now = time.perf_counter()

@@ -503,3 +503,54 @@ def test_engines_built_one_after_another_do_not_grow_gpu_memory(model, tokenizer
     # the first engine may leave process-wide one-time state (the default stream's workspace); the
     # ones after it must not add to it
     assert after[2] == after[1], [a / 2**20 for a in after]
+
+
+def test_a_fault_of_the_decode_loop_fails_every_job_and_refuses_new_ones(model, tokenizer):
+    """A fault outside any one request's prefill or step (on the GPU: a CUDA error surfacing when the
+    loop reads a launched step's ids back) used to end the decode thread silently: the running
+    requests never got ``on_done``, their callers (the gRPC handlers) waited forever, and `submit` kept accepting work nobody would do. Now each is failed
+    with the reason and its sink aborted, new work is refused, and ``on_failure`` runs once (the
+    server turns its health NOT_SERVING)."""
+    from stage_ar.scheduler import EngineStopped
+
+    failures: list[BaseException] = []
+
+    def factory(job: DecodeJob) -> T2ISequence:
+        return make_seq(model, tokenizer, job.seed)
+
+    engine = DecodeEngine(factory, 2, model=model, grid_ids=grid_ids(tokenizer), max_sequence_length=CAPACITY,
+                          on_failure=failures.append)
+
+    def broken_collect(pending):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    done: dict[str, BaseException | None] = {}
+    finished = threading.Event()
+
+    def job_for(i: int, sink) -> DecodeJob:
+        w, h = SPECS[i][:2]
+        return DecodeJob(
+            request_id=f"job{i}", epoch=0, prompt_ids=make_seq(model, tokenizer, i).prompt_ids, negative_ids=None,
+            ar_width=w, ar_height=h, seed=i, temperature=0, top_k=0, top_p=0, ar_guidance_scale=SPECS[i][4],
+            sink=sink, on_progress=lambda a, b: None,
+            on_done=lambda exc, stats, rid=f"job{i}": (done.__setitem__(rid, exc), finished.set()),
+        )
+
+    sinks = [RecordingSink(), RecordingSink()]
+    engine.start()
+    try:
+        assert engine.ready.wait(30)
+        engine.runner.collect = broken_collect  # the next step's read-back fails
+        engine.submit(job_for(0, sinks[0]))
+        engine.submit(job_for(3, sinks[1]))
+        deadline = time.monotonic() + 30
+        while len(done) < 2 and time.monotonic() < deadline:
+            finished.wait(0.05)
+        assert set(done) == {"job0", "job3"}, f"jobs that never finished: {({'job0', 'job3'} - set(done))}"
+        assert all("illegal memory access" in str(exc) for exc in done.values()), done
+        assert all(s.aborted and not s.finished for s in sinks)
+        assert len(failures) == 1 and engine.failure is failures[0]
+        with pytest.raises(EngineStopped):
+            engine.submit(job_for(1, RecordingSink()))
+    finally:
+        engine.stop()
