@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import pathlib
@@ -369,3 +370,11 @@ class HealthReporter:
         """NOT_SERVING for every service, permanently (later `set` calls are ignored)."""
         self.draining = True
         await self.servicer.enter_graceful_shutdown()
+
+    def on_fatal_error(self, loop: asyncio.AbstractEventLoop) -> Callable[[BaseException], None]:
+        """A callback any thread may call when the stage can no longer work (its engine's loop
+        died): `enter_graceful_shutdown` on ``loop``, so the gateway and the kubelet take the
+        replica out of rotation for good instead of probing it as live."""
+        def failed(exc: BaseException) -> None:
+            asyncio.run_coroutine_threadsafe(self.enter_graceful_shutdown(), loop)
+        return failed

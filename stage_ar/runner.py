@@ -213,9 +213,8 @@ class ARModelRunner:
         self.fused_attention = want_fused and can_fuse
         if fused_attention and not self.fused_attention:
             logger.warning("fused decode attention unavailable (needs CUDA and triton); using the GEMM path")
-        self.length_buckets: tuple[int, ...] = _length_buckets(
-            self.capacity, length_bucket, padded=pad_to_max_bucket, exact_rows=self.exact_rows,
-            fused_attention=self.fused_attention)
+        self.length_bucket = length_bucket
+        self.length_buckets: tuple[int, ...] = self._length_buckets()
         self.eol = int(eol_token_id)
         self.vstart, self.vend = int(visual_token_start_id), int(visual_token_end_id)
         self.vocab = self.vend - self.vstart
@@ -227,6 +226,10 @@ class ARModelRunner:
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
         self.jacobi = JacobiVerifier(self)  # the ``jacobi`` sequences' windows (stage_ar.jacobi)
+
+    def _length_buckets(self) -> tuple[int, ...]:
+        return _length_buckets(self.capacity, self.length_bucket, padded=self.pad_to_max_bucket,
+                               exact_rows=self.exact_rows, fused_attention=self.fused_attention)
 
     def _allocate_slot_state(self, n: int) -> None:
         """The persistent per-slot inputs the captured steps read and write (``n`` slots)."""
@@ -264,8 +267,8 @@ class ARModelRunner:
                     logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
                                    type(exc).__name__, exc)
                     self.fused_attention = False
-                    if self.pad_to_max_bucket:  # the GEMM path's bits depend on the length: one length
-                        self.length_buckets = (self.capacity,)
+                    self.length_buckets = self._length_buckets()  # padded: the GEMM path's one length
+                    if length not in self.length_buckets:
                         length = self.capacity
                 elif self.model.linear_backend is not TORCH_LINEAR:
                     logger.warning("GEMV linear kernels failed (%s: %s); using torch matmul", type(exc).__name__, exc)

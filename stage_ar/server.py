@@ -244,12 +244,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
             load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype(),
             weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
         )
-    event_loop = asyncio.get_running_loop()
-
-    def engine_failed(exc: BaseException) -> None:  # the decode thread died: leave rotation for good
-        asyncio.run_coroutine_threadsafe(health.enter_graceful_shutdown(), event_loop)
-
-    engine = new_engine(bundle, settings, on_failure=engine_failed,
+    engine = new_engine(bundle, settings, on_failure=health.on_fatal_error(asyncio.get_running_loop()),
                         **({"scheduler_factory": tp.scheduler_factory} if tp else {}))
     if tp is not None:
         await asyncio.to_thread(tp.ready, engine)

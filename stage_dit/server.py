@@ -328,9 +328,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     capacity.export()
     pool = SlotPool(capacity.slots, settings.max_rows_per_slot, hidden_size, dtype, settings.resolved_device())
     servicer.max_batch_requests = capacity.max_batch_requests
-    event_loop = asyncio.get_running_loop()
-    servicer.on_engine_failure = lambda exc: asyncio.run_coroutine_threadsafe(
-        health.enter_graceful_shutdown(), event_loop)
+    servicer.on_engine_failure = health.on_fatal_error(asyncio.get_running_loop())
     servicer.set_model(pipeline, pool)
     await health.set_serving()
     address = f"{settings.host}:{port}"
