@@ -227,7 +227,8 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
         jobs[2] = submit(2, sinks[2])
         jobs[3] = submit(3, sinks[3])
         while len(done) < 5 and time.monotonic() < deadline:
-            finished.wait(0.05)
+            if finished.wait(0.05):
+                finished.clear()  # else the set event makes this loop spin, starving the engine thread
         assert len(done) == 5, done
         while not all(sinks[i].finished for i in range(4)) and time.monotonic() < deadline:
             time.sleep(0.01)  # on_done comes first, then the sink is finished
@@ -251,7 +252,8 @@ def test_engine_thread_staggered_jobs_and_cancellation(model, tokenizer, referen
         again = RecordingSink()
         job = submit(5, again)
         while job.request_id not in done and time.monotonic() < deadline + 30:
-            finished.wait(0.05)
+            if finished.wait(0.05):
+                finished.clear()  # else the set event makes this loop spin, starving the engine thread
         assert done[job.request_id][0] is None
         assert again.ids == references[5][1] and torch.equal(torch.cat(again.rows), references[5][0])
     finally:
@@ -321,7 +323,8 @@ def test_cancelled_job_frees_its_admission_at_once(model, tokenizer, references)
         first_sink.release.set()
         deadline = time.monotonic() + 30
         while not ("seq3" in done and second_sink.finished) and time.monotonic() < deadline:
-            finished.wait(0.05)  # on_done comes first, then the sink is finished
+            if finished.wait(0.05):  # on_done comes first, then the sink is finished
+                finished.clear()  # else the set event makes this loop spin, starving the engine thread
         assert isinstance(done["seq0"], EngineCancelled) and first_sink.aborted
         assert done["seq3"] is None and second_sink.finished
         assert second_sink.ids == references[3][1] and torch.equal(torch.cat(second_sink.rows), references[3][0])
@@ -545,7 +548,8 @@ def test_a_fault_of_the_decode_loop_fails_every_job_and_refuses_new_ones(model, 
         engine.submit(job_for(3, sinks[1]))
         deadline = time.monotonic() + 30
         while len(done) < 2 and time.monotonic() < deadline:
-            finished.wait(0.05)
+            if finished.wait(0.05):
+                finished.clear()  # else the set event makes this loop spin, starving the engine thread
         assert set(done) == {"job0", "job3"}, f"jobs that never finished: {({'job0', 'job3'} - set(done))}"
         assert all("illegal memory access" in str(exc) for exc in done.values()), done
         assert all(s.aborted and not s.finished for s in sinks)
