@@ -52,6 +52,7 @@ import torch
 
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
+    split_k_for,
 )
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
@@ -200,47 +201,15 @@ if triton is not None:
         new_hi = ((hi_f * cos_hi).to(dtype).to(tl.float32) + (lo_f * sin_hi).to(dtype).to(tl.float32)).to(dtype)
         return tl.where(rotate[:, None], new_lo, lo), tl.where(rotate[:, None], new_hi, hi)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _gemv_kernel(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr,
-        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-        FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-    ):
-        """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
-        (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
-        (``c``, ``c + HEAD_DIM / 2``) of the j-th first-half column ``c`` of the heads, both written, the
-        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed. ``FP8_MODE``
-        3 (W8A8): ``x_ptr`` holds E4M3 codes, ``xs_ptr`` their row scales, the dots are FP8 x FP8."""
+    @triton.jit
+    def _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr, cos_ptr,
+                  sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
+                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """From the float32 dot sums ``acc`` (and ``acc2``, the partner rows, when paired) to the stored
+        output: scale and bias, SwiGLU, residual or RoPE, each rounded where the eager chain rounds."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
-        PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ROPE:
-            offs_n = cols // (HEAD_DIM // 2) * HEAD_DIM + cols % (HEAD_DIM // 2)
-            partner = offs_n + HEAD_DIM // 2
-            n_mask = cols < N // 2
-        else:
-            offs_n = cols
-            partner = cols + N  # SWIGLU: the up row of gate row n
-            n_mask = cols < N
-        offs_m = tl.arange(0, 16)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        inv_rms = tl.zeros((16,), tl.float32)
-        if NORM:
-            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
-                x_t = _f16_saturated(x_t)
-            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
-            if PAIRED:
-                acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        PAIRED: tl.constexpr = SWIGLU | ROPE
         y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
         if PAIRED:
             y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS,
@@ -257,6 +226,87 @@ if triton is not None:
                                out_mask, offs_n < ROPE_N)
             tl.store(out_ptr + offs_m[None, :] * stride_om + partner[:, None], y2, mask=out_mask)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+        FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+        SPLIT_K: tl.constexpr = 1,
+    ):
+        """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
+        (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
+        (``c``, ``c + HEAD_DIM / 2``) of the j-th first-half column ``c`` of the heads, both written, the
+        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed. ``FP8_MODE``
+        3 (W8A8): ``x_ptr`` holds E4M3 codes, ``xs_ptr`` their row scales, the dots are FP8 x FP8.
+
+        ``SPLIT_K`` > 1: program ``(j, s)`` sums K tiles ``[s * T, (s + 1) * T)`` (``T = cdiv(tiles,
+        SPLIT_K)``) into its float32 partials in ``ws_ptr``; the last of a column block's programs to
+        arrive (a ticket from the counter at ``cnt_ptr + j``, reset to 0 by that program) adds the
+        partials in split order 0, 1, ... (whichever arrives last: fixed bits) and runs the epilogue."""
+        PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
+        pid_n = tl.program_id(0)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:
+            offs_n = cols // (HEAD_DIM // 2) * HEAD_DIM + cols % (HEAD_DIM // 2)
+            partner = offs_n + HEAD_DIM // 2
+            n_mask = cols < N // 2
+        else:
+            offs_n = cols
+            partner = cols + N  # SWIGLU: the up row of gate row n
+            n_mask = cols < N
+        offs_m = tl.arange(0, 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        inv_rms = tl.zeros((16,), tl.float32)
+        if NORM:
+            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
+        if SPLIT_K == 1:
+            k_lo = 0
+            k_hi = K
+        else:
+            span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            k_lo = tl.program_id(1) * span
+            k_hi = tl.minimum(K, k_lo + span)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
+            if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
+                x_t = _f16_saturated(x_t)
+            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+            if PAIRED:
+                acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        if SPLIT_K == 1:
+            _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
+                      cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8, HAS_BIAS, SWIGLU,
+                      RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
+        else:
+            # partials: (2 if PAIRED, SPLIT_K, columns of the grid, 16) float32; this program's tile
+            ncols = tl.num_programs(0) * BLOCK_N
+            part = (cols[:, None] * 16 + offs_m[None, :])
+            tl.store(ws_ptr + tl.program_id(1) * ncols * 16 + part, acc)
+            if PAIRED:
+                tl.store(ws_ptr + (SPLIT_K + tl.program_id(1)) * ncols * 16 + part, acc2)
+            tl.debug_barrier()  # every thread's partials stored before the ticket releases them
+            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if ticket == SPLIT_K - 1:  # the last split of this column block: sum in split order, finish
+                acc = tl.load(ws_ptr + part, cache_modifier=".cg")
+                acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
+                if PAIRED:
+                    acc2 = tl.load(ws_ptr + SPLIT_K * ncols * 16 + part, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc += tl.load(ws_ptr + s * ncols * 16 + part, cache_modifier=".cg")
+                    if PAIRED:
+                        acc2 += tl.load(ws_ptr + (SPLIT_K + s) * ncols * 16 + part, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and graph replay)
+                _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
+                          res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
+                          HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
 
     @triton.jit
     def _norm_tile(x_ptr, w_ptr, out_ptr, k, K, inv):
@@ -307,7 +357,8 @@ if triton is not None:
         return triton.autotune(
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
-            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM"],  # not M
+            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
+                 "SPLIT_K"],  # not M
             prune_configs_by={"early_config_prune": _prune},
             do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
         )(_kernel)
@@ -417,9 +468,14 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
+    programs_n = n // 2 if rope else n  # under ROPE a program column is a pair of output columns
+    split = (config.split_k if config is not None else None) or split_k_for(n, k, weight.dtype)
+    if split < 1:
+        raise ValueError(f"split_k must be >= 1, got {split}")
+    ws, counters = split_workspace(weight, split, programs_n, bool(swiglu or rope)) if split > 1 else (out, out)
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
-        _or(x_scales, out), m, n, k,
+        _or(x_scales, out), ws, counters, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
         float(norm_eps), rope_columns,
     )
@@ -428,16 +484,44 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
-        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0,
+        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split,
     )
-    programs_n = n // 2 if rope else n  # under ROPE a program column is a pair of output columns
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
-        tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]),)](*args, **meta)
+        tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]), split)](*args, **meta)
     else:
         c = config or INTERPRETER_CONFIG
-        grid = (triton.cdiv(programs_n, c.block_n),)
+        grid = (triton.cdiv(programs_n, c.block_n), split)
         _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+
+
+#: Column padding of a split launch's partials: the widest ``BLOCK_N`` any launch may use.
+_MAX_BLOCK_N = 128
+#: Most weights whose split-K buffers `split_workspace` keeps (a model has a few hundred).
+MAX_SPLIT_WORKSPACES = 4096
+_split_buffers: dict = {}
+
+
+def split_workspace(weight: torch.Tensor, split: int, programs_n: int, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 partials and int32 arrival counters (all zero between launches) of a split-K
+    launch over ``weight``: ``(2 if paired else 1) * split * roundup(programs_n, 128) * 16`` floats and
+    ``cdiv(programs_n, 16)`` counters, one pair per weight (its device, address and shape), kept for
+    the process, so a CUDA graph captured around the launch keeps valid addresses. Launches over one
+    weight run one at a time (one stream), as a model's forward does.
+
+    Raises:
+        RuntimeError: more than `MAX_SPLIT_WORKSPACES` weights (a bound, not a model's need).
+    """
+    key = (weight.device, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    floats = (2 if paired else 1) * split * -(-programs_n // _MAX_BLOCK_N) * _MAX_BLOCK_N * 16
+    counters = -(-programs_n // 16)
+    have = _split_buffers.get(key)
+    if have is None or have[0].numel() < floats or have[1].numel() < counters:
+        if have is None and len(_split_buffers) >= MAX_SPLIT_WORKSPACES:
+            raise RuntimeError(f"split-K buffers for more than {MAX_SPLIT_WORKSPACES} weights: a leak, not a model")
+        have = _split_buffers[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
+                                      torch.zeros(counters, dtype=torch.int32, device=weight.device))
+    return have
 
 
 _LAST_TUNED: list = [None]  # the autotuner of the latest autotuned launch (`last_tuned_config`)
@@ -495,13 +579,17 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     fp8_compute = fp8_compute or default_fp8_compute(x_dtype)
     w8a8 = fp8 and fp8_compute == "fp8"
     norm = norm and not w8a8  # W8A8 quantizes the normalised rows first
+    split = config.split_k or split_k_for(n, k, weight_dtype)
     _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
-        x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6, rope_head_dim and n // 2,
+        x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
+        torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6,
+        rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
+        SPLIT_K=split,
     )
 
 

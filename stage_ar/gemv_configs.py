@@ -23,18 +23,44 @@ def block_k_for(weight_dtype: torch.dtype) -> int:
     return 256
 
 
+def split_k_for(n: int, k: int, weight_dtype: torch.dtype) -> int:
+    """How many K ranges a launch of ``n`` output columns over ``k`` input columns of ``weight_dtype``
+    weights splits into (each summed by its own programs, then added in range order by the last one
+    to finish: `stage_ar.gemv`). A function of the shape alone, never of M, of ``fp8_compute`` or of
+    timing, because it sets a row's reduction order (its bits).
+
+    FP8 weights of at most `SPLIT_MAX_COLUMNS` output columns split into ``min(8, tiles // 2)`` ranges
+    (``tiles`` K tiles of `block_k_for`): qkv and o (K = 3,584, 14 tiles) into 7, down (K = 18,944) into 8.
+    Their 256-byte row tiles put too few bytes in flight on 132 SMs; on the H200 (2026-12-03,
+    `benchmarks/gemv_split_k.py`, float16 products, M = 1) this took down from 41.9 to 29.6 us, qkv
+    from 20.4 to 17.1, o from 10.5 to 9.5: 3.85 -> 3.36 ms of GEMVs per visual token; W8A8 3.65 ->
+    3.36. bf16 weights never split (every split measured slower: o 9.2 -> 11.1 us at 2), nor do the
+    wide shapes (gate_up, the head: within 1 % or slower).
+    """
+    if weight_dtype != FP8_DTYPE or n > SPLIT_MAX_COLUMNS:
+        return 1
+    tiles = -(-k // block_k_for(weight_dtype))
+    return max(1, min(8, tiles // 2))
+
+
+#: The widest output (columns) `split_k_for` splits: qkv's 4,608; gate_up's 18,944 and the head's 16,392 stay whole.
+SPLIT_MAX_COLUMNS = 8192
+
+
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters of one kernel: output columns per program, warps, software-pipeline depth.
 
-    ``block_k`` ``None`` means `block_k_for` the weight dtype; another value changes a row's
-    reduction order (its bits), so it is for exploration (`benchmarks/gemv.py`), never for serving.
+    ``block_k`` ``None`` means `block_k_for` the weight dtype, ``split_k`` ``None`` `split_k_for` the
+    shape; another value changes a row's reduction order (its bits), so it is for exploration
+    (`benchmarks/gemv.py`, `benchmarks/gemv_split_k.py`), never for serving.
     """
 
     block_n: int
     num_warps: int = 4
     num_stages: int = 4
     block_k: int | None = None
+    split_k: int | None = None
 
 
 #: Candidates autotuning times on the GPU for 16-bit weights (pruned where the pipeline would not fit
