@@ -2,8 +2,10 @@
 at most 16 activation rows (CUDA, Triton; Triton's interpreter on CPU tensors).
 
 At decode, a projection reads its whole weight for a handful of rows: it is a weight stream, and its
-time is bytes / bandwidth. Each program owns `BLOCK_N` output columns and walks all of K in tiles
-of `BLOCK_K` (no split-K, so no partial sums in memory and no reduce pass); one ``tl.dot`` per tile
+time is bytes / bandwidth. Each program owns `BLOCK_N` output columns and walks K in tiles of
+`BLOCK_K` (all of K, or with split-K one of `split_k_for`'s K ranges: FP8 weights on narrow shapes,
+whose partials the last of the column block's programs adds in range order, in the same launch, so
+there is no reduce pass and the sum's order is fixed); one ``tl.dot`` per tile
 with the weight tile as the left operand (``(BLOCK_N, BLOCK_K)`` straight from the row-major
 ``nn.Linear`` layout) and the activations, padded to 16 rows, as the right one, accumulated in
 float32. Variants are compile-time flags, so each layer's projection is one launch:
@@ -29,7 +31,8 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
 
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
-taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`), and its inverse RMS
+taken in K-tile order with a fixed `BLOCK_K` (`block_k_for`) and split count (`split_k_for`, a
+function of the shape), and its inverse RMS
 summed elementwise per chunk and then by a fixed pairwise tree (never a layout-dependent
 ``tl.sum``), in a program of its own row (`rms_norm_rows`) or of every GEMV program alike.
 Autotuning (keyed on N, K, the flags and the dtypes, **not on M**) chooses only `BLOCK_N`, warps
