@@ -60,11 +60,14 @@ from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch para
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
+from stage_ar.arrival import persistent_buffers
 from stage_ar.fp8_activations import quantize_rows
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
+
+    from stage_ar.arrival import last_arrival, reset_arrivals
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -295,9 +298,7 @@ if triton is not None:
             tl.store(ws_ptr + tl.program_id(1) * ncols * 16 + part, acc)
             if PAIRED:
                 tl.store(ws_ptr + (SPLIT_K + tl.program_id(1)) * ncols * 16 + part, acc2)
-            tl.debug_barrier()  # every thread's partials stored before the ticket releases them
-            ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if ticket == SPLIT_K - 1:  # the last split of this column block: sum in split order, finish
+            if last_arrival(cnt_ptr + pid_n, SPLIT_K):  # the last split of this block: sum in split order, finish
                 acc = tl.load(ws_ptr + part, cache_modifier=".cg")
                 acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
                 if PAIRED:
@@ -306,7 +307,7 @@ if triton is not None:
                     acc += tl.load(ws_ptr + s * ncols * 16 + part, cache_modifier=".cg")
                     if PAIRED:
                         acc2 += tl.load(ws_ptr + (SPLIT_K + s) * ncols * 16 + part, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and graph replay)
+                reset_arrivals(cnt_ptr + pid_n)  # ready for the next launch (and graph replay)
                 _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
                           res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
                           HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
@@ -500,31 +501,19 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
 
 #: Column padding of a split launch's partials: the widest ``BLOCK_N`` any launch may use.
 _MAX_BLOCK_N = 128
-#: Most weights whose split-K buffers `split_workspace` keeps (a model has a few hundred).
-MAX_SPLIT_WORKSPACES = 4096
-_split_buffers: dict = {}
 
 
 def split_workspace(weight: torch.Tensor, split: int, programs_n: int, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 partials and int32 arrival counters (all zero between launches) of a split-K
     launch over ``weight``: ``(2 if paired else 1) * split * roundup(programs_n, 128) * 16`` floats and
-    ``cdiv(programs_n, 16)`` counters, one pair per weight (its device, address and shape), kept for
-    the process, so a CUDA graph captured around the launch keeps valid addresses. Launches over one
-    weight run one at a time (one stream), as a model's forward does.
+    ``cdiv(programs_n, 16)`` counters (`stage_ar.arrival.persistent_buffers`: one set per weight, kept
+    for the process, so a CUDA graph captured around the launch keeps valid addresses).
 
     Raises:
-        RuntimeError: more than `MAX_SPLIT_WORKSPACES` weights (a bound, not a model's need).
+        RuntimeError: buffers for more weights than `stage_ar.arrival.MAX_BUFFER_SETS`.
     """
-    key = (weight.device, weight.data_ptr(), tuple(weight.shape), weight.dtype)
     floats = (2 if paired else 1) * split * -(-programs_n // _MAX_BLOCK_N) * _MAX_BLOCK_N * 16
-    counters = -(-programs_n // 16)
-    have = _split_buffers.get(key)
-    if have is None or have[0].numel() < floats or have[1].numel() < counters:
-        if have is None and len(_split_buffers) >= MAX_SPLIT_WORKSPACES:
-            raise RuntimeError(f"split-K buffers for more than {MAX_SPLIT_WORKSPACES} weights: a leak, not a model")
-        have = _split_buffers[key] = (torch.empty(floats, dtype=torch.float32, device=weight.device),
-                                      torch.zeros(counters, dtype=torch.int32, device=weight.device))
-    return have
+    return persistent_buffers(weight, "gemv_split_k", floats, -(-programs_n // 16))
 
 
 _LAST_TUNED: list = [None]  # the autotuner of the latest autotuned launch (`last_tuned_config`)

@@ -126,6 +126,25 @@ def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     assert_only_used_splits_written(handed, ({0}, {1, 2}, {0, 1}), 5)
 
 
+def test_fused_combine_equals_the_combine_launch_and_resets_its_counters(da, monkeypatch):
+    """The split kernel's own merge (the last split of a row and KV head to finish) gives the bits of
+    the separate combine launch, leaves every arrival counter at zero, and a second launch (as a
+    graph replay is) gives the same output again; rows span one, two and five splits."""
+    from stage_ar.arrival import persistent_buffers
+
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=9)
+    pos, start = ids(5, 300, 600), ids(0, 140, 0)
+    args = (q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
+    monkeypatch.setattr(da, "FUSED_COMBINE", False)
+    two_launches = da.decode_attention(*(t.clone() if isinstance(t, torch.Tensor) else t for t in args))
+    monkeypatch.setattr(da, "FUSED_COMBINE", True)
+    fused = da.decode_attention(*args)
+    assert torch.equal(fused, two_launches)
+    counters = persistent_buffers(k_cache, "decode_attention", 0, k_cache.shape[0] * k_new.shape[1])[1]
+    assert int(counters.abs().sum()) == 0, counters.tolist()
+    assert torch.equal(da.decode_attention(*args), fused), "second launch"
+
+
 def test_rejects_mismatched_shapes(da):
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32)
     pos, start = ids(1, 2, 3), ids(0, 0, 0)
