@@ -6,10 +6,8 @@ flash-decoding scheme (Dao et al., "Flash-Decoding for long-context inference", 
 range is cut into fixed splits of `SPLIT` positions; one program per (row, KV head, split) walks
 its split in tiles of `BLOCK_N` keys with an online softmax (max ``m``, sum ``l``, ``P @ V``
 accumulated in float32; the KV head's query heads, the GQA group, are the M rows of one
-`tl.dot`); the splits are combined with the usual rescaling ``exp(m_i - max_j m_j)`` by the last
-split program of each (row, KV head) to finish (`FUSED_COMBINE`, `stage_ar.arrival`), or by a
-second kernel, one program per (row, query head) (`window_attention`, and `decode_attention` with
-`FUSED_COMBINE` off); both run the one merge, `_merge_splits`.
+`tl.dot`); a second kernel, one program per (row, query head), combines the splits with the
+usual rescaling ``exp(m_i - max_j m_j)``.
 
 Why this instead of the two batched GEMMs + softmax of `stage_ar.attention.GEMMDecodeAttention`: at batch 1
 those are three launches per layer over the whole length bucket plus two ``index_put`` launches
@@ -41,13 +39,9 @@ import os
 
 import torch
 
-from stage_ar.arrival import persistent_buffers
-
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
-
-    from stage_ar.arrival import last_arrival, reset_arrivals
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -55,9 +49,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys).
 BLOCK_N = 64
 SPLIT = 128
-#: `decode_attention` merges the splits in the split kernel itself (the last split of a row and KV
-#: head to finish, `stage_ar.arrival`) instead of a second launch; same merge, same bits.
-FUSED_COMBINE = True
 #: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -73,17 +64,14 @@ if triton is not None:
     @triton.jit
     def _split_kernel(
         q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr,
-        part_acc_ptr, part_ml_ptr, cnt_ptr, out_ptr,
+        part_acc_ptr, part_ml_ptr,
         stride_qb, stride_qh,
         stride_nb, stride_nh, stride_vnb, stride_vnh,
-        stride_cs, stride_ch, stride_cn, stride_ob,
+        stride_cs, stride_ch, stride_cn,
         n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        TILES: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, MAX_SPLITS: tl.constexpr = 1,
+        TILES: tl.constexpr,
     ):
-        """Program ``(row, KV head, split)``: the split's partials; with ``FUSED_COMBINE`` the last of
-        the row's active splits to finish (`stage_ar.arrival.last_arrival` on the (row, KV head)
-        counter) merges them into ``out`` (`_merge_splits` per query head, as `_combine_kernel` does)."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -128,17 +116,6 @@ if triton is not None:
             tl.store(part_ml_ptr + part * 2 * GROUP_PAD + offs_g, m)
             tl.store(part_ml_ptr + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_sum)
             tl.store(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
-            if FUSED_COMBINE:
-                first = start // (TILES * BLOCK)
-                last = pos // (TILES * BLOCK)
-                counter = cnt_ptr + row * tl.num_programs(1) + kvh
-                if last_arrival(counter, last - first + 1):
-                    reset_arrivals(counter)
-                    for g in tl.static_range(GROUP):
-                        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM,
-                                            MAX_SPLITS)
-                        tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d,
-                                 out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, q_rows, q, first_split, last_split,
@@ -156,14 +133,13 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         have = (offs_s < n_splits) & (offs_s >= first_split) & (offs_s <= last_split)
         parts = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits + offs_s
-        # partials of other programs: read from L2 (``.cg``), never a stale L1 line (`stage_ar.arrival`)
-        m = tl.load(part_ml_ptr + parts * 2 * q_rows + q, mask=have, other=float("-inf"), cache_modifier=".cg")
-        l_sum = tl.load(part_ml_ptr + parts * 2 * q_rows + q_rows + q, mask=have, other=0.0, cache_modifier=".cg")
+        m = tl.load(part_ml_ptr + parts * 2 * q_rows + q, mask=have, other=float("-inf"))
+        l_sum = tl.load(part_ml_ptr + parts * 2 * q_rows + q_rows + q, mask=have, other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
         total = tl.sum(w * l_sum, 0)
         part = tl.load(part_acc_ptr + (parts * q_rows + q)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=have[:, None], other=0.0, cache_modifier=".cg")
+                       mask=have[:, None], other=0.0)
         acc = tl.sum(w[:, None] * part, 0)
         return acc / tl.where(total == 0.0, 1.0, total)
 
@@ -342,23 +318,18 @@ def decode_attention(
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
-    fused = FUSED_COMBINE
-    # one arrival counter per (slot, KV head) of this cache layer, kept for the process
-    counters = persistent_buffers(k_cache, "decode_attention", 0, k_cache.shape[0] * kv_heads)[1] if fused else out
     _split_kernel[(b, kv_heads, n_splits)](
-        q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml, counters, out,
+        q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
-        FUSED_COMBINE=fused, MAX_SPLITS=max_splits,
     )
-    if not fused:
-        _combine_kernel[(b, kv_heads, group)](
-            part_acc, part_ml, out, pos, key_start, n_splits, out.stride(0),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
-        )
+    _combine_kernel[(b, kv_heads, group)](
+        part_acc, part_ml, out, pos, key_start, n_splits, out.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
+    )
     return out
 
 

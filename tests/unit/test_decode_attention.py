@@ -126,25 +126,6 @@ def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     assert_only_used_splits_written(handed, ({0}, {1, 2}, {0, 1}), 5)
 
 
-def test_fused_combine_equals_the_combine_launch_and_resets_its_counters(da, monkeypatch):
-    """The split kernel's own merge (the last split of a row and KV head to finish) gives the bits of
-    the separate combine launch, leaves every arrival counter at zero, and a second launch (as a
-    graph replay is) gives the same output again; rows span one, two and five splits."""
-    from stage_ar.arrival import persistent_buffers
-
-    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=9)
-    pos, start = ids(5, 300, 600), ids(0, 140, 0)
-    args = (q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
-    monkeypatch.setattr(da, "FUSED_COMBINE", False)
-    two_launches = da.decode_attention(*(t.clone() if isinstance(t, torch.Tensor) else t for t in args))
-    monkeypatch.setattr(da, "FUSED_COMBINE", True)
-    fused = da.decode_attention(*args)
-    assert torch.equal(fused, two_launches)
-    counters = persistent_buffers(k_cache, "decode_attention", 0, k_cache.shape[0] * k_new.shape[1])[1]
-    assert int(counters.abs().sum()) == 0, counters.tolist()
-    assert torch.equal(da.decode_attention(*args), fused), "second launch"
-
-
 def test_rejects_mismatched_shapes(da):
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32)
     pos, start = ids(1, 2, 3), ids(0, 0, 0)
@@ -164,7 +145,7 @@ def test_batched_decoder_with_the_fused_kernel_matches_the_reference(da, request
     from test_batch_engine import SPECS, make_seq, run_staggered
 
     if not da.INTERPRETED:
-        pytest.skip("the fixture model runs on the CPU; on the GPU benchmarks/ar_decode.py covers this")
+        pytest.skip("needs a CPU-only machine (the fixture model runs on the CPU); on the GPU benchmarks/ar_decode.py covers this")
     model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
 
     got = run_staggered(model, tokenizer, exact_rows=False, length_bucket=16, fused_attention=True)
@@ -182,7 +163,7 @@ def test_kernel_failure_falls_back_to_the_gemm_path(da, request, monkeypatch, ca
     from test_batch_engine import make_seq, run_staggered
 
     if not da.INTERPRETED:
-        pytest.skip("needs the interpreter (the fixture model runs on the CPU)")
+        pytest.skip("needs a CPU-only machine (Triton's interpreter; the fixture model runs on the CPU)")
     model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
 
     def broken(*args, **kwargs):
@@ -231,7 +212,7 @@ def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, r
     (doubling from ``length_bucket``): the steps attend over short lengths first, and every row is
     bit for bit the row decoded over the pool width (``length_bucket=0``)."""
     if not da.INTERPRETED:
-        pytest.skip("the fixture model runs on the CPU; on the GPU benchmarks/ar_decode.py covers this")
+        pytest.skip("needs a CPU-only machine (the fixture model runs on the CPU); on the GPU benchmarks/ar_decode.py covers this")
     from stage_ar.runner import ARModelRunner
     from test_batch_engine import grid_ids
 
