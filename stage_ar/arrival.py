@@ -2,8 +2,9 @@
 partial result, take a ticket from a counter, and the program that draws the last ticket combines
 the partials and writes the output, in the same launch (no second kernel, no reduce pass).
 
-Used by `stage_ar.gemv` (split-K: the programs of one column block) and `stage_ar.decode_attention`
-(split-KV: the splits of one row and KV head). The combining program reads the partials in a fixed
+Used by `stage_ar.gemv` (split-K: the programs of one column block). Tried for the split-KV decode
+attention too and measured slower there (one program merging a GQA group serially,
+docs/PERFORMANCE.md, issue 17's fifth session). The combining program reads the partials in a fixed
 order (split 0, 1, ...), whichever program arrives last, so the output's bits do not depend on
 scheduling. It resets the counter to zero, so the next launch (or CUDA graph replay) finds it so.
 
