@@ -45,6 +45,9 @@ class Reason(enum.StrEnum):
     LOADING = "LOADING"
     #: The stage drains (SIGTERM) and takes nothing new.
     DRAINING = "DRAINING"
+    #: The stage's engine loop died (its health is NOT_SERVING for good): it takes nothing new and
+    #: must be replaced; another replica may serve the request.
+    ENGINE_FAILED = "ENGINE_FAILED"
     #: No room now: the AR's engine or the DiT's slot pool is full.
     FULL = "FULL"
     #: The call's deadline passed in the stage.

@@ -177,7 +177,8 @@ class ARSession:
         """Admit the job and start the push.
 
         Raises:
-            CallFailed: RESOURCE_EXHAUSTED when the engine is full, UNAVAILABLE when it drains.
+            CallFailed: RESOURCE_EXHAUSTED when the engine is full, UNAVAILABLE when it drains
+                (reason DRAINING) or its loop failed (ENGINE_FAILED).
         """
         try:
             self.engine.submit(self.job)
@@ -185,8 +186,9 @@ class ARSession:
             raise self._failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected_full",
                                Reason.FULL) from None
         except EngineStopped as exc:
+            failed = getattr(self.engine, "failure", None) is not None
             raise self._failed(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected_draining",
-                               Reason.DRAINING) from None
+                               Reason.ENGINE_FAILED if failed else Reason.DRAINING) from None
         metrics.RUNNING.set(self.engine.running)
         self._push = asyncio.create_task(self.sender.run(), name=f"push-{self.plan.request.request_id}")
         self._push.add_done_callback(lambda task: self._events.put_nowait(PushEnded()))

@@ -180,12 +180,16 @@ class DiTServicer(pb_grpc.DiTServicer):
             tracing.end_span(session.span, error=None if session.outcome == "completed" else session.outcome)
 
     async def _check_generate(self, request: pb.DiTGenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        """Abort a call that cannot be served: no model yet, draining, no request id, parameters
-        outside the limits, no deadline."""
+        """Abort a call that cannot be served: no model yet, draining, a failed engine loop (before a
+        slot is reserved: nothing is pushed to a replica that cannot denoise), no request id,
+        parameters outside the limits, no deadline."""
         if self.pipeline is None or self.pool is None:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "model is loading", Reason.LOADING)
         if self.draining:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, "DiT is draining", Reason.DRAINING)
+        if self.engine is not None and self.engine.failure is not None:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE,
+                         "the DiT engine failed; this replica takes no new work", Reason.ENGINE_FAILED)
         if not request.request_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", Reason.INVALID_REQUEST)
         why = validate_params(request.params, self.request_limits)

@@ -116,15 +116,18 @@ class LaunchedStage:
 
 
 def launch_stage(role: str, checkpoint: pathlib.Path, tmp: pathlib.Path, *args: str,
-                 env: dict[str, str] | None = None) -> LaunchedStage:
+                 env: dict[str, str] | None = None, first_on_path: pathlib.Path | None = None) -> LaunchedStage:
     """Start ``python -m mammoth_app.cli ROLE`` on 127.0.0.1 (``--port 0`` unless ``args`` give one,
     one torch thread, cache in ``tmp/cache``) without waiting: stages launched together load side
-    by side. ``env`` is the whole environment (default: this one); ``PYTHONPATH`` is the repository."""
+    by side. ``env`` is the whole environment (default: this one); ``PYTHONPATH`` is the repository,
+    after ``first_on_path`` if given (a ``sitecustomize.py`` there runs at the child's start: fault
+    injection from outside the code under test)."""
     ready = tmp / f"{role}-{os.getpid()}-{next(_READY_NUMBERS)}.ready.json"
     cmd = [sys.executable, "-m", "mammoth_app.cli", role, "--host", "127.0.0.1", "--checkpoint",
            str(checkpoint), "--port", "0", "--metrics-port", "0", "--torch-threads", "1",
            "--log-level", "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *args]
-    env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(str(p) for p in (first_on_path, ROOT) if p)
+    env = {**(os.environ if env is None else env), "PYTHONPATH": path}
     return LaunchedStage(role, subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True), ready)
 
 

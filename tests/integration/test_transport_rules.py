@@ -23,7 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pipeline_harness import metric_samples
 
-from mammoth_core import grpc_common, wire
+from mammoth_core import errors, grpc_common, wire
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from stage_ar.sender import HiddenStateSender
@@ -57,7 +57,11 @@ class DiTProcess:
         return self.proc.wait()
 
 
-def start_dit(checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> DiTProcess:
+def start_dit(checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str,
+              first_on_path: pathlib.Path | None = None) -> DiTProcess:
+    """A `mammoth dit` process on the tiny checkpoint (CPU, loopback, 2 slots), once it wrote its
+    ready file. ``first_on_path``: a directory put before the repository on the child's PYTHONPATH
+    (a ``sitecustomize.py`` there runs at the child's start: fault injection from outside)."""
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     ready = tmp / f"dit-{time.monotonic_ns()}.ready.json"
@@ -67,7 +71,7 @@ def start_dit(checkpoint: pathlib.Path, tmp: pathlib.Path, *extra: str) -> DiTPr
         "--slots", "2", "--max-message-bytes", str(LIMIT), "--auth-token-file", str(token_file),
         "--log-level", "warning", "--cache-dir", str(tmp / "cache"), "--ready-file", str(ready), *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (first_on_path, ROOT) if p))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     # a budget for work, not a bound: the DiT's start took over 60 s on the loaded 2-core host
     deadline = time.monotonic() + START_BUDGET_S
@@ -601,6 +605,58 @@ async def test_bad_image_params_are_invalid_argument(dit):
         bad.width = 30
         call = stub.Generate(pb.DiTGenerateRequest(request_id="bad", params=bad), metadata=AUTH, timeout=5)
         await expect_code(read_all(call), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 16")
+
+
+# -- a dead engine loop --------------------------------------------------------------------------
+
+#: Run at the start of the DiT process of `test_a_dead_engine_loop_...` (its ``sitecustomize``): the
+#: worker loop's step raises, as a bug or a device fault inside the loop would.
+LOOP_FAULT = """
+import stage_dit.engine
+
+def _step(self):
+    raise RuntimeError("injected fault in the DiT worker loop")
+
+stage_dit.engine.DiTEngine.step = _step
+"""
+
+
+async def until_health(ch, status, services=("", "mammoth.v1.DiT"), within_s: float = 10.0) -> None:
+    """Poll every service's health until each reports ``status`` (fails after ``within_s``)."""
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.monotonic() + within_s
+    for service in services:
+        while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
+            assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_dead_engine_loop_fails_its_request_and_refuses_new_work(tiny_checkpoint, tmp_path):
+    """A real DiT process whose worker loop dies at its first step (injected from outside the code
+    under test: a ``sitecustomize`` in the child replaces `DiTEngine.step`). The request in flight
+    ends INTERNAL, not a hang; health turns NOT_SERVING on every service; a new Generate is refused
+    UNAVAILABLE before any work (no slot reserved, nothing pushed); SIGTERM still stops the process."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LOOP_FAULT)
+    server = start_dit(tiny_checkpoint, tmp_path, first_on_path=hook)
+    try:
+        async with channel(server) as ch:
+            stub = pb_grpc.DiTStub(ch)
+            await until_health(ch, health_pb2.HealthCheckResponse.SERVING)
+            call, token = await reserve(stub, "doomed", steps=2)
+            hidden, ids = rows()
+            await push_rows(make_sender(ch, "doomed", token, hidden.shape[0]), hidden, ids)
+            await expect_code(read_all(call), grpc.StatusCode.INTERNAL)
+            await until_health(ch, health_pb2.HealthCheckResponse.NOT_SERVING)
+            late = stub.Generate(pb.DiTGenerateRequest(request_id="late", params=params()), metadata=AUTH, timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await late.read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            assert errors.origin_of(refused.value) == errors.Origin(errors.Stage.DIT, errors.Reason.ENGINE_FAILED)
+            assert server.metric("mammoth_dit_slots_in_use") == 0
+    finally:
+        assert server.stop() == 0
 
 
 # -- drain ---------------------------------------------------------------------------------------

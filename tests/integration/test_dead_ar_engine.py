@@ -1,0 +1,103 @@
+"""A real `mammoth ar` process whose decode loop dies (not a request's fault: the loop itself), next
+to a real DiT: the request in flight fails with a reason, the AR's health turns NOT_SERVING for good,
+and a new call is refused before any work with ``ENGINE_FAILED`` (the gateway's cue to use another
+replica). The fault is injected from outside the code under test: a ``sitecustomize`` in the AR's
+child process makes the loop's flush of a launched step raise, as a device fault there would.
+The DiT's counterpart: `test_transport_rules.test_a_dead_engine_loop_fails_its_request_and_refuses_new_work`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pipeline_harness import launch_stage, wait_all
+
+from mammoth_core import errors, grpc_common
+from mammoth_core.pb import mammoth_pb2 as pb
+from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+
+#: The AR child's ``sitecustomize``: the decode loop fails once a launched step is collected.
+LOOP_FAULT = """
+import stage_ar.engine
+
+_flush = stage_ar.engine.DecodeEngine._flush
+
+def _failing_flush(self):
+    if self._pending is not None:
+        raise RuntimeError("injected fault in the AR decode loop")
+    return _flush(self)
+
+stage_ar.engine.DecodeEngine._flush = _failing_flush
+"""
+
+PARAMS = pb.ImageParams(width=64, height=64, num_inference_steps=1, text_guidance_scale=1.0, cfg_range_end=1.0,
+                        seed=3, output_format="png")
+
+
+def ar_request(request_id: str, dit_address: str, token: str) -> pb.ARGenerateRequest:
+    return pb.ARGenerateRequest(request_id=request_id, epoch=0, prompt="a red fox", width=64, height=64, seed=3,
+                                dit_address=dit_address, reservation_token=token)
+
+
+async def until_health(ch, status: int, services: tuple[str, ...], within_s: float = 10.0) -> None:
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.monotonic() + within_s
+    for service in services:
+        while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
+            assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_dead_ar_decode_loop_fails_its_request_and_refuses_new_work(tiny_checkpoint, tmp_path):
+    from mammoth_app.local import free_port, generate_role_tokens
+
+    tokens = generate_role_tokens(tmp_path)
+    env = {**__import__("os").environ, **tokens}
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LOOP_FAULT)
+    dit_address = f"127.0.0.1:{free_port()}"
+    dit, ar = (launch_stage("dit", tiny_checkpoint, tmp_path, "--port", dit_address.rsplit(":", 1)[1], env=env),
+               launch_stage("ar", tiny_checkpoint, tmp_path, "--dit-allow-list", dit_address, env=env,
+                            first_on_path=hook))
+    try:
+        _, ar_info = wait_all([dit, ar])
+        auth = grpc_common.auth_metadata(pathlib.Path(tokens["MAMMOTH_GATEWAY_TOKEN_FILE"]).read_text().strip())
+        async with grpc.aio.insecure_channel(dit_address) as dit_ch, \
+                grpc.aio.insecure_channel(ar_info["address"]) as ar_ch:
+            ar_stub = pb_grpc.ARStub(ar_ch)
+            await until_health(ar_ch, health_pb2.HealthCheckResponse.SERVING, ("", "mammoth.v1.AR"))
+            dit_call = pb_grpc.DiTStub(dit_ch).Generate(pb.DiTGenerateRequest(request_id="doomed", params=PARAMS),
+                                                         metadata=auth, timeout=60)
+            reserved = (await dit_call.read()).reserved
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in ar_stub.Generate(ar_request("doomed", dit_address, reserved.reservation_token),
+                                                metadata=auth, timeout=60):
+                    pass
+            assert errors.origin_of(failed.value) == errors.Origin(errors.Stage.AR, errors.Reason.DECODE_FAILED), (
+                failed.value.code(), failed.value.details())
+            dit_call.cancel()
+            await until_health(ar_ch, health_pb2.HealthCheckResponse.NOT_SERVING, ("", "mammoth.v1.AR"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in ar_stub.Generate(ar_request("late", dit_address, "no-slot-needed"), metadata=auth,
+                                                timeout=10):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            assert errors.origin_of(refused.value) == errors.Origin(errors.Stage.AR, errors.Reason.ENGINE_FAILED)
+    finally:
+        for stage in (ar, dit):
+            if stage.proc.poll() is None:
+                stage.proc.send_signal(signal.SIGTERM)
+        for stage in (ar, dit):
+            try:
+                stage.proc.wait(20)
+            except Exception:  # noqa: BLE001 - a stage that does not stop is killed, and the test says so
+                stage.proc.kill()
+                stage.proc.wait()
+                raise
