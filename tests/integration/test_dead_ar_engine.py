@@ -9,6 +9,7 @@ The DiT's counterpart: `test_transport_rules.test_a_dead_engine_loop_fails_its_r
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import signal
 import time
@@ -58,7 +59,7 @@ async def test_a_dead_ar_decode_loop_fails_its_request_and_refuses_new_work(tiny
     from mammoth_app.local import free_port, generate_role_tokens
 
     tokens = generate_role_tokens(tmp_path)
-    env = {**__import__("os").environ, **tokens}
+    env = {**os.environ, **tokens}
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(LOOP_FAULT)
