@@ -32,7 +32,7 @@ from stage_ar import metrics
 from stage_ar.engine import (
     DecodeEngine, DecodeJob, EngineDeadlineExceeded, EngineFull, EngineStopped, JobStats, Role,
 )
-from stage_ar.sender import HiddenStateSender
+from stage_ar.sender import HiddenStateSender, SenderAborted
 
 logger = logging.getLogger(__name__)
 
@@ -220,9 +220,15 @@ class ARSession:
                 decoded, error, self.stats = True, event.error, event.stats
                 if error is not None:
                     break
-            elif self._push.done() and not decoded:
+            elif self._push.done() and not decoded and not self._push_aborted_by_engine():
                 break  # the push ended before decoding finished: the DiT refused or went away
         self._raise_failure(decoded, error)
+
+    def _push_aborted_by_engine(self) -> bool:
+        """The push ended because the engine aborted it: the engine fails a job by aborting its push,
+        then reporting the error (`DecodeFinished`, always sent), so the call waits for that report
+        and fails with the decode's reason instead of the abort's, whichever arrives first."""
+        return not self._push.cancelled() and isinstance(self._push.exception(), SenderAborted)
 
     def _raise_failure(self, decoded: bool, error: BaseException | None) -> None:
         if isinstance(error, EngineDeadlineExceeded):

@@ -1,5 +1,6 @@
 """A real `mammoth ar` process whose decode loop dies (not a request's fault: the loop itself), next
-to a real DiT: the request in flight fails with a reason, the AR's health turns NOT_SERVING for good,
+to a real DiT: the request in flight fails with the reason DECODE_FAILED (not the push's abort that follows from it,
+whichever the call hears of first), the AR's health turns NOT_SERVING for good,
 and a new call is refused before any work with ``ENGINE_FAILED`` (the gateway's cue to use another
 replica). The fault is injected from outside the code under test: a ``sitecustomize`` in the AR's
 child process makes the loop's flush of a launched step raise, as a device fault there would.
@@ -23,7 +24,8 @@ from mammoth_core import errors, grpc_common
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 
-#: The AR child's ``sitecustomize``: the decode loop fails once a launched step is collected.
+#: The AR child's ``sitecustomize``: the decode loop fails once a launched step is collected, and the
+#: failure reaches the call after its aborted push does (the order that made the reason PUSH_FAILED).
 LOOP_FAULT = """
 import stage_ar.engine
 
@@ -35,6 +37,20 @@ def _failing_flush(self):
     return _flush(self)
 
 stage_ar.engine.DecodeEngine._flush = _failing_flush
+
+# The engine thread aborts a failed job's push, then reports the failure. Make the report late, as
+# a descheduled engine thread would, so the call sees its push end first.
+import time
+import stage_ar.session
+
+_on_done = stage_ar.session.ARSession._on_done
+
+def _late_on_done(self, error, stats):
+    if error is not None:
+        time.sleep(0.5)
+    _on_done(self, error, stats)
+
+stage_ar.session.ARSession._on_done = _late_on_done
 """
 
 PARAMS = pb.ImageParams(width=64, height=64, num_inference_steps=1, text_guidance_scale=1.0, cfg_range_end=1.0,
