@@ -492,6 +492,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     )
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
+        _LAST_TUNED[1] = split
         tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]), split)](*args, **meta)
     else:
         c = config or INTERPRETER_CONFIG
@@ -516,7 +517,7 @@ def split_workspace(weight: torch.Tensor, split: int, programs_n: int, paired: b
     return persistent_buffers(weight, "gemv_split_k", floats, -(-programs_n // 16))
 
 
-_LAST_TUNED: list = [None]  # the autotuner of the latest autotuned launch (`last_tuned_config`)
+_LAST_TUNED: list = [None, 1]  # the autotuner of the latest autotuned launch and its split (`last_tuned_config`)
 
 #: Columns per chunk of `rms_norm_rows` (fixed: it sets the sum-of-squares order).
 NORM_BLOCK = 1024
@@ -586,14 +587,14 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
 
 
 def last_tuned_config() -> GemvConfig | None:
-    """The config autotuning used for the latest autotuned `gemv` call (``None`` before any, or
-    under the interpreter)."""
+    """The config autotuning used for the latest autotuned `gemv` call, with the split count the
+    shape's rule gave it (``None`` before any, or under the interpreter)."""
     best = None
     if triton is not None and not INTERPRETED:
         best = _LAST_TUNED[0] and getattr(_LAST_TUNED[0], "best_config", None)
     if best is None:
         return None
-    return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+    return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages, split_k=_LAST_TUNED[1])
 
 
 def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
