@@ -33,13 +33,13 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Any
 
 import h11
 from prometheus_client import Counter, CollectorRegistry
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from gateway.errors import ErrorInfo, ErrorResponse
+from mammoth_core.logging import RateLimitFilter
 
 logger = logging.getLogger(__name__)
 
@@ -201,32 +201,6 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
               "cap": connection_cap(max_connections), "closed": closed,
               "refusal": _over_capacity_response()}
     return type("GuardedH11Protocol", (GuardedH11Protocol,), bounds)
-
-
-class RateLimitFilter(logging.Filter):
-    """Passes each distinct message (logger name + format string) at most once per ``interval``
-    seconds; the next one that passes says how many were suppressed meanwhile."""
-
-    def __init__(self, interval: float = LOG_INTERVAL_SECONDS) -> None:
-        super().__init__()
-        self.interval = interval
-        self._seen: dict[tuple[str, str], list[Any]] = {}  # key -> [last passed at, suppressed]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, str(record.msg))
-        now = time.monotonic()
-        entry = self._seen.get(key)
-        if entry is not None and now - entry[0] < self.interval:
-            entry[1] += 1
-            return False
-        suppressed = entry[1] if entry is not None else 0
-        if len(self._seen) > 1000:
-            self._seen.clear()
-        self._seen[key] = [now, 0]
-        if suppressed:
-            record.msg = f"{record.msg} ({suppressed} similar messages suppressed in the last " \
-                         f"{self.interval:.0f} s)"
-        return True
 
 
 def quiet_logs(interval: float = LOG_INTERVAL_SECONDS) -> None:

@@ -32,7 +32,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from mammoth_core.logging import RateLimitFilter
+
 logger = logging.getLogger(__name__)
+#: Refused stage calls (no or a wrong token, a role that may not call the method): one WARNING per
+#: 10 s at most, with the count suppressed since, so a flood of bad calls cannot flood the log.
+auth_logger = logging.getLogger(f"{__name__}.auth")
+auth_logger.addFilter(RateLimitFilter())
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 AUTH_HEADER = "authorization"
@@ -65,6 +71,14 @@ CLIENT_KEEPALIVE_TIME_MS = 30_000
 SERVER_KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
+# Connection bounds of a stage's server (its clients are a few gateway replicas and AR pods, each
+# with one long-lived channel): a connection that has not finished the HTTP/2 handshake within 10 s
+# is closed (gRPC's default is 120 s: a break-it pass held 600 silent connections open), one with no
+# call in flight for 10 min is sent away (its client reconnects at its next call), and at most 512
+# are accepted at once.
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
+MAX_CONNECTION_IDLE_MS = 600_000
+MAX_INCOMING_CONNECTIONS = 512
 
 
 def _message_limits(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -75,8 +89,12 @@ def _message_limits(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options for `grpc.aio.server`: message limits (bytes) and server-side keepalive."""
+    """Options for `grpc.aio.server`: message limits (bytes), server-side keepalive, and the
+    connection bounds (handshake timeout, idle timeout, most connections at once)."""
     return _message_limits(max_message_bytes) + [
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_allowed_incoming_connections", MAX_INCOMING_CONNECTIONS),
         ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -261,6 +279,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         refusal = self.auth.check(method, _bearer(handler_call_details.invocation_metadata))
         if refusal is None:
             return handler
+        auth_logger.warning("refused a stage call: %s %s: %s", method, refusal[0].name, refusal[1])
         return _abort_handler(handler, *refusal)
 
 

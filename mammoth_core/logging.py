@@ -11,8 +11,39 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+
+class RateLimitFilter(logging.Filter):
+    """Passes each distinct message (logger name + format string) at most once per ``interval``
+    seconds; the next one that passes says how many were suppressed meanwhile."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self._seen: dict[tuple[str, str], list[Any]] = {}  # key -> [last passed at, suppressed]
+
+    def reset(self) -> None:
+        """Forget every message seen: the next of each passes."""
+        self._seen.clear()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        entry = self._seen.get(key)
+        if entry is not None and now - entry[0] < self.interval:
+            entry[1] += 1
+            return False
+        suppressed = entry[1] if entry is not None else 0
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[key] = [now, 0]
+        if suppressed:
+            record.msg = f"{record.msg} ({suppressed} similar messages suppressed in the last " \
+                         f"{self.interval:.0f} s)"
+        return True
 
 
 class _RequestIdFilter(logging.Filter):
