@@ -46,3 +46,38 @@ async def test_refused_calls_are_logged_once_per_interval(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "mammoth_core.grpc_common.auth"]
     assert len(lines) == 1, lines  # 40 refusals within the interval: one line
     assert STAGE_METHOD in lines[0] and "UNAUTHENTICATED" in lines[0]
+
+
+async def test_an_authenticated_request_that_does_not_parse_is_invalid_argument(caplog):
+    """Found by a break-it pass (2026-12-03): garbage bytes with a valid token to ``AR.Generate``
+    ended UNKNOWN ("Unexpected DecodeError") with an ERROR traceback in the stage's log. Now
+    INVALID_ARGUMENT naming the parse error, no ERROR line, and the server keeps serving. The
+    service is registered by the generated ``add_ARServicer_to_server``, as the AR stage does."""
+    from mammoth_core.pb import mammoth_pb2 as pb
+    from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
+
+    class Servicer(pb_grpc.ARServicer):
+        async def Generate(self, request, context):
+            yield pb.ARGenerateResponse(done=pb.ARDone(prompt_tokens=len(request.prompt)))
+
+    server = grpc_common.create_server(1 << 20, "right-token")
+    pb_grpc.add_ARServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    auth = grpc_common.auth_metadata("right-token")
+    caplog.set_level(logging.WARNING)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            raw = ch.unary_stream("/mammoth.v1.AR/Generate", request_serializer=lambda b: b,
+                                  response_deserializer=pb.ARGenerateResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in raw(b"\xff\xff\xff\xff\x0f" * 100, metadata=auth, timeout=5):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+            assert "not a valid message" in err.value.details()
+            good = [m async for m in pb_grpc.ARStub(ch).Generate(pb.ARGenerateRequest(prompt="abc"), metadata=auth,
+                                                                 timeout=5)]
+            assert good[0].done.prompt_tokens == 3  # still serving, and a valid request parses as before
+    finally:
+        await server.stop(0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
