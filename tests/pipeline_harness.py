@@ -8,6 +8,7 @@ side. (``from conftest import ...`` is ambiguous across test folders.)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -158,3 +159,16 @@ def start_local_pipeline(checkpoint: pathlib.Path, tmp: pathlib.Path, **kwargs) 
         workdir=tmp, log_level=kwargs.pop("log_level", "warning"), ready_timeout=120, **kwargs,
     )
     return RunningPipeline(components, trace_dir, tmp, spare)
+
+
+async def until_health(channel, status: int, services: Sequence[str], within_s: float = 10.0) -> None:
+    """Poll a stage's ``grpc.health.v1`` on ``channel`` until every one of ``services`` reports
+    ``status`` (a `HealthCheckResponse` value); fails the test after ``within_s`` seconds."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + within_s
+    for service in services:
+        while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
+            assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
+            await asyncio.sleep(0.05)

@@ -9,16 +9,14 @@ The DiT's counterpart: `test_transport_rules.test_a_dead_engine_loop_fails_its_r
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pathlib
 import signal
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pipeline_harness import launch_stage, wait_all
+from grpc_health.v1 import health_pb2
+from pipeline_harness import launch_stage, until_health, wait_all
 
 from mammoth_core import errors, grpc_common
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -60,15 +58,6 @@ PARAMS = pb.ImageParams(width=64, height=64, num_inference_steps=1, text_guidanc
 def ar_request(request_id: str, dit_address: str, token: str) -> pb.ARGenerateRequest:
     return pb.ARGenerateRequest(request_id=request_id, epoch=0, prompt="a red fox", width=64, height=64, seed=3,
                                 dit_address=dit_address, reservation_token=token)
-
-
-async def until_health(ch, status: int, services: tuple[str, ...], within_s: float = 10.0) -> None:
-    health = health_pb2_grpc.HealthStub(ch)
-    deadline = time.monotonic() + within_s
-    for service in services:
-        while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
-            assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
-            await asyncio.sleep(0.05)
 
 
 async def test_a_dead_ar_decode_loop_fails_its_request_and_refuses_new_work(tiny_checkpoint, tmp_path):

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pipeline_harness import metric_samples
+from pipeline_harness import metric_samples, until_health
 
 from mammoth_core import errors, grpc_common, wire
 from mammoth_core.pb import mammoth_pb2 as pb
@@ -621,14 +621,7 @@ stage_dit.engine.DiTEngine.step = _step
 """
 
 
-async def until_health(ch, status, services=("", "mammoth.v1.DiT"), within_s: float = 10.0) -> None:
-    """Poll every service's health until each reports ``status`` (fails after ``within_s``)."""
-    health = health_pb2_grpc.HealthStub(ch)
-    deadline = time.monotonic() + within_s
-    for service in services:
-        while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
-            assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
-            await asyncio.sleep(0.05)
+DIT_SERVICES = ("", "mammoth.v1.DiT")
 
 
 async def test_a_dead_engine_loop_fails_its_request_and_refuses_new_work(tiny_checkpoint, tmp_path):
@@ -643,12 +636,12 @@ async def test_a_dead_engine_loop_fails_its_request_and_refuses_new_work(tiny_ch
     try:
         async with channel(server) as ch:
             stub = pb_grpc.DiTStub(ch)
-            await until_health(ch, health_pb2.HealthCheckResponse.SERVING)
+            await until_health(ch, health_pb2.HealthCheckResponse.SERVING, DIT_SERVICES)
             call, token = await reserve(stub, "doomed", steps=2)
             hidden, ids = rows()
             await push_rows(make_sender(ch, "doomed", token, hidden.shape[0]), hidden, ids)
             await expect_code(read_all(call), grpc.StatusCode.INTERNAL)
-            await until_health(ch, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until_health(ch, health_pb2.HealthCheckResponse.NOT_SERVING, DIT_SERVICES)
             late = stub.Generate(pb.DiTGenerateRequest(request_id="late", params=params()), metadata=AUTH, timeout=10)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await late.read()
