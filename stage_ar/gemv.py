@@ -53,6 +53,7 @@ import os
 
 import torch
 
+from stage_ar.arrival import persistent_buffers
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
     split_k_for,
@@ -60,7 +61,6 @@ from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch para
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
-from stage_ar.arrival import persistent_buffers
 from stage_ar.fp8_activations import quantize_rows
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it

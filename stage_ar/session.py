@@ -186,9 +186,8 @@ class ARSession:
             raise self._failed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected_full",
                                Reason.FULL) from None
         except EngineStopped as exc:
-            failed = getattr(self.engine, "failure", None) is not None
             raise self._failed(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected_draining",
-                               Reason.ENGINE_FAILED if failed else Reason.DRAINING) from None
+                               Reason.DRAINING if self.engine.failure is None else Reason.ENGINE_FAILED) from None
         metrics.RUNNING.set(self.engine.running)
         self._push = asyncio.create_task(self.sender.run(), name=f"push-{self.plan.request.request_id}")
         self._push.add_done_callback(lambda task: self._events.put_nowait(PushEnded()))

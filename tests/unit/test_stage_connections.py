@@ -37,7 +37,7 @@ def _closed(s: socket.socket) -> bool:
 
 async def _serve(monkeypatch, **limits):
     for name, value in limits.items():
-        monkeypatch.setattr(grpc_common, name, value, raising=False)  # raising: the old code lacked them
+        monkeypatch.setattr(grpc_common, name, value)
     server = grpc_common.create_server(1 << 20, None, insecure=True)
     health = grpc_common.HealthReporter(server, ["mammoth.v1.Test"])
     port = server.add_insecure_port("127.0.0.1:0")
