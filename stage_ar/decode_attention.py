@@ -39,9 +39,13 @@ import os
 
 import torch
 
+from stage_ar.launch_overlap import launch_flags, launch_options
+
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
+
+    from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -70,8 +74,9 @@ if triton is not None:
         stride_cs, stride_ch, stride_cn,
         n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        TILES: tl.constexpr,
+        TILES: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -147,8 +152,9 @@ if triton is not None:
     def _combine_kernel(
         part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-        SPLIT_KEYS: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
@@ -318,6 +324,7 @@ def decode_attention(
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
+    pdl = launch_flags(q.device)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml,
         q.stride(0), q.stride(1),
@@ -325,10 +332,12 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
+        PDL=pdl, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
+        PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -17,10 +17,13 @@ import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
 from stage_ar.gemv_checks import ACTIVATION_DTYPES
+from stage_ar.launch_overlap import launch_flags, launch_options
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
+
+    from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -52,11 +55,13 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, FP8_MAX_: tl.constexpr,
-                              ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                              ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
         """Row ``program_id(0)``, codes of columns ``[program_id(1) * CHUNK, +CHUNK)``: the whole row in
         one load (``ROW_BLOCK >= K``) for ``amax`` (max is exact in any order, so every program of the
         row gets the same scale), then this program's chunk of codes; the row's first program stores
-        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value)."""
+        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value). ``PDL``:
+        `stage_ar.launch_overlap`."""
+        wait_for_predecessor(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         x_ptr += row * stride_xm
@@ -103,10 +108,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k > MAX_COLUMNS:
         raise ValueError(f"quantize_rows takes rows of at most {MAX_COLUMNS} columns, got {k}")
     if m and k:
+        pdl = launch_flags(x.device)
         row_block = max(QUANT_BLOCK, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](
             x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE, FP8_MAX_=FP8_MAX,
-            ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, num_warps=min(16, max(4, row_block // 2048)))
+            ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl,
+            **launch_options(pdl))
     elif m:
         scales.fill_(MIN_ROW_SCALE)
     return codes, scales

@@ -62,12 +62,14 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8_activations import quantize_rows
+from stage_ar.launch_overlap import launch_flags, launch_options
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
+    from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -241,7 +243,7 @@ if triton is not None:
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-        SPLIT_K: tl.constexpr = 1,
+        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
@@ -252,7 +254,10 @@ if triton is not None:
         ``SPLIT_K`` > 1: program ``(j, s)`` sums K tiles ``[s * T, (s + 1) * T)`` (``T = cdiv(tiles,
         SPLIT_K)``) into its float32 partials in ``ws_ptr``; the last of a column block's programs to
         arrive (a ticket from the counter at ``cnt_ptr + j``, reset to 0 by that program) adds the
-        partials in split order 0, 1, ... (whichever arrives last: fixed bits) and runs the epilogue."""
+        partials in split order 0, 1, ... (whichever arrives last: fixed bits) and runs the epilogue.
+
+        ``PDL`` (`stage_ar.launch_overlap`): the program may start while the previous kernel finishes
+        and waits for it before its first load."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
         pid_n = tl.program_id(0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -267,11 +272,6 @@ if triton is not None:
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
-        inv_rms = tl.zeros((16,), tl.float32)
-        if NORM:
-            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
         if SPLIT_K == 1:
             k_lo = 0
             k_hi = K
@@ -279,6 +279,12 @@ if triton is not None:
             span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             k_lo = tl.program_id(1) * span
             k_hi = tl.minimum(K, k_lo + span)
+        wait_for_predecessor(PDL)
+        inv_rms = tl.zeros((16,), tl.float32)
+        if NORM:
+            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
@@ -490,6 +496,8 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split,
     )
+    pdl = launch_flags(weight.device)
+    meta.update(PDL=pdl, **launch_options(pdl))
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
         _LAST_TUNED[1] = split
@@ -550,8 +558,9 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
-                  norm_in_prologue: bool = False, fp8_compute: str | None = None, rope_head_dim: int = 0) -> None:
-    """Compile the kernel `gemv` launches for this variant and ``config`` without launching it.
+                  norm_in_prologue: bool = False, fp8_compute: str | None = None, rope_head_dim: int = 0):
+    """Compile the kernel `gemv` launches for this variant and ``config`` without launching it, and
+    return Triton's compiled kernel (its ``asm`` dict holds the PTX).
 
     Fills Triton's on-disk cache, so a pool of processes can compile what autotuning will time
     (compilation is serial inside one process); the process that then calls `gemv` loads the
@@ -573,7 +582,8 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     w8a8 = fp8 and fp8_compute == "fp8"
     norm = norm and not w8a8  # W8A8 quantizes the normalised rows first
     split = config.split_k or split_k_for(n, k, weight_dtype)
-    _kernel.warmup(
+    pdl = launch_flags(torch.device("cuda", torch.cuda.current_device()))
+    return _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k, n if residual else 0, rope_head_dim, n, 1e-6,
@@ -582,7 +592,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
-        SPLIT_K=split,
+        SPLIT_K=split, PDL=pdl, **launch_options(pdl),
     )
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mammoth_core.norms import RMSNorm, add_rms_norm, rms_norm
+from stage_ar import launch_overlap
 
 __all__ = [
     "EAGER_OPS", "PointwiseOps", "RMSNorm", "add_rms_norm", "apply_rope", "compiled_ops", "masked_softmax",
@@ -93,17 +94,23 @@ def compiled_ops() -> PointwiseOps:
     """`torch.compile`d `PointwiseOps` (built once per process, shared by runners).
 
     Inductor default mode (no CUDA graphs of its own: the runner captures the whole step), split
-    reductions requested off. Inductor still generates per-shape kernels, so in bucket mode a row's
+    reductions requested off, programmatic dependent launch on where this torch's Inductor offers
+    it and `stage_ar.launch_overlap.MODE` is not ``"off"`` (on sm_90+ Inductor then emits it). Inductor still generates per-shape kernels, so in bucket mode a row's
     reduction order may depend on the batch bucket; ``pad_to_max_bucket`` (one shape) stays
     batch-invariant.
     """
     global _COMPILED  # noqa: PLW0603 - one compile cache per process
     if _COMPILED is None:
-        try:
-            opts: dict[str, Any] | None = {"split_reductions": False}
-            torch.compile(silu_and_mul, options=opts)  # validates the option names
-        except Exception:  # noqa: BLE001 - an Inductor without that option
-            opts = None
+        opts: dict[str, Any] | None = None
+        wanted: dict[str, Any] = {"split_reductions": False}
+        if launch_overlap.MODE != "off":  # PDL for Inductor's kernels too, where this torch has it
+            wanted["triton.enable_pdl"] = True
+        for name, value in wanted.items():
+            try:
+                torch.compile(silu_and_mul, options={**(opts or {}), name: value})  # validates the names
+            except Exception:  # noqa: BLE001 - an Inductor without that option
+                continue
+            opts = {**(opts or {}), name: value}
         names = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul", "masked_softmax")
         _COMPILED = PointwiseOps(**{n: torch.compile(getattr(EAGER_OPS, n), options=opts) for n in names},
                                  compiled=True)

@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels: each kernel may start
+while the one before it on the stream is still finishing (CUDA, compute capability 9.0 and up).
+
+Without it, a kernel's programs start only once the previous kernel has completed, so every kernel
+boundary of a decode step (about ten per layer) leaves the GPU draining one grid and ramping up the
+next: at batch 1 most launches stream a few megabytes in a few microseconds, and the boundary is a
+large part of each. With PDL (CUDA's ``cudaLaunchAttributeProgrammaticStreamSerialization``,
+Triton's ``launch_pdl``), a kernel's programs may be scheduled on SMs the previous kernel has left;
+each first calls `wait_for_predecessor`, which blocks until the previous kernel has completed with
+its writes visible (PTX ``griddepcontrol.wait``) and lets the next kernel launch
+(``griddepcontrol.launch_dependents``). What overlaps is the launch itself, the scheduling of the
+programs and their setup, with the previous kernel's tail; every load and store comes after the
+wait, so the results are the same bits as serial launches. A kernel that never waits may not be
+launched this way (it could read its inputs before they are written). On the H200 (2026-12-03,
+`benchmarks/ar_overlap.py`): bf16 batch-1 step 4.145 -> 4.045 ms, W8A8 3.496 -> 3.100 ms.
+
+`MODE` picks the mode (`MODES`); `launch_flags` turns it into the kernels' compile-time flag for a
+device. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
+a CUDA graph the launches become programmatic edges (CUDA 12.3 and up).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+#: ``"off"``: serial launches; ``"pdl"``: PDL, every program waits at its entry. (A third mode, a GEMV
+#: program asking L2 for its weight rows before its wait, ``cp.async.bulk.prefetch.L2``, measured
+#: slower on the H200: bf16 step 4.05 -> 5.06 ms, docs/PERFORMANCE.md; removed.)
+MODES = ("off", "pdl")
+#: Environment variable that sets `MODE` at import (for side-by-side benchmarks of the modes).
+MODE_ENV = "MAMMOTH_AR_LAUNCH_OVERLAP"
+MODE = os.environ.get(MODE_ENV, "pdl")
+if MODE not in MODES:
+    raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {MODE!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_flags(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use PDL under `MODE`: False off CUDA (the interpreter
+    has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
+    if MODE == "off" or device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict:
+    """Keyword arguments of a Triton launch for ``pdl`` (`launch_flags`' answer)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_predecessor(PDL: tl.constexpr):
+        """Under ``PDL``: block until the previous kernel on the stream has completed and its writes
+        are visible, then let the next kernel launch. Call it before the first load of anything a
+        previous kernel writes and before the first store. A no-op otherwise."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
