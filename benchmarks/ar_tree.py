@@ -8,7 +8,9 @@ tree checked out elsewhere can be timed by this same script in the same device c
 Sections: ``bf16``: batch 1 with the default runner (`compiled`, at image start and mid-image) and
 the served engine's padded shape (`compiled_served_shape`: 16 slots of the served pool width, 8
 sequences); ``fp8``: `ar_decode.fp8_timings` (W8A16 and W8A8, batch 1 and 8, deviation from bf16;
-the model stays FP8 after it, so it runs last). Every timed batch-1 variant gets a `torch.profiler`
+the model stays FP8 after it, so it runs last); ``w8a8``: instead of ``fp8``, only W8A8 at batch 1
+(weights converted, no deviation). The tree's launch-overlap mode (`stage_ar.launch_overlap`, where
+it has one) is recorded. Every timed batch-1 variant gets a `torch.profiler`
 table. Writes the JSON and prints ms/step per variant. About 60 s (bf16) and 150 s (fp8) on the H200.
 """
 
@@ -33,6 +35,12 @@ def main(out: str, sections: list[str]) -> None:
     A.time_variant = profiled
     t0 = time.time()
     res = {"ceilings": A.ceilings(), "tree": tree, "command": "benchmarks/ar_tree.py", "sections": sections}
+    try:
+        from stage_ar import launch_overlap
+
+        res["launch_overlap"] = launch_overlap.MODE
+    except ImportError:  # a tree from before it
+        res["launch_overlap"] = None
     print("ceilings", res["ceilings"], flush=True)
     config, _ = A.preview_config()
     model, _ = A.random_preview_modules(config, dit=False)
@@ -51,6 +59,10 @@ def main(out: str, sections: list[str]) -> None:
                        mid_image=True, save=save)
     if "fp8" in sections:
         A.fp8_timings(model, res, 100, save, w8a8=True)
+    elif "w8a8" in sections:
+        A.quantize_fp8_(model.visual_token_linears())
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+        A.time_variant(model, res, "fp8_w8a8", {}, (1,), 100, save=save)
     save()
     for key, v in res.get("timings", {}).items():
         if isinstance(v, dict) and "ms_per_step" in v:
