@@ -136,7 +136,12 @@ class GEMMDecodeAttention(_SlotDecode):
 
 
 class TritonDecodeAttention(_SlotDecode):
-    """`stage_ar.decode_attention.decode_attention` (split-KV, KV write fused) per layer."""
+    """`stage_ar.decode_attention.decode_attention` (split-KV, KV write fused) per layer; ``live``:
+    ``(b,)`` bool, the rows to compute (the others write no key/value and return zeros)."""
+
+    def __init__(self, *args, live: torch.Tensor | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.live = live
 
     @staticmethod
     def available(device: torch.device) -> bool:
@@ -146,7 +151,7 @@ class TritonDecodeAttention(_SlotDecode):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, _, heads, d = q.shape
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
-                                             self.pos, self.key_start, self.length, self.scale)
+                                             self.pos, self.key_start, self.length, self.scale, live=self.live)
         return out.view(b, 1, heads * d)
 
 

@@ -67,14 +67,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr,
+        q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr, live_ptr,
         part_acc_ptr, part_ml_ptr,
         stride_qb, stride_qh,
         stride_nb, stride_nh, stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cn,
         n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-        TILES: tl.constexpr, PDL: tl.constexpr = False,
+        TILES: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
     ):
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
@@ -82,8 +82,11 @@ if triton is not None:
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
+        alive = True
+        if LIVE:  # an idle row: no KV write, no work (its combine writes zeros)
+            alive = tl.load(live_ptr + row) != 0
         # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
-        if (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
+        if alive & (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
             offs_d = tl.arange(0, HEAD_DIM)
             offs_g = tl.arange(0, GROUP_PAD)
             offs_b = tl.arange(0, BLOCK)
@@ -150,19 +153,26 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, n_splits, stride_ob,
+        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-        SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False,
+        SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
     ):
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
-        first = tl.load(start_ptr + row) // SPLIT_KEYS
-        last = tl.load(pos_ptr + row) // SPLIT_KEYS
-        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+        at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
+        alive = True
+        if LIVE:
+            alive = tl.load(live_ptr + row) != 0
+        if alive:
+            first = tl.load(start_ptr + row) // SPLIT_KEYS
+            last = tl.load(pos_ptr + row) // SPLIT_KEYS
+            out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
+            tl.store(at, out.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(at, tl.zeros((HEAD_DIM,), out_ptr.dtype.element_ty))
 
 
     @triton.jit
@@ -288,6 +298,7 @@ def decode_attention(
     key_start: torch.Tensor,
     length: int,
     scale: float,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's keys/values into the cache and attend over each row's key range.
 
@@ -303,6 +314,9 @@ def decode_attention(
         length: key positions ``[0, length)`` that any row may attend to (the length bucket; only
             sizes the grid: tiles past a row's ``pos`` are skipped).
         scale: softmax scale (``head_dim ** -0.5``).
+        live: ``(b,)`` bool on the device, read when the kernels run, or None (every row): a row
+            whose flag is False (an idle slot of a padded step) writes no key/value, reads nothing
+            and gets zeros; the other rows' bits are unchanged.
 
     Returns:
         ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
@@ -315,6 +329,9 @@ def decode_attention(
         raise RuntimeError("decode_attention needs triton (a CUDA build of torch ships it)")
     _check_layout(q, k_new, v_new, k_cache, v_cache, length)
     b, heads, head_dim = q.shape
+    if live is not None and (live.shape != (b,) or live.dtype != torch.bool or live.device != q.device):
+        raise ValueError(f"live must be ({b},) bool on {q.device}, "
+                         f"got {tuple(live.shape)} {live.dtype} on {live.device}")
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
@@ -326,18 +343,18 @@ def decode_attention(
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     pdl = launch_flags(q.device)
     _split_kernel[(b, kv_heads, n_splits)](
-        q, k_new, v_new, k_cache, v_cache, pos, key_start, part_acc, part_ml,
+        q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
-        PDL=pdl, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
-        part_acc, part_ml, out, pos, key_start, n_splits, out.stride(0),
+        part_acc, part_ml, out, pos, key_start, pos if live is None else live, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
-        PDL=pdl, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, **launch_options(pdl),
     )
     return out
 

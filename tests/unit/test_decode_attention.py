@@ -229,3 +229,24 @@ def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, r
     gemm = ARModelRunner(model, 4, 160, **ids, exact_rows=False, fused_attention=False, compile=False,
                          pad_to_max_bucket=True, length_bucket=30)
     assert gemm.length_buckets == (160,)  # the GEMM path's bits depend on the length: one length
+
+
+def test_idle_rows_write_no_cache_and_get_zeros(da):
+    """``live`` (the padded decode's idle slots): a live row's output and cache write are the ones it
+    gets without the mask; an idle row writes nothing into its slot's cache and gets zeros."""
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=4, seed=5)
+    pos, start = ids(200, 17, 99, 64), ids(0, 0, 40, 0)
+    live = torch.tensor([True, False, True, False], device=DEVICE)
+    full_k, full_v = k_cache.clone(), v_cache.clone()
+    full = da.decode_attention(q, k_new, v_new, full_k, full_v, pos, start, 256, 0.1)
+    masked_k, masked_v = k_cache.clone(), v_cache.clone()
+    masked = da.decode_attention(q, k_new, v_new, masked_k, masked_v, pos, start, 256, 0.1, live=live)
+    for i in range(4):
+        if live[i]:
+            assert torch.equal(masked[i], full[i]), f"row {i}"
+            assert torch.equal(masked_k[i], full_k[i]) and torch.equal(masked_v[i], full_v[i])
+        else:
+            assert not masked[i].any(), f"row {i}"
+            assert torch.equal(masked_k[i], k_cache[i]) and torch.equal(masked_v[i], v_cache[i])
+    with pytest.raises(ValueError, match="live must be"):
+        da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, live=live[:3])

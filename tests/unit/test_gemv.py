@@ -536,3 +536,49 @@ def test_w8a8_row_bits_do_not_depend_on_the_other_rows(gemv, variant):
     for i in (0, 7, 15):
         assert torch.equal(gemv.gemv(x[i : i + 1], weight, fp8_compute="fp8", **row_slice(kwargs, i, i + 1))[0],
                            full[i]), f"row {i} alone"
+
+
+@pytest.mark.parametrize("fp8_compute", [None, "fp8"], ids=["w16-or-w8a16", "w8a8"])
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "residual", "norm_swiglu", "bias_rope"])
+def test_idle_rows_stream_nothing_and_live_rows_keep_their_bits(gemv, variant, fp8_compute):
+    """``live_rows`` (the padded decode's idle slots): a live row gives the bits it gives without the
+    mask; an idle row gives what a row of zeros gives (its activations are not loaded), whatever
+    its activations hold; the flags are read at run time (a CUDA graph sees their current values)."""
+    fp8 = fp8_compute == "fp8"
+    dtype = torch.float32 if gemv.INTERPRETED else torch.bfloat16
+    x, weight, kwargs = make_inputs(variant, dtype, fp8=fp8, seed=21)
+    config = gemv.GemvConfig(16, 4, 3)
+    live = torch.zeros(16, dtype=torch.bool, device=x.device)
+    live[[0, 3, 4, 11]] = True
+    x[~live] = float("nan")  # an idle slot's rows may hold anything
+    got = gemv.gemv(x, weight, config=config, fp8_compute=fp8_compute, live_rows=live, **kwargs)
+    zeroed = torch.where(live[:, None], x, torch.zeros_like(x))
+    want = gemv.gemv(zeroed, weight, config=config, fp8_compute=fp8_compute, **kwargs)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got).all()
+
+
+def test_live_rows_must_be_one_bool_per_row(gemv):
+    x, weight, _ = make_inputs("plain", torch.float32)
+    with pytest.raises(ValueError, match=r"live_rows must have shape \(16,\)"):
+        gemv.gemv(x, weight, live_rows=torch.ones(15, dtype=torch.bool, device=x.device))
+    with pytest.raises(TypeError, match="live_rows dtype must be torch.bool"):
+        gemv.gemv(x, weight, live_rows=torch.ones(16, dtype=torch.int32, device=x.device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_live_rows_are_read_when_a_captured_graph_replays(gemv):
+    """The runner captures its step once and flips slots' flags between replays: the kernel must read
+    the flags at run time, not bake them into the launch."""
+    x, weight, kwargs = make_inputs("bias", torch.bfloat16, seed=22)
+    config = gemv.GemvConfig(16, 4, 3)
+    live = torch.ones(16, dtype=torch.bool, device=x.device)
+    gemv.gemv(x, weight, config=config, live_rows=live, **kwargs)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.gemv(x, weight, config=config, live_rows=live, **kwargs)
+    for idle in ([], [1, 5], list(range(8, 16))):
+        live.fill_(True)
+        live[idle] = False
+        graph.replay()
+        assert torch.equal(out, gemv.gemv(x, weight, config=config, live_rows=live.clone(), **kwargs)), idle
