@@ -82,7 +82,7 @@ if triton is not None:
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
-        alive = True
+        alive = row >= 0  # a scalar tensor in both branches (no Python bool mixed into the condition)
         if LIVE:  # an idle row: no KV write, no work (its combine writes zeros)
             alive = tl.load(live_ptr + row) != 0
         # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
@@ -163,7 +163,7 @@ if triton is not None:
         g = tl.program_id(2)
         offs_d = tl.arange(0, HEAD_DIM)
         at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
-        alive = True
+        alive = row >= 0
         if LIVE:
             alive = tl.load(live_ptr + row) != 0
         if alive:

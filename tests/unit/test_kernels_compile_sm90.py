@@ -1,0 +1,117 @@
+"""The decode step's Triton kernels compile for the H200's architecture (sm_90) on this CPU machine.
+
+Triton's interpreter (every other CPU kernel test) runs a kernel's Python semantics, not its
+compilation: a construct the compiler rejects, or an instruction ptxas refuses, shows up only on the
+GPU. Here each form the served decode launches goes through Triton's whole pipeline for
+``GPUTarget("cuda", 90, 32)`` (including ptxas, which Triton's NVIDIA backend ships), with the launch
+option it is served with (programmatic dependent launch, `stage_ar.launch_overlap`). The test session
+runs Triton's interpreter, under which ``@triton.jit`` gives interpreted functions, so the compiles
+run in a child process without it (this file run as a script prints one JSON line per form).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
+                 HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
+                 SPLIT_K=1, PDL=True, LIVE=True)
+_FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+_W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
+_SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+#: name -> (pointer dtypes other than bf16, constexprs over GEMV_BASE): the served forms
+GEMV_FORMS = {
+    "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
+    "bf16_gate_up_swiglu": ({}, dict(SWIGLU=True)),
+    "bf16_down": ({}, {}),
+    "bf16_head_block64": ({}, dict(BLOCK_N=64)),
+    "w8a16_o_split": (_FP8_IN | _SPLIT, dict(FP8=True, FP8_MODE=1, SPLIT_K=7)),
+    "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True)),
+    "w8a8_qkv_split_rope": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
+                                                    HEAD_DIM=128)),
+}
+ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
+                   "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
+                   "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"}
+
+
+def _compile(fn, types: dict[str, str], constexprs: dict) -> str:
+    """PTX of ``fn`` for sm_90, served with PDL; ``types`` of the runtime arguments (the rest ``i32``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
+    return compiled.asm["ptx"]
+
+
+def _forms():
+    """``(name, thunk)`` per form, each thunk returning the PTX."""
+    import stage_ar.decode_attention as attention
+    import stage_ar.fp8_activations as activations
+    import stage_ar.gemv as gemv
+
+    bf16 = {n: "*bf16" for n in gemv._gemv_kernel.arg_names if n.endswith("_ptr")} | {"live_ptr": "*i1", "eps": "fp32"}
+    for name, (pointers, constexprs) in GEMV_FORMS.items():
+        yield f"gemv_{name}", lambda p=pointers, c=constexprs: _compile(gemv._gemv_kernel, bf16 | p, GEMV_BASE | c)
+    for live in (True, False):
+        yield f"split_kv_live_{live}", lambda live=live: _compile(attention._split_kernel, ATTENTION_TYPES, dict(
+            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live))
+        yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
+            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live))
+    yield "w8a8_quantizer", lambda: _compile(activations._quantize_rows_kernel, {
+        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "min_scale": "fp32"}, dict(
+        FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, PDL=True))
+
+
+def _main() -> None:
+    for name, thunk in _forms():
+        try:
+            ptx = thunk()
+            print(json.dumps({"form": name, "ok": True, "pdl": "griddepcontrol.wait" in ptx
+                              and "griddepcontrol.launch_dependents" in ptx}), flush=True)
+        except FileNotFoundError as exc:  # a triton without its NVIDIA toolchain
+            print(json.dumps({"form": name, "ok": None, "error": repr(exc)}), flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            print(json.dumps({"form": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    results = {r["form"]: r for r in map(json.loads, done.stdout.splitlines()) if r}
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    return results
+
+
+def _names() -> list[str]:
+    names = [f"gemv_{n}" for n in GEMV_FORMS]
+    names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
+    return names + ["w8a8_quantizer"]
+
+
+@pytest.mark.parametrize("form", _names())
+def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
+    result = compiled[form]
+    if result["ok"] is None:
+        pytest.skip(f"needs CUDA's ptxas (Triton's NVIDIA backend): {result['error']}")
+    assert result["ok"], result["error"]
+    assert result["pdl"], "griddepcontrol.wait / launch_dependents missing from the PTX"
+
+
+if __name__ == "__main__":
+    _main()
