@@ -17,7 +17,7 @@ import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
 from stage_ar.gemv_checks import ACTIVATION_DTYPES
-from stage_ar.launch_overlap import launch_flags, launch_options
+from stage_ar.launch_overlap import launch_options, pdl_enabled
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -108,7 +108,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k > MAX_COLUMNS:
         raise ValueError(f"quantize_rows takes rows of at most {MAX_COLUMNS} columns, got {k}")
     if m and k:
-        pdl = launch_flags(x.device)
+        pdl = pdl_enabled(x.device)
         row_block = max(QUANT_BLOCK, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](
             x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE, FP8_MAX_=FP8_MAX,

@@ -62,7 +62,7 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8_activations import quantize_rows
-from stage_ar.launch_overlap import launch_flags, launch_options
+from stage_ar.launch_overlap import launch_options, pdl_enabled
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -511,7 +511,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, LIVE=live_rows is not None,
     )
-    pdl = launch_flags(weight.device)
+    pdl = pdl_enabled(weight.device)
     meta.update(PDL=pdl, **launch_options(pdl))
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
@@ -598,7 +598,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     w8a8 = fp8 and fp8_compute == "fp8"
     norm = norm and not w8a8  # W8A8 quantizes the normalised rows first
     split = config.split_k or split_k_for(n, k, weight_dtype)
-    pdl = launch_flags(torch.device("cuda", torch.cuda.current_device()))
+    pdl = pdl_enabled(torch.device("cuda", torch.cuda.current_device()))
     return _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,

@@ -14,8 +14,7 @@ wait, so the results are the same bits as serial launches. A kernel that never w
 launched this way (it could read its inputs before they are written). On the H200 (2026-12-03,
 `benchmarks/ar_overlap.py`): bf16 batch-1 step 4.145 -> 4.045 ms, W8A8 3.496 -> 3.100 ms.
 
-`MODE` picks the mode (`MODES`); `launch_flags` turns it into the kernels' compile-time flag for a
-device. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
+`MODE` picks the mode (`MODES`); `pdl_enabled` says whether it applies on a device. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
 a CUDA graph the launches become programmatic edges (CUDA 12.3 and up).
 """
 
@@ -49,7 +48,7 @@ def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def launch_flags(device: torch.device) -> bool:
+def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL under `MODE`: False off CUDA (the interpreter
     has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
     if MODE == "off" or device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
@@ -58,7 +57,7 @@ def launch_flags(device: torch.device) -> bool:
 
 
 def launch_options(pdl: bool) -> dict:
-    """Keyword arguments of a Triton launch for ``pdl`` (`launch_flags`' answer)."""
+    """Keyword arguments of a Triton launch for ``pdl`` (`pdl_enabled`'s answer)."""
     return {"launch_pdl": True} if pdl else {}
 
 

@@ -25,7 +25,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs CUDA with compute ca
 
 
 def test_off_cuda_no_flags_are_set():
-    assert launch_overlap.launch_flags(torch.device("cpu")) is False
+    assert launch_overlap.pdl_enabled(torch.device("cpu")) is False
     assert launch_overlap.launch_options(False) == {}
 
 
