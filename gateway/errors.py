@@ -292,7 +292,15 @@ def create_error_response(exc: BaseException, request_id: str | None = None) -> 
     status, info, headers = error_info(exc)
     if request_id:
         headers["x-request-id"] = request_id
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
+    return _AsciiJSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote the client's text, and
+    a lone surrogate in it cannot be encoded as UTF-8 (the render would fail after the status line)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def outcome_of(exc: BaseException) -> str:

@@ -79,12 +79,40 @@ def rule_error(param: str, message: str, code: str = "invalid_value") -> Pydanti
     return PydanticCustomError(code, "{message}", {"param": param, "message": message})
 
 
+def _first_surrogate(value: Any) -> str | None:
+    """The first lone surrogate code point in ``value`` (a string, or strings inside lists and dicts), or None."""
+    if isinstance(value, str):
+        return next((ch for ch in value if "\ud800" <= ch <= "\udfff"), None)
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        return next((bad for item in value if (bad := _first_surrogate(item)) is not None), None)
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of the request models: accepts unknown fields (kept in ``model_extra``) and logs a
     warning naming them, once per request. Floats must be finite (JSON's NaN/Infinity: 400 "Input
     should be a finite number")."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        """JSON may escape a lone UTF-16 surrogate (``"\\udfff"``), which no UTF-8 text can hold:
+        refuse it in any field, ``extra_body``'s included (named by its own key), before anything
+        encodes it (found by a break-it pass: ``negative_prompt`` and ``model`` gave a 500)."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                fields = value.items() if key == "extra_body" and isinstance(value, dict) else [(key, value)]
+                for name, item in fields:
+                    bad = _first_surrogate(name) or _first_surrogate(item)
+                    if bad is not None:
+                        label = name.encode("utf-8", "backslashreplace").decode("utf-8")
+                        raise rule_error(label, f"{label} holds a lone UTF-16 surrogate (U+{ord(bad):04X}), "
+                                                "which is not valid Unicode text")
+        return data
 
     @model_validator(mode="after")
     def _log_extra_fields(self) -> "OpenAIBaseModel":

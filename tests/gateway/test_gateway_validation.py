@@ -6,6 +6,8 @@ Validation runs before any stage work, so most of these need no stage at all; th
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -225,3 +227,24 @@ def test_nan_and_infinity_are_refused_as_not_finite(gw, body, param):
     r = httpx.post(gw.url + GEN, content=body, headers={"content-type": "application/json"})
     err = assert_envelope(r, 400, param, "invalid_value")
     assert "finite number" in err["message"], err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "a\udfff"}, "prompt"),
+    ({"prompt": "a", "negative_prompt": "\udfff"}, "negative_prompt"),
+    ({"prompt": "a", "model": "\udfff"}, "model"),
+    ({"prompt": "a", "user": "\ud800x"}, "user"),
+    ({"prompt": "a", "extra_body": {"negative_prompt": "\udfff"}}, "negative_prompt"),
+    ({"prompt": "a", "negative_prompt": "\udfff", "stream": True}, "negative_prompt"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field_and_the_connection_lives_on(gw, body, param):
+    """JSON may escape a lone UTF-16 surrogate (``"\\udfff"``), which no UTF-8 text can hold: every
+    string field refuses it up front (a break-it pass found ``negative_prompt`` and ``model`` giving
+    500 and a dropped keep-alive connection), and the next request on the connection is answered."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the escape travels as JSON text, as a client may send it
+    with httpx.Client(base_url=gw.url) as client:
+        r = client.post(GEN, content=raw, headers={"content-type": "application/json"})
+        err = assert_envelope(r, 400, param, "invalid_value")
+        assert "surrogate" in err["message"]
+        again = client.get("/v1/models")
+        assert again.status_code == 200
