@@ -28,6 +28,13 @@ from stage_dit.step_cache import FirstBlockCache, StepCacheConfig
 from stage_dit.transformer_mammoth import MammothTransformerBlock
 
 
+class ConditionTooLongError(ValueError):
+    """A condition with more rows than the DiT's caption rotary positions: the request's own fault
+    (its prompt or negative prompt is too long for this model), which no retry fixes
+    (`stage_dit.pipeline.MammothDiTPipeline.check_condition` raises it, the server answers
+    INVALID_ARGUMENT with reason INVALID_REQUEST, the gateway a 400)."""
+
+
 @dataclass(frozen=True)
 class ImageRequest:
     """What the DiT denoises for one image (conditions already prepared).

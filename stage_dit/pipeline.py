@@ -18,7 +18,7 @@ from diffusers import AutoencoderKL
 
 from stage_dit.condition_refiner import SimpleQFormerImageRefiner
 from stage_dit.conditions import ConditionMode, ConditionTokenIds, build_condition
-from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
+from stage_dit.denoise import ConditionTooLongError, DenoiseState, ImageRequest, denoise_step
 from stage_dit.graphs import GraphCache
 from stage_dit.images import FORMATS, encode_image
 from stage_dit.scheduling_flow_match import FlowMatchEulerScheduler
@@ -195,11 +195,22 @@ class MammothDiTPipeline:
     def check_condition(self, name: str, condition: torch.Tensor) -> torch.Tensor:
         """``condition`` `(rows, llm_hidden)` on the pipeline device and dtype.
 
+        ``name``: ``"condition"`` (the prompt's) or ``"negative"`` (the negative prompt's raw rows).
+
         Raises:
+            ConditionTooLongError: more rows than the transformer's caption positions hold
+                (`MammothTransformer2DModel.max_caption_rows`): the request's own fault, which no
+                retry fixes (the message names the request field to shorten).
             ValueError: on another shape (the message names ``name``).
         """
         if condition.ndim != 2 or condition.shape[1] != self.llm_hidden_size:
             raise ValueError(f"{name} must be (rows, {self.llm_hidden_size}), got {tuple(condition.shape)}")
+        limit = self.transformer.max_caption_rows
+        if condition.shape[0] > limit:
+            field = "negative_prompt" if name == "negative" else "prompt"
+            raise ConditionTooLongError(
+                f"the {field.replace('_', ' ')} gives a condition of {condition.shape[0]} rows; this DiT's caption "
+                f"positions hold at most {limit} (gen_axes_lens[0] - 1): shorten {field}")
         return condition.to(self.device, self.dtype)
 
     def new_scheduler(self) -> FlowMatchEulerScheduler:

@@ -36,6 +36,7 @@ from mammoth_core.runtime import start_metrics_server, write_ready_file
 from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
 from stage_dit.capacity import measure_capacity
+from stage_dit.denoise import ConditionTooLongError
 from stage_dit.engine import DiTEngine
 from stage_dit.metrics import REQUESTS as DIT_REQUESTS
 from stage_dit.receiver import SlotPool, add_dit_servicer, receive_push
@@ -166,6 +167,9 @@ class DiTServicer(pb_grpc.DiTServicer):
             if session.outcome != "completed":
                 session.outcome = self.waiting_outcome(slot, timed_out=_expired(context))
             raise
+        except ConditionTooLongError as err:  # the request's own prompt is too long: no retry fixes it
+            session.outcome = "rejected"
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.INVALID_REQUEST)
         except ValueError as err:  # the pipeline refused these conditions (e.g. no image rows)
             session.outcome = "rejected"
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.CONDITIONS_REJECTED)

@@ -385,6 +385,12 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
         return cap_lens_host
 
+    @property
+    def max_caption_rows(self) -> int:
+        """Most condition (caption) rows one element may have: caption row ``i`` takes rotary position
+        ``i`` on the first axis and every image patch takes ``cap_len``, so ``cap_len < axes_lens[0]``."""
+        return int(self.config.axes_lens[0]) - 1
+
     def embed(
         self,
         hidden_states: torch.Tensor,

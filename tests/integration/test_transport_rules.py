@@ -676,3 +676,34 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(dit):
         assert server.proc.wait(20) == 0
     finally:
         server.stop()
+
+
+async def test_a_negative_prompt_too_long_for_the_dit_is_refused_as_the_requests_own_fault(dit):
+    """A negative condition with more rows than the DiT's caption positions (``gen_axes_lens[0] - 1``;
+    the tiny checkpoint's 9,999) cannot be denoised. Found by a break-it pass: the forward raised
+    inside the step, the DiT answered INTERNAL, and the gateway re-ran the whole request three times
+    before a 502. Now it is INVALID_ARGUMENT with reason INVALID_REQUEST before any step (the
+    gateway's 400, no retry), naming the field to shorten."""
+    from gateway.stage_errors import classify
+
+    n = PROMPT + IMAGE_ROWS
+    hidden, ids = rows(n)
+    negative = torch.randn(10_000, HIDDEN, generator=torch.Generator().manual_seed(3)) * 0.1
+    async with channel(dit, limit=8 << 20) as ch:
+        stub = pb_grpc.DiTStub(ch)
+        call, token = await reserve(stub, "long-negative", steps=1, has_negative=True)
+        sender = make_sender(ch, "long-negative", token, n, negative=negative.shape[0], chunk_rows=512)
+        run = asyncio.ensure_future(sender.run())
+        assert sender.put_rows(pb.CONDITION, hidden, ids)
+        for i in range(0, negative.shape[0], 2000):
+            assert sender.put_rows(pb.NEGATIVE, negative[i : i + 2000], list(range(i, i + 2000)))
+        sender.finish()
+        await run
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await read_all(call)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+    assert "shorten negative_prompt" in exc.value.details() and "9999" in exc.value.details()
+    origin = errors.origin_of(exc.value)
+    assert origin is not None and origin.reason == errors.Reason.INVALID_REQUEST
+    verdict = classify(exc.value, errors.Stage.DIT, "dit:1", "while denoising")
+    assert type(verdict).__name__ == "InvalidRequestError"  # a 400 at once, not a retried failure
