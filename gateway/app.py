@@ -195,17 +195,18 @@ def _lifespan(settings: GatewaySettings, metrics: GatewayMetrics, store: ImageSt
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.gateway_state = GatewayState()
         credentials = settings.grpc_channel_credentials()
+        token = settings.client_token(grpc_common.ROLE_GATEWAY)
         ar_pool, dit_pool = (
             BackendPool(stage, targets, service, stub, metrics, settings.health_interval_seconds,
                         _channel_options(settings), credentials,
-                        probe_timeout_seconds=settings.health_timeout_seconds)
+                        probe_timeout_seconds=settings.health_timeout_seconds,
+                        call_metadata=grpc_common.auth_metadata(token))
             for stage, targets, service, stub in (("ar", settings.ar, AR_SERVICE, pb_grpc.ARStub),
                                                   ("dit", settings.dit, DIT_SERVICE,
                                                    pb_grpc.DiTStub)))
         await ar_pool.start()
         await dit_pool.start()
-        engine = EngineClient(settings, ar_pool, dit_pool, metrics,
-                              settings.client_token(grpc_common.ROLE_GATEWAY))
+        engine = EngineClient(settings, ar_pool, dit_pool, metrics, token)
         app.state.serving = OpenAIServingImages(settings, engine, store, metrics,
                                                 app.state.gateway_state)
         sweeper = asyncio.create_task(store.run_sweeper())

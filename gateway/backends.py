@@ -77,6 +77,7 @@ class BackendPool:
         channel_options: gRPC channel options (message size limits).
         channel_credentials: TLS credentials to dial the backends with (None: plaintext).
         probe_timeout_seconds: deadline of one health probe (``health_timeout_seconds``), seconds.
+        call_metadata: metadata of the health Watch streams (the gateway's stage token).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class BackendPool:
         channel_credentials: grpc.ChannelCredentials | None = None,
         *,
         probe_timeout_seconds: float,
+        call_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.stage = stage
         self.targets = [Target.parse(t) for t in targets]
@@ -99,6 +101,7 @@ class BackendPool:
         self._metrics = metrics
         self.refresh_seconds = refresh_seconds
         self.probe_timeout_seconds = probe_timeout_seconds
+        self._call_metadata = call_metadata
         self._options = channel_options or []
         self._credentials = channel_credentials
         self.backends: dict[str, Backend] = {}
@@ -151,7 +154,7 @@ class BackendPool:
             channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
         health = HealthMonitor(channel, self.service_name, self.refresh_seconds,
                                self.probe_timeout_seconds, self._health_changed,
-                               f"{self.stage} backend {address}")
+                               f"{self.stage} backend {address}", self._call_metadata)
         backend = Backend(address=address, channel=channel, stub=self._stub_factory(channel),
                           health=health)
         self.backends[address] = backend

@@ -52,6 +52,8 @@ class HealthMonitor:
         timeout: deadline of one probe, seconds; no answer within it means hung.
         on_change: called with no argument after ``status`` or ``probing`` changed.
         label: names the backend in logs (``"dit 10.0.0.7:50052"``).
+        metadata: call metadata of the Watch stream (the stage token,
+            `mammoth_core.grpc_common.auth_metadata`): stages serve ``Health/Watch`` to their callers only.
 
     Attributes:
         status: last known ``HealthCheckResponse`` status (``UNKNOWN`` until the first answer).
@@ -61,8 +63,10 @@ class HealthMonitor:
     """
 
     def __init__(self, channel: grpc.aio.Channel, service_name: str, interval: float,
-                 timeout: float, on_change: Callable[[], None], label: str) -> None:
+                 timeout: float, on_change: Callable[[], None], label: str,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._stub = health_pb2_grpc.HealthStub(channel)
+        self._metadata = metadata  # the stage token: a stage serves Health/Watch only to its callers
         self._request = health_pb2.HealthCheckRequest(service=service_name)
         self.interval = interval
         self.timeout = timeout
@@ -157,11 +161,16 @@ class HealthMonitor:
     async def _watch_loop(self) -> None:
         while True:
             try:
-                async for response in self._stub.Watch(self._request):
+                async for response in self._stub.Watch(self._request, metadata=self._metadata):
                     self._set(response.status)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return  # the probe loop polls Check
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    logger.warning("%s: health watch refused (%s: %s); polling Health/Check only (a stage "
+                                   "token mismatch also fails its stage calls)", self.label, exc.code().name,
+                                   exc.details())
+                    return  # the probe loop polls Check, which needs no token
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep watching whatever happens

@@ -8,6 +8,7 @@ method and the status, at most one per 10 s with the count suppressed since
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -81,3 +82,64 @@ async def test_an_authenticated_request_that_does_not_parse_is_invalid_argument(
     finally:
         await server.stop(0)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+async def test_health_watch_needs_a_token_check_stays_open():
+    """Found by a break-it pass (2026-12-03): ``Health/Watch`` streams were open to anyone, and each
+    holds its request (up to the message limit) for as long as the caller keeps it: 6,000 streams
+    of 100 KB service names took a DiT from 485 MiB to 2,990 MiB, without a token. Now a stream
+    needs a stage token (the gateway's monitor sends its own); ``Health/Check`` stays open for
+    kubelet probes, which carry none."""
+    server = grpc_common.create_server(1 << 20, None, role_tokens={grpc_common.ROLE_GATEWAY: "gw-token",
+                                                                   grpc_common.ROLE_AR: "ar-token"})
+    health = grpc_common.HealthReporter(server, ["mammoth.v1.DiT"])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set_serving()
+    request = health_pb2.HealthCheckRequest(service="mammoth.v1.DiT")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            assert (await stub.Check(request, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+            for md in ((), grpc_common.auth_metadata("wrong")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Watch(request, metadata=md, timeout=5):
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            for token in ("gw-token", "ar-token"):
+                watch = stub.Watch(request, metadata=grpc_common.auth_metadata(token), timeout=5)
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                watch.cancel()
+    finally:
+        await server.stop(0)
+
+
+async def test_the_gateways_health_monitor_watches_with_its_token():
+    """The gateway's `HealthMonitor` sends its stage token on the Watch stream, so a change reaches
+    it at once (with the Watch refused it would only learn it from the next Check probe, here an
+    hour away)."""
+    from gateway.health import HealthMonitor
+
+    server = grpc_common.create_server(1 << 20, None, role_tokens={grpc_common.ROLE_GATEWAY: "gw-token"})
+    health = grpc_common.HealthReporter(server, ["mammoth.v1.DiT"])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set_serving()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            monitor = HealthMonitor(ch, "mammoth.v1.DiT", 3600.0, 5.0, lambda: None, "dit test",
+                                    grpc_common.auth_metadata("gw-token"))
+            monitor.start()
+            try:
+                for want in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING):
+                    if want == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        await health.set_all(want)
+                    for _ in range(100):
+                        if monitor.status == want:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert monitor.status == want
+            finally:
+                await monitor.stop()
+    finally:
+        await server.stop(0)
