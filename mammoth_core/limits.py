@@ -192,6 +192,14 @@ def grid_tokens(grid_width: int, grid_height: int) -> int:
     return grid_height * (grid_width + 1)
 
 
+def max_caption_rows(axes_lens) -> int:
+    """Most condition rows the DiT takes in one CFG branch, from its rotary table lengths
+    (``gen_dit_config.axes_lens``): condition row ``i`` has position ``i`` on the first axis and every
+    image patch the condition's length, so that length must stay below ``axes_lens[0]``. The negative
+    branch's rows are the negative prompt's raw AR rows, so this bounds a negative prompt's tokens."""
+    return int(axes_lens[0]) - 1
+
+
 def text_token_bound(text: str) -> int:
     """Upper bound on the tokens of ``text``: the UTF-8 bytes of its NFC form (byte-level BPE)."""
     return len(unicodedata.normalize("NFC", text).encode("utf-8"))

@@ -12,6 +12,7 @@ import torch
 from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from mammoth_core.distributed import GroupRank
+from mammoth_core import limits
 from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
@@ -43,6 +44,14 @@ class ARBundle:
     @property
     def hidden_size(self) -> int:
         return int(self.config["llm_config"]["hidden_size"])
+
+    @property
+    def negative_row_limit(self) -> int | None:
+        """Most tokens a negative prompt may have: its raw rows are the DiT's unconditional condition,
+        bounded by the DiT's rotary table (`mammoth_core.limits.max_caption_rows` of the checkpoint's
+        ``gen_dit_config.axes_lens``); None when the checkpoint does not say (the DiT still checks)."""
+        axes_lens = (self.config.get("gen_dit_config") or {}).get("axes_lens")
+        return limits.max_caption_rows(axes_lens) if axes_lens else None
 
     def make_sampler(
         self, ar_width: int, ar_height: int, seed: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0

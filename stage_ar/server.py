@@ -146,6 +146,12 @@ class ARServicer(pb_grpc.ARServicer):
         ar_w, ar_h = _grid(request)
         prompt_ids = tok.encode_t2i_prompt(request.prompt, ar_w, ar_h)
         negative_ids = tok.encode_negative_prompt(request.negative_prompt) if request.negative_prompt else None
+        limit = self.bundle.negative_row_limit
+        if negative_ids and limit is not None and len(negative_ids) > limit:  # refused before any work
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"the negative prompt is {len(negative_ids)} tokens; this model's DiT takes at most "
+                             f"{limit} (gen_dit_config.axes_lens[0] - 1): shorten negative_prompt", "invalid",
+                             Reason.INVALID_REQUEST)
         total_rows = len(prompt_ids) + ar_h * (ar_w + 1)
         max_pos = min(self.bundle.model.config.max_position_embeddings, self.engine.max_sequence_length)
         if total_rows > max_pos:

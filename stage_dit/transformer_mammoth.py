@@ -22,6 +22,7 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from mammoth_core import limits
 from stage_dit import fused
 from stage_dit.modules import (
     LayerNormContinuous,
@@ -387,9 +388,8 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
 
     @property
     def max_caption_rows(self) -> int:
-        """Most condition (caption) rows one element may have: caption row ``i`` takes rotary position
-        ``i`` on the first axis and every image patch takes ``cap_len``, so ``cap_len < axes_lens[0]``."""
-        return int(self.config.axes_lens[0]) - 1
+        """Most condition (caption) rows one element may have (`mammoth_core.limits.max_caption_rows`)."""
+        return limits.max_caption_rows(self.config.axes_lens)
 
     def embed(
         self,

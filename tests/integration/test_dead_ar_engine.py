@@ -5,6 +5,7 @@ and a new call is refused before any work with ``ENGINE_FAILED`` (the gateway's 
 replica). The fault is injected from outside the code under test: a ``sitecustomize`` in the AR's
 child process makes the loop's flush of a launched step raise, as a device fault there would.
 The DiT's counterpart: `test_transport_rules.test_a_dead_engine_loop_fails_its_request_and_refuses_new_work`.
+Also here (the same real-AR set-up): a request the AR must refuse at admission, before any work.
 """
 
 from __future__ import annotations
@@ -107,3 +108,52 @@ async def test_a_dead_ar_decode_loop_fails_its_request_and_refuses_new_work(tiny
                 stage.proc.kill()
                 stage.proc.wait()
                 raise
+
+
+async def test_a_negative_prompt_too_long_for_the_dit_is_refused_by_the_ar_before_any_work(tiny_checkpoint,
+                                                                                          tmp_path):
+    """A negative prompt's raw AR rows are the DiT's unconditional condition, bounded by the DiT's
+    rotary table (``gen_dit_config.axes_lens[0] - 1`` rows). Found by a break-it pass: the gateway
+    admitted such prompts, the AR decoded the whole image, and only the DiT's forward failed
+    (INTERNAL, then three full re-runs). The AR now refuses it at admission: INVALID_ARGUMENT with
+    reason INVALID_REQUEST (the gateway's 400), before it contacts the DiT. The checkpoint here is the
+    tiny one with a short table (64 caption positions) so a short negative prompt crosses it."""
+    import json
+    import shutil
+
+    from mammoth_app.local import free_port, generate_role_tokens
+
+    checkpoint = tmp_path / "short-rope"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["gen_dit_config"]["axes_lens"][0] = config["gen_axes_lens"][0] = 64
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    tokens = generate_role_tokens(tmp_path)
+    dit_address = f"127.0.0.1:{free_port()}"  # allowed, never started: the refusal must come first
+    ar = launch_stage("ar", checkpoint, tmp_path, "--dit-allow-list", dit_address, env={**os.environ, **tokens})
+    try:
+        (ar_info,) = wait_all([ar])
+        auth = grpc_common.auth_metadata(pathlib.Path(tokens["MAMMOTH_GATEWAY_TOKEN_FILE"]).read_text().strip())
+        async with grpc.aio.insecure_channel(ar_info["address"]) as ch:
+            stub = pb_grpc.ARStub(ch)
+            request = ar_request("long-negative", dit_address, "a-reservation")
+            request.negative_prompt = " ".join(["blurry"] * 80)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Generate(request, metadata=auth, timeout=30):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert "shorten negative_prompt" in refused.value.details() and "at most 63" in refused.value.details()
+            assert errors.origin_of(refused.value) == errors.Origin(errors.Stage.AR, errors.Reason.INVALID_REQUEST)
+            request.negative_prompt = "blurry"  # a short one passes admission (and then finds no DiT)
+            with pytest.raises(grpc.aio.AioRpcError) as later:
+                async for _ in stub.Generate(request, metadata=auth, timeout=30):
+                    pass
+            assert errors.origin_of(later.value) != errors.Origin(errors.Stage.AR, errors.Reason.INVALID_REQUEST)
+    finally:
+        ar.proc.send_signal(signal.SIGTERM)
+        try:
+            ar.proc.wait(20)
+        except Exception:  # noqa: BLE001
+            ar.proc.kill()
+            ar.proc.wait()
+            raise
