@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-SLOT_OUTCOMES = ("completed", "cancelled", "deadline", "producer_lost", "consumer_lost", "rejected")
+SLOT_OUTCOMES = ("completed", "cancelled", "deadline", "producer_lost", "consumer_lost", "rejected", "failed")
 
 SLOTS_TOTAL = Gauge("mammoth_dit_slots_capacity", "Condition slots in the DiT pool")
 SLOTS_IN_USE = Gauge("mammoth_dit_slots_in_use", "Condition slots reserved (not yet retired)")

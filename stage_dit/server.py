@@ -177,6 +177,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             raise
         except Exception:
             logger.exception("request %s: DiT generation failed", request.request_id)
+            session.outcome = "failed"
             await _abort(context, grpc.StatusCode.INTERNAL, "DiT generation failed", Reason.GENERATION_FAILED)
         finally:
             session.close(session.outcome)

@@ -648,6 +648,9 @@ async def test_a_dead_engine_loop_fails_its_request_and_refuses_new_work(tiny_ch
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
             assert errors.origin_of(refused.value) == errors.Origin(errors.Stage.DIT, errors.Reason.ENGINE_FAILED)
             assert server.metric("mammoth_dit_slots_in_use") == 0
+            # counted as a failure, not as a consumer that went away (a break-it pass saw the latter)
+            assert server.metric("mammoth_dit_requests_total", outcome="failed") == 1
+            assert server.metric("mammoth_dit_requests_total", outcome="consumer_lost") == 0
     finally:
         assert server.stop() == 0
 
