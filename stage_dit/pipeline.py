@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKL
 
+from mammoth_core import limits
 from stage_dit.condition_refiner import SimpleQFormerImageRefiner
 from stage_dit.conditions import ConditionMode, ConditionTokenIds, build_condition
 from stage_dit.denoise import ConditionTooLongError, DenoiseState, ImageRequest, denoise_step
@@ -199,13 +200,13 @@ class MammothDiTPipeline:
 
         Raises:
             ConditionTooLongError: more rows than the transformer's caption positions hold
-                (`MammothTransformer2DModel.max_caption_rows`): the request's own fault, which no
+                (`mammoth_core.limits.max_caption_rows` of its ``axes_lens``): the request's own fault, which no
                 retry fixes (the message names the request field to shorten).
             ValueError: on another shape (the message names ``name``).
         """
         if condition.ndim != 2 or condition.shape[1] != self.llm_hidden_size:
             raise ValueError(f"{name} must be (rows, {self.llm_hidden_size}), got {tuple(condition.shape)}")
-        limit = self.transformer.max_caption_rows
+        limit = limits.max_caption_rows(self.transformer.config.axes_lens)  # a parallel wrapper has it too
         if condition.shape[0] > limit:
             field = "negative_prompt" if name == "negative" else "prompt"
             raise ConditionTooLongError(

@@ -22,7 +22,6 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from mammoth_core import limits
 from stage_dit import fused
 from stage_dit.modules import (
     LayerNormContinuous,
@@ -385,11 +384,6 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         )):
             raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
         return cap_lens_host
-
-    @property
-    def max_caption_rows(self) -> int:
-        """Most condition (caption) rows one element may have (`mammoth_core.limits.max_caption_rows`)."""
-        return limits.max_caption_rows(self.config.axes_lens)
 
     def embed(
         self,
