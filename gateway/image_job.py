@@ -35,7 +35,9 @@ NATURAL_GUIDANCE_FACTOR = 0.5
 #: JPEG/WebP ``output_compression`` when the request gives none (encoder quality 75).
 DEFAULT_OUTPUT_COMPRESSION = 25
 
-_SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
+#: Exactly ``WIDTHxHEIGHT``: ASCII digits, no leading zero, nothing around (matched with ``fullmatch``:
+#: ``$`` would also let a trailing newline through).
+_SIZE_RE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -93,7 +95,7 @@ def parse_size(size: str | None, settings: GatewaySettings) -> tuple[int, int]:
         InvalidRequestError: with ``param="size"`` for any violation.
     """
     text = settings.default_size if size in (None, "auto") else size
-    m = _SIZE_RE.match(text.strip()) if isinstance(text, str) else None
+    m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
         raise InvalidRequestError(
             f"invalid size {size!r}: expected 'auto' or 'WIDTHxHEIGHT' with positive integers, "

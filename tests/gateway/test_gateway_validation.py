@@ -37,7 +37,9 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
 
 
 @pytest.mark.parametrize("size", ["100000x10000", "1024x", "0x512", "-512x512", "abc", "100x100",
-                                  "64x65", "64X64 ", "", "4096x4096", "16x0"])
+                                  "64x65", "64X64 ", "", "4096x4096", "16x0",
+                                  # exactly WIDTHxHEIGHT (a break-it pass found these accepted):
+                                  " 64x64", "64x64 ", "64x64\n", "064x064"])
 def test_invalid_sizes_are_400_with_param_size(gw, size):
     r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": size})
     err = assert_envelope(r, 400, "size")
