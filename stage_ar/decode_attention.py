@@ -66,6 +66,15 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _row_live(live_ptr, row, LIVE: tl.constexpr):
+        """Whether ``row`` is computed: its flag at ``live_ptr`` under ``LIVE``, else always (a scalar
+        tensor either way, so no Python bool is mixed into a runtime condition)."""
+        alive = row >= 0
+        if LIVE:
+            alive = tl.load(live_ptr + row) != 0
+        return alive
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr, live_ptr,
         part_acc_ptr, part_ml_ptr,
@@ -82,9 +91,7 @@ if triton is not None:
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
-        alive = row >= 0  # a scalar tensor in both branches (no Python bool mixed into the condition)
-        if LIVE:  # an idle row: no KV write, no work (its combine writes zeros)
-            alive = tl.load(live_ptr + row) != 0
+        alive = _row_live(live_ptr, row, LIVE)  # an idle row: no KV write, no work (its combine writes zeros)
         # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
         if alive & (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
             offs_d = tl.arange(0, HEAD_DIM)
@@ -163,10 +170,7 @@ if triton is not None:
         g = tl.program_id(2)
         offs_d = tl.arange(0, HEAD_DIM)
         at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
-        alive = row >= 0
-        if LIVE:
-            alive = tl.load(live_ptr + row) != 0
-        if alive:
+        if _row_live(live_ptr, row, LIVE):
             first = tl.load(start_ptr + row) // SPLIT_KEYS
             last = tl.load(pos_ptr + row) // SPLIT_KEYS
             out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)

@@ -211,8 +211,7 @@ if triton is not None:
 
     @triton.jit
     def _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, x_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
-                  cos_ptr,
-                  sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
+                  cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
                   ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
         """From the float32 dot sums ``acc`` (and ``acc2``, the partner rows, when paired) to the stored

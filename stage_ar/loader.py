@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from mammoth_core import limits
 from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from mammoth_core.distributed import GroupRank
-from mammoth_core import limits
 from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend

@@ -200,8 +200,8 @@ class MammothDiTPipeline:
 
         Raises:
             ConditionTooLongError: more rows than the transformer's caption positions hold
-                (`mammoth_core.limits.max_caption_rows` of its ``axes_lens``): the request's own fault, which no
-                retry fixes (the message names the request field to shorten).
+                (`mammoth_core.limits.max_caption_rows` of its ``axes_lens``): the request's own fault,
+                which no retry fixes (the message names the request field to shorten).
             ValueError: on another shape (the message names ``name``).
         """
         if condition.ndim != 2 or condition.shape[1] != self.llm_hidden_size:
@@ -211,7 +211,7 @@ class MammothDiTPipeline:
             field = "negative_prompt" if name == "negative" else "prompt"
             raise ConditionTooLongError(
                 f"the {field.replace('_', ' ')} gives a condition of {condition.shape[0]} rows; this DiT's caption "
-                f"positions hold at most {limit} (gen_axes_lens[0] - 1): shorten {field}")
+                f"positions hold at most {limit} (gen_dit_config.axes_lens[0] - 1): shorten {field}")
         return condition.to(self.device, self.dtype)
 
     def new_scheduler(self) -> FlowMatchEulerScheduler:

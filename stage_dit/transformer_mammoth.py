@@ -22,6 +22,7 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from mammoth_core import limits
 from stage_dit import fused
 from stage_dit.modules import (
     LayerNormContinuous,
@@ -380,7 +381,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         max_cap = max(cap_lens_host, default=0)
         axes_lens = list(self.config.axes_lens)
         if (max_cap and max_cap - 1 >= min(axes_lens)) or (h_tokens * w_tokens and (
-            max_cap >= axes_lens[0] or h_tokens - 1 >= axes_lens[1] or w_tokens - 1 >= axes_lens[2]
+            max_cap > limits.max_caption_rows(axes_lens) or h_tokens - 1 >= axes_lens[1] or w_tokens - 1 >= axes_lens[2]
         )):
             raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
         return cap_lens_host
