@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from dit_reference import outputs, pipeline
 
-from stage_dit.denoise import ImageRequest
+from stage_dit.denoise import DenoiseState, ImageRequest, denoise_step
 from stage_dit.engine import DiTEngine, EngineJob, ImageFinished, RequestFailed, StepFinished
 from stage_dit.modules import ROW_QUANTUM
 
@@ -99,6 +99,28 @@ def test_transformer_rows_do_not_depend_on_the_batch(pipe, conds):
         for i, x in enumerate(texts):
             alone = tr(lat[i : i + 1], t[i : i + 1], x[None], torch.ones(1, x.shape[0], dtype=torch.bool))
             assert torch.equal(batched[i : i + 1], alone), i
+
+
+def test_unconditional_rows_run_without_the_conditional_captions_padding(pipe, conds):
+    """A guided step whose negative prompt is empty (or short): its unconditional rows are not padded
+    to the conditional caption's length (old code: one forward of both branches, every row padded to
+    the longest caption). The joint layers see the conditional rows at their length and the
+    unconditional rows at the image's alone; results stay those of each request alone."""
+    c, n = conds["full"], conds["neg"]
+    seen: list[tuple[int, ...]] = []
+    handle = pipe.transformer.layers[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    try:
+        for negative in (None, n[:3]):
+            seen.clear()
+            request = ImageRequest(c, negative, 32, 32, 2, 3.0, seed=1)
+            states = [DenoiseState(pipe, request), DenoiseState(pipe, request)]
+            denoise_step(pipe.transformer, states)
+            image_rows = (32 // pipe.size_multiple) ** 2
+            uncond_rows = ROW_QUANTUM * -(-(image_rows + (0 if negative is None else negative.shape[0])) // ROW_QUANTUM)
+            cond_rows = ROW_QUANTUM * -(-(image_rows + c.shape[0]) // ROW_QUANTUM)
+            assert sorted(seen) == sorted([(2, cond_rows, seen[0][2]), (2, uncond_rows, seen[0][2])]), (negative, seen)
+    finally:
+        handle.remove()
 
 
 def test_batched_equals_alone_with_join_and_leave(pipe, conds):
