@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from stage_dit.graphs import GraphCache
-from stage_dit.modules import round_up
+from stage_dit.modules import pad_rows, round_up
 from stage_dit.step_cache import FirstBlockCache, StepCacheConfig
 from stage_dit.transformer_mammoth import MammothTransformerBlock
 
@@ -148,9 +148,11 @@ def pad_conditions(conditions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 @torch.inference_mode()
 def denoise_step(transformer, states: list[DenoiseState], graphs: GraphCache | None = None) -> None:
-    """Advance every state (all of one resolution, none done) by one step with one forward.
+    """Advance every state (all of one resolution, none done) by one step: one transformer pass over
+    every CFG row (`_velocities`: the plain model refines each request's image once and runs the
+    joint layers once per `branch_groups` group).
 
-    With ``graphs`` (CUDA, the plain model, no step cache in the group) the forward is replayed from
+    With ``graphs`` (CUDA, the plain model, no step cache in the group) the pass is replayed from
     a CUDA graph of its shape (`stage_dit.graphs`; the same values as eager).
 
     Raises:
@@ -169,64 +171,101 @@ def denoise_step(transformer, states: list[DenoiseState], graphs: GraphCache | N
             if branch < len(conds):
                 owners.append((state, branch))
                 conditions.append(conds[branch])
-    rows: list[torch.Tensor | None] = [None] * len(owners)
-    for group in branch_groups(transformer, owners, conditions):
-        velocity = _forward([owners[i] for i in group], [conditions[i] for i in group], transformer, graphs)
-        for j, i in enumerate(group):
-            rows[i] = velocity[j : j + 1]
+    rows = _velocities(transformer, states, owners, conditions, graphs)
     for state in states:
         state.advance([rows[i] for i, (s, _) in enumerate(owners) if s is state])
 
 
-def branch_groups(transformer, owners: list[tuple[DenoiseState, int]],
-                  conditions: list[torch.Tensor]) -> list[list[int]]:
-    """Which of a step's branch-major rows run in one forward (lists of indices into ``owners``).
+def branch_groups(owners: list[tuple[DenoiseState, int]], conditions: list[torch.Tensor]) -> list[list[int]]:
+    """Which of a step's branch-major rows run through the joint layers together (lists of indices
+    into ``owners``, each list in order).
 
-    One forward pads every condition to the longest, so an unconditional branch (an empty or short
+    One pass pads every condition to the longest, so an unconditional branch (an empty or short
     negative prompt) would run the joint layers over the conditional branch's caption length in
     padding rows (at 512² with 128 caption rows: 11 % of its rows, 5.6 % of a CFG step's GEMM rows,
     and its attention over 1,152 instead of 1,024 queries). So the conditional and the unconditional
-    rows are two forwards when their padded caption lengths differ (`modules.round_up`), one forward
-    otherwise. Only the plain model splits: a step-cached group decides per request over both
-    branches' residuals at once, and the parallel wrappers shard their one forward over ranks.
+    rows are two passes when their padded caption lengths differ (`modules.round_up`), one otherwise.
     """
-    whole = [list(range(len(owners)))]
-    if not hasattr(transformer, "embed") or not _plain_layers(transformer):
-        return whole
-    if any(state.cache is not None for state, _ in owners):
-        return whole
     by_branch: dict[int, list[int]] = {}
     for i, (_, branch) in enumerate(owners):
         by_branch.setdefault(branch, []).append(i)
-    if len(by_branch) < 2:
-        return whole
     longest = {b: round_up(max(conditions[i].shape[0] for i in idx)) for b, idx in by_branch.items()}
     if len(set(longest.values())) == 1:
-        return whole
+        return [list(range(len(owners)))]
     return [by_branch[b] for b in sorted(by_branch)]
 
 
-def _forward(owners: list[tuple[DenoiseState, int]], conditions: list[torch.Tensor], transformer,
-             graphs: GraphCache | None) -> torch.Tensor:
-    """The float32 velocities `(len(owners), C, h, w)` of one forward over ``owners``' rows (each
-    with its condition, right-padded to the longest), replayed from a CUDA graph where it can."""
-    text, mask = pad_conditions(conditions)
-    lengths = [c.shape[0] for c in conditions]
+def _velocities(transformer, states: list[DenoiseState], owners: list[tuple[DenoiseState, int]],
+                conditions: list[torch.Tensor], graphs: GraphCache | None) -> list[torch.Tensor]:
+    """The float32 velocity `(1, C, h, w)` of every row of ``owners`` (branch-major: the first
+    ``len(states)`` are the states' conditional rows, in order).
+
+    The plain model runs `refine_image` once per request (its CFG branches share the noise refiner:
+    `MammothTransformer2DModel.refine_image`), then the joint layers once per `branch_groups` group
+    (one group over every row when a request in it has a step cache: its decision reads both of its
+    branches), all of it one CUDA graph replay where it can (no step cache). A parallel wrapper runs
+    its one forward over every row."""
+    if not hasattr(transformer, "embed") or not _plain_layers(transformer):
+        text, mask = pad_conditions(conditions)
+        latents, t = _inputs(owners)
+        if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel)
+            return _rows(transformer(latents, t, text, mask).float())
+        batch = transformer.embed(latents, t, text, mask, caption_lengths=[c.shape[0] for c in conditions])
+        return _rows(transformer.unpatchify(transformer.run_layers(batch, 0, len(transformer.layers))).float())
+
+    cached = any(s.cache is not None for s in states)
+    groups = [list(range(len(owners)))] if cached else branch_groups(owners, conditions)
+    state_of = {id(state): k for k, state in enumerate(states)}
+    index = [[state_of[id(owners[i][0])] for i in group] for group in groups]
+    lengths = [[conditions[i].shape[0] for i in group] for group in groups]
+    padded = [pad_conditions([conditions[i] for i in group]) for group in groups]
+    latents, t = _inputs([(state, 0) for state in states])
+    n = len(states)
+
+    def forward(latents, t, *texts_and_masks):
+        pairs = list(zip(texts_and_masks[0::2], texts_and_masks[1::2]))
+        # every state's conditional row is among the first group's first n rows, in order
+        x, temb = transformer.refine_image(latents, t, pairs[0][1][:n].sum(dim=1))
+        out = []
+        for (text, mask), idx, lens in zip(pairs, index, lengths):
+            refined = (_take(x, idx), pad_rows(_take(temb, idx), round_up(len(idx))))
+            batch = transformer.embed(_take(latents, idx), _take(t, idx), text, mask, caption_lengths=lens,
+                                      refined=refined)
+            if cached:
+                batch = _cached_layers(transformer, batch, owners)
+            else:
+                batch = transformer.run_layers(batch, 0, len(transformer.layers))
+            out.append(transformer.unpatchify(batch).float())
+        return torch.cat(out)
+
+    inputs = (latents, t, *[x for pair in padded for x in pair])
+    if graphs is not None and latents.is_cuda and not cached:
+        velocity = graphs.run((tuple(map(tuple, lengths)), tuple(map(tuple, index))), inputs, forward)
+    else:
+        velocity = forward(*inputs)
+    rows: list[torch.Tensor] = [None] * len(owners)  # type: ignore[list-item]
+    order = [i for group in groups for i in group]
+    for k, i in enumerate(order):
+        rows[i] = velocity[k : k + 1]
+    return rows
+
+
+def _inputs(owners: list[tuple[DenoiseState, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latents `(len(owners), C, h, w)` and float32 timesteps `(len(owners),)` of ``owners``' rows."""
     latents = torch.cat([s.latents for s, _ in owners])
-    t = torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
-    if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel): no cache
-        return transformer(latents, t, text, mask).float()
-    if any(s.cache is not None for s, _ in owners) and _plain_layers(transformer):
-        batch = transformer.embed(latents, t, text, mask, caption_lengths=lengths)
-        return transformer.unpatchify(_cached_layers(transformer, batch, owners)).float()
+    return latents, torch.stack([s.timesteps[s.step] for s, _ in owners]).to(latents.device, torch.float32)
 
-    def forward(latents, t, text, mask):
-        batch = transformer.embed(latents, t, text, mask, caption_lengths=lengths)
-        return transformer.unpatchify(transformer.run_layers(batch, 0, len(transformer.layers))).float()
 
-    if graphs is not None and latents.is_cuda and _plain_layers(transformer):
-        return graphs.run(tuple(lengths), (latents, t, text, mask), forward)
-    return forward(latents, t, text, mask)
+def _rows(velocity: torch.Tensor) -> list[torch.Tensor]:
+    return [velocity[i : i + 1] for i in range(velocity.shape[0])]
+
+
+def _take(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """Rows ``index`` (host ints) of ``x``: a view when they are consecutive, else a concatenation
+    of slices (no index tensor: nothing copied from the host, so a CUDA graph can capture it)."""
+    if index == list(range(index[0], index[0] + len(index))):
+        return x[index[0] : index[0] + len(index)]
+    return torch.cat([x[i : i + 1] for i in index])
 
 
 def _plain_layers(transformer) -> bool:

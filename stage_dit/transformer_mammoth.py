@@ -202,9 +202,11 @@ class CombinedTimestepCaptionEmbedding(nn.Module):
     def forward(self, timestep: torch.Tensor, text_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """timestep float `(batch,)` in [0, 1]; text `(batch, seq, text_feat_dim)` ->
         (temb `(batch, min(hidden, 1024))`, caption `(batch, seq, hidden)`)."""
-        dtype = self.caption_embedder[1].weight.dtype
-        temb = self.timestep_embedder(self.time_proj(timestep).to(dtype))
-        return temb, self.caption_embedder(text_hidden_states)
+        return self.time(timestep), self.caption_embedder(text_hidden_states)
+
+    def time(self, timestep: torch.Tensor) -> torch.Tensor:
+        """temb `(batch, min(hidden, 1024))` of float `timestep` `(batch,)` (`forward`'s first output)."""
+        return self.timestep_embedder(self.time_proj(timestep).to(self.caption_embedder[1].weight.dtype))
 
 
 class MammothTransformer2DModel(ModelMixin, ConfigMixin):
@@ -386,6 +388,53 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
         return cap_lens_host
 
+    def refine_image(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                     cap_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image side of `embed`: the time embedding, the patch embedding and the noise refiner.
+
+        It reads the latents and the timestep only. The caption length enters as the first rotary
+        axis of every patch of an element, the same for all of them, so attention among the patches
+        does not depend on it (a common rotation of query and key cancels in their dot product): the
+        CFG branches of one request can share these rows (`stage_dit.denoise`), up to float rounding.
+
+        Args:
+            hidden_states: latents `(batch, in_channels, h, w)` (checked by the caller, `embed`).
+            timestep: float `(batch,)`.
+            cap_lens: long `(batch,)` on the device: the first rotary axis of each element's patches.
+
+        Returns:
+            `(x, temb)`: refined patches `(batch, round_up(h w / patch_size²), hidden)` (padding rows
+            after each element's patches) and the time embedding `(round_up(batch), temb_dim)` (rows
+            past `batch` are padding: the adaLN GEMMs' rows).
+        """
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
+        h_tokens, w_tokens = height // p, width // p
+        num_img = h_tokens * w_tokens
+        temb = self.time_caption_embed.time(pad_rows(timestep.to(hidden_states.device), round_up(batch)))
+        # patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)`, pad the patches, embed
+        x = hidden_states.to(self.x_embedder.weight.dtype).reshape(batch, -1, h_tokens, p, w_tokens, p)
+        x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
+        img_rows = round_up(num_img)
+        x = self.x_embedder(pad_rows(x, img_rows, dim=1))
+        img_rope = self._rope(self._image_positions(cap_lens, h_tokens, w_tokens), check=False)
+        img_lengths = None if img_rows == num_img else [num_img] * batch
+        for block in self.noise_refiner:
+            x = block(x, None, img_rope, temb, key_lengths=img_lengths)
+        return x, temb
+
+    @staticmethod
+    def _image_positions(cap_lens: torch.Tensor, h_tokens: int, w_tokens: int) -> torch.Tensor:
+        """Rotary positions of the image patches, long `(batch, round_up(h w), 3)`: patch (r, c) of
+        element i -> (cap_lens[i], r, c); padding rows after them."""
+        batch, num_img, device = cap_lens.shape[0], h_tokens * w_tokens, cap_lens.device
+        rows = torch.arange(h_tokens, device=device).repeat_interleave(w_tokens)
+        cols = torch.arange(w_tokens, device=device).repeat(h_tokens)
+        img_pos = torch.stack(
+            [cap_lens[:, None].expand(batch, num_img), rows.expand(batch, -1), cols.expand(batch, -1)], dim=-1
+        )
+        return pad_rows(img_pos, round_up(num_img), dim=1)
+
     def embed(
         self,
         hidden_states: torch.Tensor,
@@ -393,53 +442,45 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         text_hidden_states: torch.Tensor,
         text_attention_mask: torch.Tensor,
         caption_lengths: list[int] | None = None,
+        refined: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "JointBatch":
         """Steps 1-5 of `forward` (arguments and errors as there): the joint sequence before the
         joint layers. Every row count is padded to `modules.ROW_QUANTUM` (captions, image patches,
         the joint sequence, the timestep batch); padding rows are never attended to. The caller's
-        ``caption_lengths`` (host ints, each mask row's real rows) save reading them from the mask."""
+        ``caption_lengths`` (host ints, each mask row's real rows) save reading them from the mask;
+        ``refined``: `refine_image`'s `(x, temb)` for these elements, computed once for the CFG
+        branches of a request (None: computed here with each element's own caption length)."""
         cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask,
                                            caption_lengths)
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
         device = hidden_states.device
-        dtype = self.x_embedder.weight.dtype
         h_tokens, w_tokens = height // p, width // p
         num_img = h_tokens * w_tokens
         cond_len = round_up(text_hidden_states.shape[1])
         text_mask = pad_rows(text_attention_mask.to(device, torch.bool), cond_len, dim=1)
-        text = pad_rows(text_hidden_states.to(device, dtype), cond_len, dim=1)
+        text = pad_rows(text_hidden_states.to(device, self.x_embedder.weight.dtype), cond_len, dim=1)
         cap_lens = text_mask.sum(dim=1)  # on the device, = cap_lens_host (no host-to-device copy)
 
-        # 1. Time and caption embedding (the timestep batch padded: the adaLN GEMMs' rows)
-        temb, caption = self.time_caption_embed(pad_rows(timestep.to(device), round_up(batch)), text)
+        # 1-2. Time and patch embedding, the noise refiner (modulated, over the image patches)
+        x, temb = self.refine_image(hidden_states, timestep, cap_lens) if refined is None else refined
+        if x.shape[:2] != (batch, round_up(num_img)) or temb.shape[0] != round_up(batch):
+            raise ValueError(f"refined rows {tuple(x.shape)} / temb {tuple(temb.shape)} do not match batch {batch} "
+                             f"of {num_img} patches")
 
-        # 2. Patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)`, pad the patches, embed
-        x = hidden_states.to(dtype).reshape(batch, -1, h_tokens, p, w_tokens, p)
-        x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
-        img_rows = round_up(num_img)
-        x = self.x_embedder(pad_rows(x, img_rows, dim=1))
-
-        # 3. Rotary positions: caption row i -> (i, i, i); image patch (r, c) -> (cap_len, r, c)
+        # 3. Caption embedding, rotary positions: caption row i -> (i, i, i); image patch (r, c) -> (cap_len, r, c)
+        caption = self.time_caption_embed.caption_embedder(text)
         arange_cond = torch.arange(cond_len, device=device)
         cap_pos = arange_cond[None, :, None].expand(batch, cond_len, 3) * text_mask[..., None]
-        rows = torch.arange(h_tokens, device=device).repeat_interleave(w_tokens)
-        cols = torch.arange(w_tokens, device=device).repeat(h_tokens)
-        img_pos = torch.stack(
-            [cap_lens[:, None].expand(batch, num_img), rows.expand(batch, -1), cols.expand(batch, -1)], dim=-1
-        )
-        img_pos = pad_rows(img_pos, img_rows, dim=1)
+        img_pos = self._image_positions(cap_lens, h_tokens, w_tokens)
+        img_rows = img_pos.shape[1]
 
-        # 4. Refine the caption (unmodulated) and the image patches (modulated) separately
+        # 4. Refine the caption (unmodulated)
         cap_rope = self._rope(cap_pos, check=False)
         # padding is always on the right: attend over each element's real keys (flash on CUDA)
         cap_lengths = None if all(n == cond_len for n in cap_lens_host) else cap_lens_host
         for block in self.context_refiner:
             caption = block(caption, None, cap_rope, key_lengths=cap_lengths)
-        img_rope = self._rope(img_pos, check=False)
-        img_lengths = None if img_rows == num_img else [num_img] * batch
-        for block in self.noise_refiner:
-            x = block(x, None, img_rope, temb, key_lengths=img_lengths)
 
         # 5. Joint sequence per element: [its cap_len caption rows; image patches; padding]
         joint_len = round_up(max(cap_lens_host, default=0) + num_img)

@@ -123,6 +123,19 @@ def test_unconditional_rows_run_without_the_conditional_captions_padding(pipe, c
         handle.remove()
 
 
+def test_the_cfg_branches_of_a_request_share_its_noise_refiner(pipe, conds):
+    """The noise refiner reads the latents and the timestep only, so a guided step refines each
+    request's image once, not once per CFG branch (old code: 4 rows for 2 guided requests)."""
+    seen: list[int] = []
+    handle = pipe.transformer.noise_refiner[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    try:
+        request = ImageRequest(conds["full"], conds["neg"], 32, 32, 2, 3.0, seed=1)
+        denoise_step(pipe.transformer, [DenoiseState(pipe, request), DenoiseState(pipe, request)])
+    finally:
+        handle.remove()
+    assert seen == [2]
+
+
 def test_batched_equals_alone_with_join_and_leave(pipe, conds):
     reqs = requests(conds)
     alone = [pipe(r, output_type="latent") for r in reqs]
