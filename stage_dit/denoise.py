@@ -197,8 +197,7 @@ def branch_groups(owners: list[tuple[DenoiseState, int]], conditions: list[torch
 
 def _velocities(transformer, states: list[DenoiseState], owners: list[tuple[DenoiseState, int]],
                 conditions: list[torch.Tensor], graphs: GraphCache | None) -> list[torch.Tensor]:
-    """The float32 velocity `(1, C, h, w)` of every row of ``owners`` (branch-major: the first
-    ``len(states)`` are the states' conditional rows, in order).
+    """The float32 velocity `(1, C, h, w)` of every row of ``owners`` (branch-major rows of ``states``).
 
     The plain model runs `refine_image` once per request (its CFG branches share the noise refiner:
     `MammothTransformer2DModel.refine_image`), then the joint layers once per `branch_groups` group
@@ -220,12 +219,10 @@ def _velocities(transformer, states: list[DenoiseState], owners: list[tuple[Deno
     lengths = [[conditions[i].shape[0] for i in group] for group in groups]
     padded = [pad_conditions([conditions[i] for i in group]) for group in groups]
     latents, t = _inputs([(state, 0) for state in states])
-    n = len(states)
 
     def forward(latents, t, *texts_and_masks):
         pairs = list(zip(texts_and_masks[0::2], texts_and_masks[1::2]))
-        # every state's conditional row is among the first group's first n rows, in order
-        x, temb = transformer.refine_image(latents, t, pairs[0][1][:n].sum(dim=1))
+        x, temb = transformer.refine_image(latents, t)  # one row per state
         out = []
         for (text, mask), idx, lens in zip(pairs, index, lengths):
             refined = (_take(x, idx), pad_rows(_take(temb, idx), round_up(len(idx))))

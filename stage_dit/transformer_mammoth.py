@@ -388,19 +388,19 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"a rotary position exceeds axes_lens {axes_lens}")
         return cap_lens_host
 
-    def refine_image(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                     cap_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def refine_image(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The image side of `embed`: the time embedding, the patch embedding and the noise refiner.
 
-        It reads the latents and the timestep only. The caption length enters as the first rotary
-        axis of every patch of an element, the same for all of them, so attention among the patches
-        does not depend on it (a common rotation of query and key cancels in their dot product): the
-        CFG branches of one request can share these rows (`stage_dit.denoise`), up to float rounding.
+        It reads the latents and the timestep only, so the CFG branches of one request can share it
+        (`stage_dit.denoise`). Upstream gives every patch of an element the rotary position
+        ``(cap_len, r, c)`` in the refiner too; the first axis is the same for all of the element's
+        patches and the refiner attends among them only, so it cancels in every query-key product
+        (a common rotation): here it is 0, the same function of the inputs with one rounding fewer
+        (`tests/unit/test_dit_fidelity.py` holds it to upstream's reference outputs).
 
         Args:
             hidden_states: latents `(batch, in_channels, h, w)` (checked by the caller, `embed`).
             timestep: float `(batch,)`.
-            cap_lens: long `(batch,)` on the device: the first rotary axis of each element's patches.
 
         Returns:
             `(x, temb)`: refined patches `(batch, round_up(h w / patch_size²), hidden)` (padding rows
@@ -409,15 +409,17 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         """
         batch, _, height, width = hidden_states.shape
         p = self.config.patch_size
+        device = hidden_states.device
         h_tokens, w_tokens = height // p, width // p
         num_img = h_tokens * w_tokens
-        temb = self.time_caption_embed.time(pad_rows(timestep.to(hidden_states.device), round_up(batch)))
+        temb = self.time_caption_embed.time(pad_rows(timestep.to(device), round_up(batch)))
         # patchify `c (h p1) (w p2) -> (h w) (p1 p2 c)`, pad the patches, embed
         x = hidden_states.to(self.x_embedder.weight.dtype).reshape(batch, -1, h_tokens, p, w_tokens, p)
         x = x.permute(0, 2, 4, 3, 5, 1).reshape(batch, num_img, -1)
         img_rows = round_up(num_img)
         x = self.x_embedder(pad_rows(x, img_rows, dim=1))
-        img_rope = self._rope(self._image_positions(cap_lens, h_tokens, w_tokens), check=False)
+        positions = self._image_positions(torch.zeros(batch, dtype=torch.long, device=device), h_tokens, w_tokens)
+        img_rope = self._rope(positions, check=False)
         img_lengths = None if img_rows == num_img else [num_img] * batch
         for block in self.noise_refiner:
             x = block(x, None, img_rope, temb, key_lengths=img_lengths)
@@ -449,7 +451,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         the joint sequence, the timestep batch); padding rows are never attended to. The caller's
         ``caption_lengths`` (host ints, each mask row's real rows) save reading them from the mask;
         ``refined``: `refine_image`'s `(x, temb)` for these elements, computed once for the CFG
-        branches of a request (None: computed here with each element's own caption length)."""
+        branches of a request (None: computed here)."""
         cap_lens_host = self._host_lengths(hidden_states, timestep, text_hidden_states, text_attention_mask,
                                            caption_lengths)
         batch, _, height, width = hidden_states.shape
@@ -463,7 +465,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
         cap_lens = text_mask.sum(dim=1)  # on the device, = cap_lens_host (no host-to-device copy)
 
         # 1-2. Time and patch embedding, the noise refiner (modulated, over the image patches)
-        x, temb = self.refine_image(hidden_states, timestep, cap_lens) if refined is None else refined
+        x, temb = self.refine_image(hidden_states, timestep) if refined is None else refined
         if x.shape[:2] != (batch, round_up(num_img)) or temb.shape[0] != round_up(batch):
             raise ValueError(f"refined rows {tuple(x.shape)} / temb {tuple(temb.shape)} do not match batch {batch} "
                              f"of {num_img} patches")
