@@ -10,6 +10,7 @@ Each call carries ``timeout = deadline - now`` and the stage token; every failur
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -70,6 +71,10 @@ def image_params(job: ImageJob, seed: int) -> pb.ImageParams:
                                                                  warmup_steps=job.dit_cache[1]))
 
 
+#: The DiT-slot line's poll interval: first and longest (seconds; `StageCalls.reserve`).
+_FIRST_POLL_S, _LAST_POLL_S = 0.05, 1.0
+
+
 class StageCalls:
     """The AR and DiT calls of one gateway.
 
@@ -87,16 +92,25 @@ class StageCalls:
         self.metrics = metrics
         self._metadata = metadata
         self._health_interval = health_interval_seconds
-        self._slot_freed = asyncio.Event()
+        #: requests waiting for a DiT slot, in arrival order: each one's wake-up event (`reserve`)
+        self._line: collections.deque[asyncio.Event] = collections.deque()
+        #: seconds the head of the line waits before trying again unwoken (for slots freed by other
+        #: gateways): 0.05 doubling to 1 while the line lasts, 0.05 again once it is empty
+        self._poll_interval = _FIRST_POLL_S
 
     # ---------------------------------------------------------------- DiT
 
     async def reserve(self, job: ImageJob, pipeline_id: str, seed: int, deadline: float,
                       stack: contextlib.AsyncExitStack
                       ) -> tuple[Backend, grpc.aio.UnaryStreamCall, pb.Reserved]:
-        """Open ``DiT.Generate`` on some replica until one answers ``Reserved``; when every
-        replica is full, wait (woken when this gateway frees a slot or a backend changes health,
-        at most 1 s between tries) until the deadline.
+        """Open ``DiT.Generate`` on some replica until one answers ``Reserved``.
+
+        When every replica is full the request joins this gateway's line of waiters (and a request
+        that finds a line joins it before trying): only the head of the line tries again, when this
+        gateway frees a slot, when a backend changes health, or after the line's poll interval
+        (0.05 s doubling to 1 s while the line lasts: slots freed by other gateways); the others
+        wait for their turn. So a freed slot
+        goes to the request that has waited longest and costs one ``Generate``, not one per waiter.
 
         The call, its in-flight lease and the ``slots_in_use`` gauge are released by ``stack``.
 
@@ -105,26 +119,50 @@ class StageCalls:
         """
         request = pb.DiTGenerateRequest(request_id=pipeline_id, params=image_params(job, seed))
         metadata = tracing.inject(self._metadata)  # the image's span is the DiT's parent
-        backoff = 0.05
-        while True:
-            tried: set[str] = set()
-            while (dit := self.dit_pool.pick(exclude=tried)) is not None:
-                tried.add(dit.address)
-                if remaining(deadline) <= 0:
+        turn: asyncio.Event | None = self._join_line() if self._line else None
+        try:
+            while True:
+                if turn is None or self._line[0] is turn:
+                    tried: set[str] = set()
+                    while (dit := self.dit_pool.pick(exclude=tried)) is not None:
+                        tried.add(dit.address)
+                        if remaining(deadline) <= 0:
+                            raise deadline_error("waiting for a DiT slot")
+                        held = await self._try_reserve(dit, request, metadata, deadline)
+                        if held is not None:
+                            lease, call, reserved = held
+                            stack.callback(lease.__exit__, None, None, None)
+                            stack.callback(self._release_slot, call)
+                            self.metrics.slots_in_use.inc()
+                            return dit, call, reserved
+                    turn = turn or self._join_line()
+                left = remaining(deadline)
+                if left <= 0:
                     raise deadline_error("waiting for a DiT slot")
-                held = await self._try_reserve(dit, request, metadata, deadline)
-                if held is not None:
-                    lease, call, reserved = held
-                    stack.callback(lease.__exit__, None, None, None)
-                    stack.callback(self._release_slot, call)
-                    self.metrics.slots_in_use.inc()
-                    return dit, call, reserved
-            left = remaining(deadline)
-            if left <= 0:
-                raise deadline_error("waiting for a DiT slot")
-            require_available(self.dit_pool, "DiT", self._health_interval)
-            await self._wait_for_capacity(min(backoff, left))
-            backoff = min(backoff * 2, 1.0)
+                require_available(self.dit_pool, "DiT", self._health_interval)
+                if self._line[0] is turn:
+                    await self._wait_for_capacity(turn, min(self._poll_interval, left))
+                    self._poll_interval = min(self._poll_interval * 2, _LAST_POLL_S)
+                else:
+                    await self._wait_for_capacity(turn, left)
+        finally:
+            if turn is not None:
+                self._leave_line(turn)
+
+    def _join_line(self) -> asyncio.Event:
+        """A new place at the end of the line of waiters: its event is set when it should try."""
+        turn = asyncio.Event()
+        self._line.append(turn)
+        return turn
+
+    def _leave_line(self, turn: asyncio.Event) -> None:
+        """Leave the line (reserved, failed, cancelled or out of time); the next head tries now."""
+        head = self._line[0] is turn
+        self._line.remove(turn)
+        if not self._line:
+            self._poll_interval = _FIRST_POLL_S
+        elif head:
+            self._line[0].set()
 
     async def _try_reserve(self, dit: Backend, request: pb.DiTGenerateRequest, metadata,
                            deadline: float):
@@ -159,18 +197,20 @@ class StageCalls:
     def _release_slot(self, call: grpc.aio.UnaryStreamCall) -> None:
         call.cancel()
         self.metrics.slots_in_use.dec()
-        self._slot_freed.set()
-        self._slot_freed = asyncio.Event()
+        if self._line:  # the slot goes to the longest waiter
+            self._line[0].set()
 
-    async def _wait_for_capacity(self, timeout: float) -> None:
-        """Wait until this gateway frees a slot, a backend changes health, or ``timeout`` s."""
-        waiters = [asyncio.ensure_future(self._slot_freed.wait()),
+    async def _wait_for_capacity(self, turn: asyncio.Event, timeout: float) -> None:
+        """Wait until ``turn`` is set (a freed slot, or its turn came), a backend changes health, or
+        ``timeout`` s; ``turn`` is cleared for the next wait."""
+        waiters = [asyncio.ensure_future(turn.wait()),
                    asyncio.ensure_future(self.dit_pool.wait_changed(timeout))]
         try:
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiters:
                 w.cancel()
+            turn.clear()
 
     async def consume_dit(self, call: grpc.aio.UnaryStreamCall, state: SlotState, index: int,
                           dit: Backend, emit: Emit) -> pb.Image:
