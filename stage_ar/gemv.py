@@ -239,12 +239,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr, cnt_ptr,
-        live_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
+        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
+        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
@@ -258,8 +258,7 @@ if triton is not None:
         partials in split order 0, 1, ... (whichever arrives last: fixed bits) and runs the epilogue.
 
         ``PDL`` (`stage_ar.launch_overlap`): the program may start while the previous kernel finishes
-        and waits for it before its first load. ``LIVE``: ``live_ptr`` holds M flags; a row whose flag
-        is 0 loads no activations (zeros), so it streams nothing, and stores what a zero row gives."""
+        and waits for it before its first load."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
         pid_n = tl.program_id(0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,8 +282,6 @@ if triton is not None:
             k_hi = tl.minimum(K, k_lo + span)
         wait_for_predecessor(PDL)
         x_mask = m_mask  # rows whose activations are loaded
-        if LIVE:
-            x_mask = m_mask & (tl.load(live_ptr + offs_m, mask=m_mask, other=0) != 0)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, x_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
@@ -397,7 +394,6 @@ def gemv(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
-    live_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -442,11 +438,6 @@ def gemv(
             its pairs (two weight tiles, as swiglu). ``head_dim`` must be even and divide N; not with
             ``swiglu`` or ``residual``.
         rope_columns: a multiple of ``head_dim`` in ``[0, N]`` (the q and k columns of a fused qkv).
-        live_rows: ``(M,)`` bool on ``x``'s device, read when the kernel runs (so a CUDA graph sees
-            its current values): a row whose flag is False is treated as a row of zeros (its
-            activations are not loaded, so it streams nothing; its output is what zeros give, e.g.
-            the bias); the other rows' bits are unchanged (a row's dots are its own). The padded
-            decode's idle slots (`stage_ar.linear.live_rows`).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -457,8 +448,6 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
-    if live_rows is not None:
-        expect_tensor("live_rows", live_rows, (x.shape[0],), torch.bool, x.device)
     fp8_compute = fp8_compute or default_fp8_compute(x.dtype)
     check_fp8_compute(fp8_compute, x.dtype)
     if not available(x.device):
@@ -472,7 +461,7 @@ def gemv(
     if w8a8:
         x, x_scales = quantize_rows(x)
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales, live_rows)
+            x_scales)
     return out
 
 
@@ -483,10 +472,9 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None, x_scales=None, live_rows=None) -> None:
+            rope=None, x_scales=None) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
-    ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8);
-    ``live_rows``: ``(M,)`` bool or None."""
+    ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8)."""
     (m, k), n = x.shape, out.shape[1]
     cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
@@ -499,7 +487,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     ws, counters = split_workspace(weight, split, programs_n, bool(swiglu or rope)) if split > 1 else (out, out)
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
-        _or(x_scales, out), ws, counters, _or(live_rows, out), m, n, k,
+        _or(x_scales, out), ws, counters, m, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
         float(norm_eps), rope_columns,
     )
@@ -508,7 +496,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
-        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, LIVE=live_rows is not None,
+        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split,
     )
     pdl = pdl_enabled(weight.device)
     meta.update(PDL=pdl, **launch_options(pdl))
@@ -572,8 +560,7 @@ def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tor
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
-                  norm_in_prologue: bool = False, fp8_compute: str | None = None, rope_head_dim: int = 0,
-                  live_rows: bool = False):
+                  norm_in_prologue: bool = False, fp8_compute: str | None = None, rope_head_dim: int = 0):
     """Compile the kernel `gemv` launches for this variant and ``config`` without launching it, and
     return Triton's compiled kernel (its ``asm`` dict holds the PTX).
 
@@ -582,7 +569,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     binaries. Matches calls whose activations, residual and output rows are contiguous (strides
     ``K`` and ``N``) and whose pointers are 16-byte aligned, as `gemv`'s outputs and row slices of
     such tensors are. Arguments as `gemv`'s (``rows`` = weight rows; ``rope_head_dim`` > 0: the RoPE
-    epilogue with ``cos``/``sin`` of that width; ``live_rows``: the call passes `gemv`'s ``live_rows``).
+    epilogue with ``cos``/``sin`` of that width).
 
     Raises:
         RuntimeError: triton cannot compile for a CUDA device here.
@@ -601,14 +588,14 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     return _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
-        torch.int32 if split > 1 else x_dtype, torch.bool if live_rows else x_dtype, MAX_ROWS, n, k, k,
+        torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
         n if residual else 0, rope_head_dim, n, 1e-6,
         rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
-        SPLIT_K=split, PDL=pdl, LIVE=live_rows, **launch_options(pdl),
+        SPLIT_K=split, PDL=pdl, **launch_options(pdl),
     )
 
 

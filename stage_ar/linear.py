@@ -32,10 +32,8 @@ and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpret
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -48,28 +46,10 @@ from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
     "BACKENDS", "GemvLinear", "LinearBackend", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
-    "live_rows", "quantize_fp8_", "select_backend", "set_linear_backend",
+    "quantize_fp8_", "select_backend", "set_linear_backend",
 ]
 
 logger = logging.getLogger(__name__)
-
-_LIVE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("mammoth_live_rows", default=None)
-
-
-@contextlib.contextmanager
-def live_rows(mask: torch.Tensor | None) -> Iterator[None]:
-    """Within this block, `GemvLinear` kernel calls over exactly ``len(mask)`` rows pass ``mask`` as
-    the GEMV's ``live_rows`` (`stage_ar.gemv.gemv`): rows whose flag is False (idle pool slots of a
-    padded decode step) stream no activations and compute what a zero row gives; the live rows' bits
-    are unchanged. ``mask``: ``(rows,)`` bool on the model's device, read when the kernels run (a
-    CUDA graph captured inside the block reads its current values). The per-step forward context of
-    the decode runner (as vLLM's ``set_forward_context``): the linear layers have no other channel."""
-    token = _LIVE_ROWS.set(mask)
-    try:
-        yield
-    finally:
-        _LIVE_ROWS.reset(token)
-
 
 #: ``linear_backend`` setting values; ``weights_dtype`` values (the model dtype, or E4M3 with
 #: per-output-channel scales). Defined with the settings.
@@ -191,9 +171,6 @@ class GemvLinear(LinearBackend):
         return flat if flat.stride(1) == 1 else flat.contiguous()
 
     def _gemv(self, flat, weight, bias, weight_scale, **epilogue) -> torch.Tensor:
-        live = _LIVE_ROWS.get()
-        if live is not None and live.shape[0] == flat.shape[0]:
-            epilogue["live_rows"] = live
         return gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
                                  fp8_compute=self.fp8_compute if weight_scale is not None else None, **epilogue)
 

@@ -53,7 +53,7 @@ from stage_ar.generation import T2ISequence
 from stage_ar.jacobi import JacobiVerifier, WindowResult
 from stage_ar.kv_pool import KVCache, KVPool
 from stage_ar.layers import EAGER_OPS, compiled_ops
-from stage_ar.linear import TORCH_LINEAR, live_rows, set_linear_backend
+from stage_ar.linear import TORCH_LINEAR, set_linear_backend
 from stage_ar.modeling_mammoth_ar import ExpertRouting, MammothARForCausalLM, build_key_mask
 from stage_ar.sampling import GridSampler, SamplingState
 
@@ -451,8 +451,7 @@ class ARModelRunner:
             hidden, logits = self._forward_exact(b, fed)
         else:
             hidden = self._forward_batched(b, fed, pos, length)
-            with live_rows(active):
-                logits = self.model.compute_logits(hidden, self.vstart, self.vend)
+            logits = self.model.compute_logits(hidden, self.vstart, self.vend)
         self.sampler.mark_seen(self.sampling, fed, active)
         tokens = self.sampler(logits, self.sampling, sort)
         self.next_token[:b] = torch.where(active, tokens, fed)
@@ -464,7 +463,9 @@ class ARModelRunner:
     def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
         """The model's forward over slots ``[0, b)``, one new (generation) token each at cache
         position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``."""
-        live = self.active[:b]  # idle slots' rows stream nothing (`stage_ar.linear.live_rows`)
+        # idle slots' rows read no KV and write none (`decode_attention`'s ``live``); their GEMV rows
+        # still load their activations: masking those measured slower (docs/PERFORMANCE.md)
+        live = self.active[:b]
         if self.fused_attention:
             attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
                                               self.scale, live=live)
@@ -472,9 +473,8 @@ class ARModelRunner:
             attention = GEMMDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
                                             self.scale, ops=self._ops)
         ids = fed[:, None]
-        with live_rows(live):
-            out = self.model(ids, (pos + self.rope_off[:b])[:, None], compute_logits=False, attention=attention,
-                             routing=ExpertRouting.all_generation(ids), ops=self._ops)
+        out = self.model(ids, (pos + self.rope_off[:b])[:, None], compute_logits=False, attention=attention,
+                         routing=ExpertRouting.all_generation(ids), ops=self._ops)
         return out.last_hidden_state[:, 0]
 
     def _forward_exact(self, b: int, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

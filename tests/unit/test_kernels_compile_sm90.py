@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, LIVE=True)
+                 SPLIT_K=1, PDL=True)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -62,7 +62,7 @@ def _forms():
     import stage_ar.fp8_activations as activations
     import stage_ar.gemv as gemv
 
-    bf16 = {n: "*bf16" for n in gemv._gemv_kernel.arg_names if n.endswith("_ptr")} | {"live_ptr": "*i1", "eps": "fp32"}
+    bf16 = {n: "*bf16" for n in gemv._gemv_kernel.arg_names if n.endswith("_ptr")} | {"eps": "fp32"}
     for name, (pointers, constexprs) in GEMV_FORMS.items():
         yield f"gemv_{name}", lambda p=pointers, c=constexprs: _compile(gemv._gemv_kernel, bf16 | p, GEMV_BASE | c)
     for live in (True, False):
