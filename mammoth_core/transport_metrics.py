@@ -3,9 +3,6 @@
 The sender (AR process) and the receiver (DiT process) label their series with ``side`` =
 ``send``/``receive`` where a metric exists on both ends. Names:
 
-- ``mammoth_dit_slots_capacity`` / ``mammoth_dit_slots_in_use``: slot pool size and occupancy.
-- ``mammoth_dit_reservations_total{result}``: ``reserved`` | ``exhausted`` (fail fast) |
-  ``timeout`` (waited, deadline passed) | ``refused`` (draining).
 - ``mammoth_transport_slot_outcomes_total{outcome}``: how each slot was retired (exactly once):
   ``completed`` | ``cancelled`` | ``deadline`` | ``producer_lost`` | ``consumer_lost`` | ``rejected``.
 - ``mammoth_transport_chunks_total{side}``, ``mammoth_transport_bytes_total{side}`` (payload bytes),
@@ -21,15 +18,10 @@ The sender (AR process) and the receiver (DiT process) label their series with `
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 SLOT_OUTCOMES = ("completed", "cancelled", "deadline", "producer_lost", "consumer_lost", "rejected", "failed")
 
-SLOTS_TOTAL = Gauge("mammoth_dit_slots_capacity", "Condition slots in the DiT pool")
-SLOTS_IN_USE = Gauge("mammoth_dit_slots_in_use", "Condition slots reserved (not yet retired)")
-RESERVATIONS = Counter(
-    "mammoth_dit_reservations_total", "Slot reservation attempts by result", ["result"]
-)
 SLOT_OUTCOMES_TOTAL = Counter(
     "mammoth_transport_slot_outcomes_total", "Slots retired, by outcome", ["outcome"]
 )

@@ -8,7 +8,11 @@ batch is their ratio), ``mammoth_dit_batch_requests`` (requests in the last forw
 ``mammoth_dit_active_requests`` (requests denoising now), ``mammoth_dit_cache_skipped_steps_total``
 (steps the opt-in step cache answered without the remaining layers). Capacity, set at start
 (`stage_dit.capacity`): ``mammoth_dit_max_batch_requests``, ``mammoth_dit_request_memory_bytes``,
-``mammoth_dit_capacity_measured`` (1: from GPU memory, 0: configured).
+``mammoth_dit_capacity_measured`` (1: from GPU memory, 0: configured). The condition slot pool
+(`stage_dit.receiver.SlotPool`): ``mammoth_dit_slots_capacity`` / ``mammoth_dit_slots_in_use`` (pool
+size and occupancy), ``mammoth_dit_reservations_total{result}``: ``reserved`` | ``exhausted`` (fail
+fast) | ``timeout`` (waited, deadline passed) | ``refused`` (draining). Only the DiT process
+imports this module, so an AR pod exports none of these series.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from mammoth_core import transport_metrics
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
+SLOTS_TOTAL = Gauge("mammoth_dit_slots_capacity", "Condition slots in the DiT pool")
+SLOTS_IN_USE = Gauge("mammoth_dit_slots_in_use", "Condition slots reserved (not yet retired)")
+RESERVATIONS = Counter("mammoth_dit_reservations_total", "Slot reservation attempts by result", ["result"])
 REQUESTS = Counter("mammoth_dit_requests_total", "DiT Generate calls by outcome (slot outcome)", ["outcome"])
 DENOISE = Histogram("mammoth_dit_denoise_seconds",
                     "condition preparation + every denoising step, per image", buckets=_SECONDS)

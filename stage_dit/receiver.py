@@ -25,6 +25,7 @@ from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core import errors
 from mammoth_core.errors import Reason, Stage
 from mammoth_core.wire import WireError
+from stage_dit import metrics as dit_metrics
 from stage_dit.chunk_validator import ChunkValidator
 from stage_dit.slots import ChunkResult, Slot, SlotConditions, SlotState, SlotTimings
 
@@ -67,8 +68,8 @@ class SlotPool:
         self.closed = False
         self._idle = asyncio.Event()
         self._idle.set()
-        metrics.SLOTS_TOTAL.set(slots)
-        metrics.SLOTS_IN_USE.set(0)
+        dit_metrics.SLOTS_TOTAL.set(slots)
+        dit_metrics.SLOTS_IN_USE.set(0)
 
     @property
     def in_use(self) -> int:
@@ -86,10 +87,10 @@ class SlotPool:
             WireError: RESOURCE_EXHAUSTED when no slot frees up in time; UNAVAILABLE when closed.
         """
         if self.closed:
-            metrics.RESERVATIONS.labels(result="refused").inc()
+            dit_metrics.RESERVATIONS.labels(result="refused").inc()
             raise WireError(grpc.StatusCode.UNAVAILABLE, "DiT is draining; no new reservations")
         if not self._free and timeout is not None and timeout <= 0:
-            metrics.RESERVATIONS.labels(result="exhausted").inc()
+            dit_metrics.RESERVATIONS.labels(result="exhausted").inc()
             raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {len(self.slots)} slots are busy")
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._free:
@@ -100,7 +101,7 @@ class SlotPool:
                 async with asyncio.timeout(remaining):
                     await fut
             except TimeoutError:
-                metrics.RESERVATIONS.labels(result="timeout").inc()
+                dit_metrics.RESERVATIONS.labels(result="timeout").inc()
                 raise WireError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no slot became free within {timeout:.3g} s",
@@ -114,8 +115,8 @@ class SlotPool:
         self._idle.clear()
         slot.open(request_id, params)
         self._by_token[slot.token] = slot
-        metrics.RESERVATIONS.labels(result="reserved").inc()
-        metrics.SLOTS_IN_USE.set(self.in_use)
+        dit_metrics.RESERVATIONS.labels(result="reserved").inc()
+        dit_metrics.SLOTS_IN_USE.set(self.in_use)
         return slot
 
     def lookup(self, token: str) -> Slot:
@@ -148,7 +149,7 @@ class SlotPool:
     def give_back(self, slot: Slot) -> None:
         """``slot`` is FREE again (called by `Slot` once its last copy completed)."""
         self._free.append(slot)
-        metrics.SLOTS_IN_USE.set(self.in_use)
+        dit_metrics.SLOTS_IN_USE.set(self.in_use)
         if not self.in_use:
             self._idle.set()
         for fut in self._waiters:

@@ -230,3 +230,14 @@ def kill_one_ar_mid_decode(gw, ars) -> tuple:
             if event.get("type") == "image_generation.completed":
                 completed = event
     return killed, completed, reference
+
+
+def test_each_stage_exports_only_its_own_series(stages):
+    """An AR pod's /metrics carries no DiT series and a DiT pod's no AR series (a break-it pass found
+    the AR exporting `mammoth_dit_slots_capacity 0` and `mammoth_dit_slots_in_use 0`: a dashboard's
+    min or mean over pods read a DiT pool of zero slots)."""
+    for stage, foreign in ((stages.ar(), "mammoth_dit_"), (stages.dit, "mammoth_ar_")):
+        text = httpx.get(stage.metrics_url, timeout=10).text
+        names = sorted({line.split()[2] if line.startswith("#") else line.split("{")[0].split()[0]
+                        for line in text.splitlines() if foreign in line.split("{")[0]})
+        assert names == [], (stage.role, names)
