@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api_router import GENERATIONS_PATH, ApiKeys, router
 from gateway.backends import BackendPool, format_address
-from gateway.errors import GatewayError, PayloadTooLargeError, create_error_response, outcome_of
+from gateway.errors import GatewayError, InvalidRequestError, PayloadTooLargeError, create_error_response, outcome_of
 from gateway.images_store import ImageStore
 from gateway.metrics import GatewayMetrics
 from gateway.admission import GatewayState
@@ -103,7 +103,12 @@ def _request_span(scope: Scope, headers: dict[bytes, bytes], request_id: str):
 class BodySizeLimitMiddleware:
     """Refuses request bodies larger than ``max_bytes`` with 413 (OpenAI envelope) before the app
     reads them: a ``Content-Length`` over the limit is refused at once; a chunked body is read here,
-    counted, and handed on only when it fits (so nothing upstream ever buffers an unbounded body)."""
+    counted, and handed on only when it fits (so nothing upstream ever buffers an unbounded body).
+
+    A request with both ``Content-Length`` and ``Transfer-Encoding`` is refused with 400
+    ``invalid_http_request`` and ``Connection: close`` before its body is read: the server framed
+    its body by the chunks while the length said otherwise (RFC 9112 §6.3: possible request
+    smuggling; the connection must close after the answer)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -121,6 +126,13 @@ class BodySizeLimitMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
+        if length is not None and b"transfer-encoding" in headers:
+            response = create_error_response(InvalidRequestError(
+                "a request may not carry both Content-Length and Transfer-Encoding",
+                code="invalid_http_request"), (scope.get("state") or {}).get("request_id"))
+            response.headers["connection"] = "close"
+            await response(scope, _no_receive, send)
+            return
         if length is not None:
             if not length.strip().isdigit() or int(length) > self.max_bytes:
                 await self._refuse(scope, send)

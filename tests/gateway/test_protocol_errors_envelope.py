@@ -80,3 +80,17 @@ def test_a_request_that_is_not_valid_http_gets_the_envelope(guarded_gateway, req
     data, _ = _answer(port, request_bytes)
     err = _envelope(data, status)
     assert err["code"] == code and err["type"] == "invalid_request_error", err
+
+
+def test_content_length_with_chunked_is_refused_and_the_connection_closed(guarded_gateway):
+    """RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding may be smuggling;
+    the server must close the connection after answering it. Before, the gateway kept the
+    connection, and its body-size limit trusted the Content-Length while h11 framed the body by
+    its chunks (a chunked body of any size reached the app behind a small Content-Length)."""
+    port = int(guarded_gateway.url.rsplit(":", 1)[1])
+    body = b'{"prompt": "p", "size": "64x64"}'
+    framed = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    data, seconds = _answer(port, HEAD + b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n" + framed)
+    assert seconds < DEADLINE_S, seconds  # closed after the answer, not by the next head's deadline
+    err = _envelope(data, b"400")
+    assert err["code"] == "invalid_http_request" and "Transfer-Encoding" in err["message"], err
