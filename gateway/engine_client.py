@@ -144,12 +144,13 @@ class EngineClient:
         pipeline_id = f"{job.request_id}-{index}"
         epoch = -1
         reserved_once = False
+        arrived = loop.time()  # a retry keeps its place in the line for a slot
         for dit_attempt in range(1, MAX_DIT_ATTEMPTS + 1):
             t_queue = loop.time()
             async with contextlib.AsyncExitStack() as stack:
                 emit(Progress(index, "dit", "queued"))
                 dit, call, reserved = await self.calls.reserve(job, pipeline_id, seed, deadline,
-                                                               stack)
+                                                               stack, arrived)
                 queue_s = loop.time() - t_queue
                 self.metrics.stage_duration.labels("queue").observe(queue_s)
                 if not reserved_once:

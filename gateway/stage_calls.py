@@ -10,7 +10,6 @@ Each call carries ``timeout = deadline - now`` and the stage token; every failur
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -73,6 +72,18 @@ def image_params(job: ImageJob, seed: int) -> pb.ImageParams:
 
 #: The DiT-slot line's poll interval: first and longest (seconds; `StageCalls.reserve`).
 _FIRST_POLL_S, _LAST_POLL_S = 0.05, 1.0
+#: Seconds a DiT may take to answer a reservation before the next replica is tried beside it
+#: (`StageCalls._reserve_on_some`); a serving DiT answers in milliseconds.
+_HEDGE_S = 0.25
+
+
+@dataclass(eq=False)
+class _Place:
+    """A request's place in the line for a DiT slot: when it first asked (event-loop seconds) and
+    the event set when it should try."""
+
+    arrived: float
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class StageCalls:
@@ -92,25 +103,30 @@ class StageCalls:
         self.metrics = metrics
         self._metadata = metadata
         self._health_interval = health_interval_seconds
-        #: requests waiting for a DiT slot, in arrival order: each one's wake-up event (`reserve`)
-        self._line: collections.deque[asyncio.Event] = collections.deque()
+        #: requests waiting for a DiT slot, in arrival order (`reserve`)
+        self._line: list[_Place] = []
         #: seconds the head of the line waits before trying again unwoken (for slots freed by other
         #: gateways): 0.05 doubling to 1 while the line lasts, 0.05 again once it is empty
         self._poll_interval = _FIRST_POLL_S
+        #: after this gateway freed a slot and until someone reserves one: the head's next retry
+        #: interval (0.05 s doubling), or None
+        self._release_poll: float | None = None
 
     # ---------------------------------------------------------------- DiT
 
     async def reserve(self, job: ImageJob, pipeline_id: str, seed: int, deadline: float,
-                      stack: contextlib.AsyncExitStack
+                      stack: contextlib.AsyncExitStack, arrived: float | None = None,
                       ) -> tuple[Backend, grpc.aio.UnaryStreamCall, pb.Reserved]:
         """Open ``DiT.Generate`` on some replica until one answers ``Reserved``.
 
         When every replica is full the request joins this gateway's line of waiters (and a request
-        that finds a line joins it before trying): only the head of the line tries again, when this
-        gateway frees a slot, when a backend changes health, or after the line's poll interval
-        (0.05 s doubling to 1 s while the line lasts: slots freed by other gateways); the others
-        wait for their turn. So a freed slot
-        goes to the request that has waited longest and costs one ``Generate``, not one per waiter.
+        that finds a line joins it before trying), ordered by ``arrived`` (the event loop's time of
+        the image's first attempt; now by default): a retry after a failed DiT keeps its place.
+        Only the head of the line tries again: when this gateway frees a slot (the DiT may free it
+        a step later, so the poll interval restarts), when a backend changes health, or after the
+        line's poll interval (0.05 s doubling to 1 s: slots freed by other gateways); the others
+        wait for their turn. So a freed slot goes to the request that has waited longest and costs
+        one ``Generate``, not one per waiter.
 
         The call, its in-flight lease and the ``slots_in_use`` gauge are released by ``stack``.
 
@@ -119,50 +135,101 @@ class StageCalls:
         """
         request = pb.DiTGenerateRequest(request_id=pipeline_id, params=image_params(job, seed))
         metadata = tracing.inject(self._metadata)  # the image's span is the DiT's parent
-        turn: asyncio.Event | None = self._join_line() if self._line else None
+        arrived = asyncio.get_running_loop().time() if arrived is None else arrived
+        turn: _Place | None = self._join_line(arrived) if self._line else None
         try:
             while True:
                 if turn is None or self._line[0] is turn:
-                    tried: set[str] = set()
-                    while (dit := self.dit_pool.pick(exclude=tried)) is not None:
-                        tried.add(dit.address)
-                        if remaining(deadline) <= 0:
-                            raise deadline_error("waiting for a DiT slot")
-                        held = await self._try_reserve(dit, request, metadata, deadline)
-                        if held is not None:
-                            lease, call, reserved = held
-                            stack.callback(lease.__exit__, None, None, None)
-                            stack.callback(self._release_slot, call)
-                            self.metrics.slots_in_use.inc()
-                            return dit, call, reserved
-                    turn = turn or self._join_line()
+                    got = await self._reserve_on_some(request, metadata, deadline)
+                    if got is not None:
+                        dit, (lease, call, reserved) = got
+                        stack.callback(lease.__exit__, None, None, None)
+                        stack.callback(self._release_slot, call)
+                        self.metrics.slots_in_use.inc()
+                        self._release_poll = None
+                        return dit, call, reserved
+                    turn = turn or self._join_line(arrived)
                 left = remaining(deadline)
                 if left <= 0:
                     raise deadline_error("waiting for a DiT slot")
                 require_available(self.dit_pool, "DiT", self._health_interval)
                 if self._line[0] is turn:
-                    await self._wait_for_capacity(turn, min(self._poll_interval, left))
-                    self._poll_interval = min(self._poll_interval * 2, _LAST_POLL_S)
+                    await self._wait_for_capacity(turn, min(self._next_poll(), left))
                 else:
                     await self._wait_for_capacity(turn, left)
         finally:
             if turn is not None:
                 self._leave_line(turn)
 
-    def _join_line(self) -> asyncio.Event:
-        """A new place at the end of the line of waiters: its event is set when it should try."""
-        turn = asyncio.Event()
-        self._line.append(turn)
+    def _next_poll(self) -> float:
+        """Seconds the head waits before trying again unwoken: the release's short interval while
+        one is unclaimed, else the line's (each doubles per use, up to 1 s)."""
+        if self._release_poll is not None:
+            interval = self._release_poll
+            self._release_poll = interval * 2 if interval * 2 <= _LAST_POLL_S else None
+            return interval
+        interval = self._poll_interval
+        self._poll_interval = min(interval * 2, _LAST_POLL_S)
+        return interval
+
+    def _join_line(self, arrived: float) -> "_Place":
+        """A place in the line after every waiter that arrived no later than ``arrived``."""
+        turn = _Place(arrived)
+        at = len(self._line)
+        while at > 0 and self._line[at - 1].arrived > arrived:
+            at -= 1
+        self._line.insert(at, turn)
         return turn
 
-    def _leave_line(self, turn: asyncio.Event) -> None:
+    def _leave_line(self, turn: "_Place") -> None:
         """Leave the line (reserved, failed, cancelled or out of time); the next head tries now."""
         head = self._line[0] is turn
         self._line.remove(turn)
         if not self._line:
             self._poll_interval = _FIRST_POLL_S
         elif head:
-            self._line[0].set()
+            self._line[0].wake.set()
+
+    async def _reserve_on_some(self, request: pb.DiTGenerateRequest, metadata, deadline: float):
+        """``(backend, (lease, call, Reserved))`` from the first replica (in `BackendPool.pick` order)
+        that reserves a slot, or None when every serving replica refused.
+
+        Replicas are tried one at a time, but one that has not answered within `_HEDGE_S` (hung,
+        or its event loop starved) gets the next replica tried beside it (a hedged request, as in
+        Dean and Barroso, "The Tail at Scale"): the head of the line is not held by one silent DiT
+        while another has a free slot. The first ``Reserved`` wins; every other attempt is
+        cancelled, and a second ``Reserved`` released at once.
+
+        Raises:
+            GatewayError: 504 at the deadline, or what `classify` says of an attempt.
+        """
+        tried: set[str] = set()
+        attempts: dict[asyncio.Future, Backend] = {}
+        try:
+            while True:
+                if remaining(deadline) <= 0:
+                    raise deadline_error("waiting for a DiT slot")
+                dit = self.dit_pool.pick(exclude=tried)
+                if dit is not None:
+                    tried.add(dit.address)
+                    attempts[asyncio.ensure_future(self._try_reserve(dit, request, metadata, deadline))] = dit
+                if not attempts:
+                    return None
+                done, _ = await asyncio.wait(attempts, timeout=_HEDGE_S if dit is not None else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for attempt in done:
+                    backend = attempts.pop(attempt)
+                    held = attempt.result()
+                    if held is not None:
+                        return backend, held
+        finally:
+            for attempt in attempts:
+                if not attempt.done():
+                    attempt.cancel()  # `_try_reserve` cancels its call and lease
+                elif not attempt.cancelled() and attempt.exception() is None and attempt.result() is not None:
+                    lease, call, _ = attempt.result()  # a second slot: give it back
+                    call.cancel()
+                    lease.__exit__(None, None, None)
 
     async def _try_reserve(self, dit: Backend, request: pb.DiTGenerateRequest, metadata,
                            deadline: float):
@@ -198,19 +265,22 @@ class StageCalls:
         call.cancel()
         self.metrics.slots_in_use.dec()
         if self._line:  # the slot goes to the longest waiter
-            self._line[0].set()
+            # a cancelled call's slot is free only when the DiT's current step ends: the head looks
+            # again at 0.05 s doubling until it gets one (or 1 s has passed)
+            self._release_poll = _FIRST_POLL_S
+            self._line[0].wake.set()
 
-    async def _wait_for_capacity(self, turn: asyncio.Event, timeout: float) -> None:
-        """Wait until ``turn`` is set (a freed slot, or its turn came), a backend changes health, or
-        ``timeout`` s; ``turn`` is cleared for the next wait."""
-        waiters = [asyncio.ensure_future(turn.wait()),
+    async def _wait_for_capacity(self, turn: "_Place", timeout: float) -> None:
+        """Wait until ``turn`` is woken (a freed slot, or its turn came), a backend changes health,
+        or ``timeout`` s; the wake-up is cleared for the next wait."""
+        waiters = [asyncio.ensure_future(turn.wake.wait()),
                    asyncio.ensure_future(self.dit_pool.wait_changed(timeout))]
         try:
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiters:
                 w.cancel()
-            turn.clear()
+            turn.wake.clear()
 
     async def consume_dit(self, call: grpc.aio.UnaryStreamCall, state: SlotState, index: int,
                           dit: Backend, emit: Emit) -> pb.Image:

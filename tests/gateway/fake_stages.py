@@ -136,7 +136,11 @@ class FakeDiT(pb_grpc.DiTServicer):
                 timings=pb.DiTTimings(denoise_ms=steps * self.args.step_delay * 1e3)))
             outcome = "done"
         finally:
-            self.slots.pop(token, None)
+            if outcome == "cancelled" and self.args.release_delay > 0:
+                # as the real DiT: a cancelled slot is freed when its current step ends
+                asyncio.get_running_loop().call_later(self.args.release_delay, self.slots.pop, token, None)
+            else:
+                self.slots.pop(token, None)
             self.log.write("released", request_id=request.request_id, outcome=outcome,
                            cancelled=context.cancelled())
 
@@ -263,6 +267,8 @@ async def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-at-row", type=int)
     parser.add_argument("--fail-after-push", action="store_true")
     parser.add_argument("--complete-event-delay", type=float, default=0.0)
+    parser.add_argument("--release-delay", type=float, default=0.0,
+                        help="DiT: seconds between a cancelled call and its slot being free again")
     parser.add_argument("--reject-push-epochs", type=int, default=0,
                         help="DiT: refuse the pushes of epochs below this (INVALID_ARGUMENT)")
     parser.add_argument("--reject-request", help="AR: refuse every Generate with INVALID_ARGUMENT "
