@@ -23,7 +23,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from mammoth_core import decoding, drain, errors, grpc_common, limits, tracing
+from mammoth_core import decoding, drain, errors, grpc_common, limits, tracing, transport_metrics
 from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, write_ready_file
@@ -235,6 +235,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     pb_grpc.add_ARServicer_to_server(servicer, server)
     port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
     await server.start()
+    transport_metrics.export("send")  # this stage's side of the transport series only
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()

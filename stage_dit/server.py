@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from mammoth_core import drain, errors, grpc_common, limits, tracing
+from mammoth_core import drain, errors, grpc_common, limits, tracing, transport_metrics
 from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
@@ -298,6 +298,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     profiler = StageProfiler(settings.profile_dir or str(pathlib.Path(settings.cache_dir) / "profiles"),
                              "dit", settings.profile_requests)
     admin_auth = grpc_common.StageAuth(token, role_tokens=role_tokens, insecure=settings.insecure_no_auth)
+    transport_metrics.export("receive")  # this stage's side of the transport series only
     metrics_port = start_metrics_server(settings.metrics_port, settings.host,
                                         routes={PROFILE_PATH: guarded(profiler.wsgi, admin_auth)})
     rpcs = drain.InFlightRpcs()

@@ -233,11 +233,16 @@ def kill_one_ar_mid_decode(gw, ars) -> tuple:
 
 
 def test_each_stage_exports_only_its_own_series(stages):
-    """An AR pod's /metrics carries no DiT series and a DiT pod's no AR series (a break-it pass found
-    the AR exporting `mammoth_dit_slots_capacity 0` and `mammoth_dit_slots_in_use 0`: a dashboard's
-    min or mean over pods read a DiT pool of zero slots)."""
-    for stage, foreign in ((stages.ar(), "mammoth_dit_"), (stages.dit, "mammoth_ar_")):
+    """An AR pod's /metrics carries no DiT series and a DiT pod's no AR series, and each carries its
+    own side of the transport's (break-it passes found the AR exporting `mammoth_dit_slots_capacity
+    0` — a dashboard's min or mean over pods read a DiT pool of zero slots — and both stages the
+    other side's transport series at zero)."""
+    receive_only = ("mammoth_transport_slot_outcomes_total", "mammoth_transport_rejected_chunks_total",
+                    "mammoth_transport_discarded_rows_total", "mammoth_transport_tail_seconds")
+    for stage, foreign, other_side in ((stages.ar(), ("mammoth_dit_", *receive_only), 'side="receive"'),
+                                       (stages.dit, ("mammoth_ar_",), 'side="send"')):
         text = httpx.get(stage.metrics_url, timeout=10).text
         names = sorted({line.split()[2] if line.startswith("#") else line.split("{")[0].split()[0]
-                        for line in text.splitlines() if foreign in line.split("{")[0]})
+                        for line in text.splitlines()
+                        if any(f in line.split("{")[0] for f in foreign) or other_side in line})
         assert names == [], (stage.role, names)
