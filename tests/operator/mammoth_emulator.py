@@ -21,7 +21,8 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   409 ``Conflict`` for a write carrying a stale ``metadata.resourceVersion``, the ``Table`` answer
   to ``kubectl get`` (printer columns), deletion propagation, garbage collection, finalizers,
   namespace termination and per-subject authorization with owner-reference permission enforcement
-  (``emulator_lifecycle``); ``stall`` delays chosen requests (timeouts of a stuck server).
+  (``emulator_lifecycle``); ``stall`` delays chosen requests (timeouts of a stuck server);
+* a watch that misses no write made while it sends its listing (`MammothEmulator._serve_watch`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import copy
 import datetime
 import ipaddress
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -129,6 +130,29 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     #: Seconds to hold a request before answering it (None or 0: answer at once).
     stall: Callable[[kmock.Request], float] | None = None
     _cluster_ips: Any = attrs.field(factory=lambda: iter(ipaddress.ip_network("10.96.0.0/16").hosts()))
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """KMock's watch without its gap: the listing's snapshot and the subscription to the event
+        bus are taken under one hold of the lock every write takes, so a write made while the
+        listing is being sent reaches the watcher after it (KMock released the lock after the
+        snapshot and subscribed only once the listing was sent, so such a write never arrived; a
+        real API server's watch misses nothing after the state it lists)."""
+        yield b""
+        bus = self._buses[request.resource]
+        async with self._lock:
+            objs = self._KubernetesEmulator__get_objs(request, strict=False)
+            listing = [{"type": "ADDED", "object": obj.raw} for obj in objs if not obj.deleted]
+            marker = await bus.mark()
+        try:
+            for event in listing:
+                yield event
+            async for event in bus.stream(since=marker):
+                meta = event.get("object", {}).get("metadata", {})
+                if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
+                                                   strict=False):
+                    yield event
+        finally:
+            await bus.unmark(marker)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

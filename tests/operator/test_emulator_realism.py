@@ -98,3 +98,34 @@ def test_block_owner_deletion_needs_update_on_the_owners_finalizers(api, crd_ins
     assert r.status_code in (200, 201), r.text
     r = api.http.post(CONFIGMAPS, json={"metadata": {"name": "by-admin", "ownerReferences": [ref]}})
     assert r.status_code in (200, 201), json.dumps(r.json())  # other identities are not restricted
+
+
+def test_a_watch_delivers_a_write_made_while_it_sends_its_listing(api, emulator_thread):
+    """A real API server's watch delivers every change after the state it lists. KMock's emulator
+    released its lock after the listing's snapshot and subscribed to its event bus only once the
+    listing was sent, so a write made meanwhile was never delivered: a watcher (kopf's index) kept
+    the old object (the likeliest cause of the operator restart test's two patches to beta-ar)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    for i in range(24):  # a listing of about 5 MB: the server blocks sending it while we read nothing
+        assert api.create(CONFIGMAPS, {"metadata": {"name": f"big-{i}"}, "data": {"v": "x" * 200_000}}).status_code in (200, 201)
+    url = urlparse(emulator_thread.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as s:
+        s.sendall(f"GET {CONFIGMAPS}?watch=true HTTP/1.1\r\nHost: {url.hostname}\r\n"
+                  "Authorization: Bearer test-token\r\n\r\n".encode())
+        time.sleep(0.5)  # the listing is being sent, the reader idle
+        assert api.patch(f"{CONFIGMAPS}/big-0", {"data": {"marker": "written-during-the-listing"}}).status_code == 200
+        received = b""
+        deadline = time.monotonic() + 10
+        while b"written-during-the-listing" not in received and time.monotonic() < deadline:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                chunk = s.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    assert b"written-during-the-listing" in received, f"{len(received)} bytes, no event for the write"
