@@ -172,7 +172,7 @@ class StageCalls:
         self._poll_interval = min(interval * 2, _LAST_POLL_S)
         return interval
 
-    def _join_line(self, arrived: float) -> "_Place":
+    def _join_line(self, arrived: float) -> _Place:
         """A place in the line after every waiter that arrived no later than ``arrived``."""
         turn = _Place(arrived)
         at = len(self._line)
@@ -181,7 +181,7 @@ class StageCalls:
         self._line.insert(at, turn)
         return turn
 
-    def _leave_line(self, turn: "_Place") -> None:
+    def _leave_line(self, turn: _Place) -> None:
         """Leave the line (reserved, failed, cancelled or out of time); the next head tries now."""
         head = self._line[0] is turn
         self._line.remove(turn)
@@ -270,7 +270,7 @@ class StageCalls:
             self._release_poll = _FIRST_POLL_S
             self._line[0].wake.set()
 
-    async def _wait_for_capacity(self, turn: "_Place", timeout: float) -> None:
+    async def _wait_for_capacity(self, turn: _Place, timeout: float) -> None:
         """Wait until ``turn`` is woken (a freed slot, or its turn came), a backend changes health,
         or ``timeout`` s; the wake-up is cleared for the next wait."""
         waiters = [asyncio.ensure_future(turn.wake.wait()),

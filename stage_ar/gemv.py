@@ -210,18 +210,18 @@ if triton is not None:
         return tl.where(rotate[:, None], new_lo, lo), tl.where(rotate[:, None], new_hi, hi)
 
     @triton.jit
-    def _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, x_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
+    def _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
                   cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
                   ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
         """From the float32 dot sums ``acc`` (and ``acc2``, the partner rows, when paired) to the stored
         output: scale and bias, SwiGLU, residual or RoPE, each rounded where the eager chain rounds. Rows
-        in ``m_mask`` are stored; W8A8 row scales are read for rows in ``x_mask`` (0 for idle rows)."""
+        in ``m_mask`` are stored."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE
-        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, x_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
+        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
         if PAIRED:
-            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, x_mask, dtype, FP8, HAS_BIAS,
+            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS,
                          FP8_MODE)
         if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
             gate = y.to(tl.float32)
@@ -272,7 +272,7 @@ if triton is not None:
             n_mask = cols < N
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M  # rows stored
+        m_mask = offs_m < M
         if SPLIT_K == 1:
             k_lo = 0
             k_hi = K
@@ -281,22 +281,21 @@ if triton is not None:
             k_lo = tl.program_id(1) * span
             k_hi = tl.minimum(K, k_lo + span)
         wait_for_predecessor(PDL)
-        x_mask = m_mask  # rows whose activations are loaded
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
-            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, x_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
+            inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
         acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
-            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, x_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
                 x_t = _f16_saturated(x_t)
             acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
             if PAIRED:
                 acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K == 1:
-            _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, x_mask, scale_ptr, bias_ptr, xs_ptr,
+            _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
                       res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8, HAS_BIAS,
                       SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
         else:
@@ -316,7 +315,7 @@ if triton is not None:
                     if PAIRED:
                         acc2 += tl.load(ws_ptr + (SPLIT_K + s) * ncols * 16 + part, cache_modifier=".cg")
                 reset_arrivals(cnt_ptr + pid_n)  # ready for the next launch (and graph replay)
-                _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, x_mask, scale_ptr, bias_ptr, xs_ptr,
+                _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
                           res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
                           HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
 

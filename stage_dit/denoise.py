@@ -204,12 +204,11 @@ def _velocities(transformer, states: list[DenoiseState], owners: list[tuple[Deno
     (one group over every row when a request in it has a step cache: its decision reads both of its
     branches), all of it one CUDA graph replay where it can (no step cache). A parallel wrapper runs
     its one forward over every row."""
-    if not hasattr(transformer, "embed") or not _plain_layers(transformer):
-        text, mask = pad_conditions(conditions)
-        latents, t = _inputs(owners)
-        if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel)
-            return _rows(transformer(latents, t, text, mask).float())
-        batch = transformer.embed(latents, t, text, mask, caption_lengths=[c.shape[0] for c in conditions])
+    if not hasattr(transformer, "embed"):  # a wrapper with the plain forward only (CFG-parallel)
+        return _rows(transformer(*_inputs(owners), *pad_conditions(conditions)).float())
+    if not _plain_layers(transformer):  # layers sharded over ranks (Ulysses): every row refines its own image
+        batch = transformer.embed(*_inputs(owners), *pad_conditions(conditions),
+                                  caption_lengths=[c.shape[0] for c in conditions])
         return _rows(transformer.unpatchify(transformer.run_layers(batch, 0, len(transformer.layers))).float())
 
     cached = any(s.cache is not None for s in states)

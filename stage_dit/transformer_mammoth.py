@@ -202,11 +202,15 @@ class CombinedTimestepCaptionEmbedding(nn.Module):
     def forward(self, timestep: torch.Tensor, text_hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """timestep float `(batch,)` in [0, 1]; text `(batch, seq, text_feat_dim)` ->
         (temb `(batch, min(hidden, 1024))`, caption `(batch, seq, hidden)`)."""
-        return self.time(timestep), self.caption_embedder(text_hidden_states)
+        return self.time(timestep), self.caption(text_hidden_states)
 
     def time(self, timestep: torch.Tensor) -> torch.Tensor:
         """temb `(batch, min(hidden, 1024))` of float `timestep` `(batch,)` (`forward`'s first output)."""
         return self.timestep_embedder(self.time_proj(timestep).to(self.caption_embedder[1].weight.dtype))
+
+    def caption(self, text_hidden_states: torch.Tensor) -> torch.Tensor:
+        """caption `(batch, seq, hidden)` of `(batch, seq, text_feat_dim)` (`forward`'s second output)."""
+        return self.caption_embedder(text_hidden_states)
 
 
 class MammothTransformer2DModel(ModelMixin, ConfigMixin):
@@ -471,7 +475,7 @@ class MammothTransformer2DModel(ModelMixin, ConfigMixin):
                              f"of {num_img} patches")
 
         # 3. Caption embedding, rotary positions: caption row i -> (i, i, i); image patch (r, c) -> (cap_len, r, c)
-        caption = self.time_caption_embed.caption_embedder(text)
+        caption = self.time_caption_embed.caption(text)
         arange_cond = torch.arange(cond_len, device=device)
         cap_pos = arange_cond[None, :, None].expand(batch, cond_len, 3) * text_mask[..., None]
         img_pos = self._image_positions(cap_lens, h_tokens, w_tokens)
