@@ -7,6 +7,8 @@ streams, pageable fallbacks with ``side="send"``) are in `mammoth_core.transport
 - ``mammoth_ar_generated_tokens_total``: grid tokens decoded.
 - ``mammoth_ar_prefill_seconds`` / ``mammoth_ar_decode_seconds``: per request.
 - ``mammoth_ar_decode_tokens_per_second``: grid tokens per second of decode, per request.
+- ``mammoth_ar_staging_blocks{state}``: the hidden-state sender's host staging blocks (pinned on
+  CUDA, `stage_ar.staging`), ``capacity`` and ``free`` now; built before the stage is ready.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from stage_ar.engine import JobStats
+from stage_ar.staging import default_pool_blocks
 
 #: Every outcome label of ``mammoth_ar_requests_total``.
 OUTCOMES = ("ok", "invalid", "refused_dit", "rejected_full", "rejected_draining", "deadline", "failed",
@@ -34,6 +37,10 @@ TOKENS_PER_SECOND = Histogram(
     "mammoth_ar_decode_tokens_per_second", "grid tokens decoded per second of decode, per request",
     buckets=(10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400),
 )
+STAGING_BLOCKS = Gauge("mammoth_ar_staging_blocks", "host staging blocks of the hidden-state sender, by state",
+                       ["state"])
+STAGING_BLOCKS.labels("capacity").set_function(lambda: default_pool_blocks()[0])
+STAGING_BLOCKS.labels("free").set_function(lambda: default_pool_blocks()[1])
 for _outcome in OUTCOMES:
     REQUESTS.labels(_outcome)
 

@@ -49,6 +49,33 @@ _BYTES_SENT = metrics.BYTES.labels(side="send")
 _ROWS_SENT = metrics.ROWS.labels(side="send")
 
 
+def staging_block_bytes(hidden_size: int, dtype: torch.dtype, chunk_rows: int, max_message_bytes: int) -> int:
+    """Bytes of one host staging block: one message's rows (`mammoth_core.wire.rows_per_message`)
+    of ``hidden_size`` x ``dtype``.
+
+    Raises:
+        ValueError: one row does not fit in ``max_message_bytes``.
+    """
+    rows = wire.rows_per_message(hidden_size, dtype, max_message_bytes, chunk_rows)
+    return rows * int(hidden_size) * wire.itemsize(dtype)
+
+
+def prepare_staging(hidden_size: int, dtype: torch.dtype, chunk_rows: int, max_message_bytes: int,
+                    pin: bool) -> StagingPool:
+    """Build the process-wide staging pool every request's sender takes its blocks from, before
+    the stage reports ready (the AR server calls it after the engine's warm-up).
+
+    Built on first use instead, the pool (`stage_ar.staging.DEFAULT_STAGING_BLOCKS` pinned blocks,
+    allocated and faulted in) cost the first request 0.5 s on the H200, inside its first rows'
+    delivery on the decode thread (issue 17: first request vs tenth). Arguments as
+    `HiddenStateSender`'s; ``pin``: page-locked blocks (rows on CUDA).
+
+    Raises:
+        ValueError: one row does not fit in ``max_message_bytes``.
+    """
+    return default_staging_pool(staging_block_bytes(hidden_size, dtype, chunk_rows, max_message_bytes), pin=pin)
+
+
 class SenderAborted(Exception):
     """`HiddenStateSender.abort` was called; the stream was cancelled."""
 
@@ -114,7 +141,7 @@ class HiddenStateSender:
         self.dtype = dtype
         self.itemsize = wire.itemsize(dtype)
         self.rows_per_chunk = wire.rows_per_message(hidden_size, dtype, max_message_bytes, chunk_rows)
-        self.block_bytes = self.rows_per_chunk * self.hidden_size * self.itemsize
+        self.block_bytes = staging_block_bytes(hidden_size, dtype, chunk_rows, max_message_bytes)
         self.expected = {pb.CONDITION: int(expected_rows), pb.NEGATIVE: int(expected_negative_rows)}
         self._metadata_msg = pb.StreamMetadata(
             protocol_major=wire.PROTOCOL_MAJOR, protocol_minor=wire.PROTOCOL_MINOR,

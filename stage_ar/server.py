@@ -35,7 +35,7 @@ from stage_ar import metrics
 from stage_ar.dit_targets import DiTAllowList, DiTChannels
 from stage_ar.engine import DecodeEngine
 from stage_ar.loader import ARBundle, load_ar
-from stage_ar.sender import HiddenStateSender
+from stage_ar.sender import HiddenStateSender, prepare_staging
 from stage_ar.session import ARPlan, ARSession, CallFailed
 
 logger = logging.getLogger(__name__)
@@ -259,6 +259,8 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
     if engine.failure is not None:  # capture or warm-up broke the device: exit non-zero, be restarted
         raise RuntimeError(f"the AR engine failed before serving: {engine.failure!r}")
+    await asyncio.to_thread(prepare_staging, bundle.hidden_size, bundle.dtype, settings.chunk_rows,
+                            settings.max_message_bytes, engine.runner.on_cuda)
     servicer.bundle, servicer.engine = bundle, engine
     async def wait_idle() -> None:
         # In-flight requests keep their push streams to the DiT open: stop the server only once the

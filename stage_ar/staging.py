@@ -73,6 +73,13 @@ def default_staging_pool(block_bytes: int, pin: bool, blocks: int = DEFAULT_STAG
         return _default_pools[key]
 
 
+def default_pool_blocks() -> tuple[int, int]:
+    """``(capacity, free)`` blocks over the process-wide pools (``mammoth_ar_staging_blocks``)."""
+    with _default_lock:
+        pools = list(_default_pools.values())
+    return sum(p.capacity for p in pools), sum(p.available for p in pools)
+
+
 def copy_stream(device: torch.device) -> "torch.cuda.Stream":
     """The process-wide side stream for device->host copies on ``device`` (`mammoth_core.cuda_streams`)."""
     return side_stream(device, "d2h-copy")
