@@ -44,14 +44,14 @@ def grid_ids(tok):
     return tok.eol_id, tok.visual_token_start_id, tok.visual_token_end_id
 
 
-def make_engine(model, tok, top_k=None, running=8, length=96, **options):
+def make_engine(model, tok, top_k=None, running=8, length=96, progress_interval_s=0.05, **options):
     def make_sequence(job):
         sampler = GridConstrainedSampler(job.ar_width, job.ar_height, *grid_ids(tok), 1.0, top_k, 1.0,
                                          torch.Generator().manual_seed(job.seed))
         return T2ISequence(model, job.prompt_ids, job.ar_width, job.ar_height, sampler,
                            ar_guidance_scale=job.ar_guidance_scale, decoding=job.decoding)
     return DecodeEngine(make_sequence, running, model=model, grid_ids=grid_ids(tok), max_sequence_length=length,
-                        decoder_options=options)
+                        progress_interval_s=progress_interval_s, decoder_options=options)
 
 
 def make_job(tok, seed, w, h, decoding=JACOBI, scale=0.0, prompt=PROMPT, **kw):
@@ -153,17 +153,30 @@ def test_rows_equal_teacher_forcing_and_a_seed_is_reproducible_in_any_batch(mode
 
 
 def test_cancel_between_windows_frees_everything(model, tokenizer):
-    engine = make_engine(model, tokenizer, running=2, length=160)
-    started = threading.Event()
-    done = []
+    # Every row reports progress, and the engine thread holds at the first decoded one until the
+    # test has cancelled: the cancel lands between windows however fast the host decodes (with the
+    # default 50 ms interval a fast host could finish all 72 tokens before the first report, and CI
+    # saw the job succeed instead of being cancelled).
+    engine = make_engine(model, tokenizer, running=2, length=160, progress_interval_s=0.0)
+    started, cancelled = threading.Event(), threading.Event()
+    done, first_report = [], []
     job = make_job(tokenizer, 3, 8, 8, decoding=DecodingOptions(ARDecoding.JACOBI, window=2))
-    job.on_progress = lambda decoded, total: started.set() if decoded > 0 else None
+
+    def on_progress(decoded: int, total: int) -> None:
+        if decoded > 0 and not started.is_set():
+            first_report.append((decoded, total))
+            started.set()
+            cancelled.wait(30)
+
+    job.on_progress = on_progress
     job.on_done = lambda exc, stats: done.append(exc)
     engine.start()
     try:
         engine.submit(job)
         assert started.wait(30)
         job.cancel()
+        cancelled.set()
+        assert first_report[0][0] < first_report[0][1], first_report  # cancelled before its end
         deadline = time.monotonic() + 30
         while not done and time.monotonic() < deadline:
             time.sleep(0.01)
