@@ -16,14 +16,16 @@ from __future__ import annotations
 import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
-from stage_ar.gemv_checks import ACTIVATION_DTYPES
+from stage_ar.gemv_checks import ACTIVATION_DTYPES, expect_tensor
 from stage_ar.launch_overlap import launch_options, pdl_enabled
+from stage_ar.row_norm import NORM_BLOCK
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
 
     from stage_ar.launch_overlap import wait_for_predecessor
+    from stage_ar.row_norm import norm_values, row_inv_rms
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -54,40 +56,55 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign (-0 too)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, FP8_MAX_: tl.constexpr,
-                              ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, eps,
+                              FP8_MAX_: tl.constexpr, ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                              NORM: tl.constexpr = False, NORM_BLOCK_: tl.constexpr = 1024,
+                              LOG2_NORM_BLOCK: tl.constexpr = 10, PDL: tl.constexpr = False):
         """Row ``program_id(0)``, codes of columns ``[program_id(1) * CHUNK, +CHUNK)``: the whole row in
         one load (``ROW_BLOCK >= K``) for ``amax`` (max is exact in any order, so every program of the
         row gets the same scale), then this program's chunk of codes; the row's first program stores
-        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value). ``PDL``:
-        `stage_ar.launch_overlap`."""
+        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value). ``NORM``: the row
+        is first RMS-normalised with ``w_ptr`` and ``eps`` exactly as `stage_ar.row_norm.rms_norm_rows`
+        (its `row_inv_rms` and `norm_values`, chunks of ``NORM_BLOCK_``), so the codes and scale are
+        the bits of that launch followed by this one. ``PDL``: `stage_ar.launch_overlap`."""
         wait_for_predecessor(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         x_ptr += row * stride_xm
         q_ptr += row * stride_qm
         offs = tl.arange(0, ROW_BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_), min_scale)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        xc = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if NORM:
+            inv = row_inv_rms(x_ptr, K, eps, NORM_BLOCK_, LOG2_NORM_BLOCK)
+            x = norm_values(x_ptr, w_ptr, offs, K, inv).to(tl.float32)
+            xc = norm_values(x_ptr, w_ptr, cols, K, inv).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+            xc = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_), min_scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(xc, scale), -FP8_MAX_), FP8_MAX_)
         tl.store(q_ptr + cols, _round_e4m3(q).to(tl.float8e4nv), mask=cols < K)
         if chunk == 0:
             tl.store(s_ptr + row, scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                  norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes and one float32 scale per row of ``x`` (the module's scheme): one launch, programs per
-    row and `QUANT_BLOCK` columns.
+    row and `QUANT_BLOCK` columns. With ``norm_weight``, of the rows' Qwen2 RMSNorm instead, in the
+    same launch and with the same bits as `stage_ar.row_norm.rms_norm_rows` followed by this call
+    (the W8A8 GEMV's norm: one launch less per normalised projection).
 
     Args:
         x: ``(M, K)`` activations, bfloat16/float16/float32, rows contiguous, on CUDA (or any
             device under ``TRITON_INTERPRET=1``).
+        norm_weight: ``(K,)`` in ``x.dtype``, or None (no norm).
+        norm_eps: the norm's epsilon (added to the mean square).
 
     Returns:
         ``(codes, scales)``: ``codes (M, K)`` ``torch.float8_e4m3fn`` (contiguous) and ``scales (M,)``
-        float32, on ``x``'s device, with ``x ≈ codes.float() * scales[:, None]``.
+        float32, on ``x``'s device, with ``x ≈ codes.float() * scales[:, None]`` (``x`` normalised
+        first with ``norm_weight``).
 
     Raises:
         ValueError: ``x`` is not 2-D with contiguous rows, or has more than `MAX_COLUMNS` columns.
@@ -100,6 +117,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"quantize_rows takes a 2-D x with contiguous rows, got shape {tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quantize_rows takes {ACTIVATION_DTYPES} activations, got {x.dtype}")
+    if norm_weight is not None:
+        expect_tensor("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
     if not available(x.device):
         raise RuntimeError(f"quantize_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
@@ -110,10 +129,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m and k:
         pdl = pdl_enabled(x.device)
         row_block = max(QUANT_BLOCK, triton.next_power_of_2(k))
+        norm = norm_weight is not None
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](
-            x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE, FP8_MAX_=FP8_MAX,
-            ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl,
-            **launch_options(pdl))
+            x, norm_weight if norm else x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE,
+            float(norm_eps), FP8_MAX_=FP8_MAX, ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, NORM=norm,
+            NORM_BLOCK_=NORM_BLOCK, LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl, **launch_options(pdl))
     elif m:
         scales.fill_(MIN_ROW_SCALE)
     return codes, scales

@@ -62,6 +62,7 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8_activations import quantize_rows
+from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import launch_options, pdl_enabled
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -319,37 +320,6 @@ if triton is not None:
                           res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
                           HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
 
-    @triton.jit
-    def _norm_tile(x_ptr, w_ptr, out_ptr, k, K, inv):
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        xn = (x.to(tl.float32) * inv).to(x.dtype)
-        nw = tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + k, (xn.to(tl.float32) * nw).to(x.dtype), mask=k < K)
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps,
-                         BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-        """One row per program: the inverse RMS (column ``j`` sums chunks 0, 1, ... in turn, then a
-        fixed pairwise tree), then ``round(w * round(x * inv))``. Four chunks per iteration in flight."""
-        x_ptr += tl.program_id(0) * stride_xm
-        out_ptr += tl.program_id(0) * stride_om
-        offs = tl.arange(0, BLOCK)
-        sq = tl.zeros((BLOCK,), tl.float32)
-        for k0 in range(0, K, 4 * BLOCK):
-            x0 = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + k0 + BLOCK + offs, mask=k0 + BLOCK + offs < K, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + k0 + 2 * BLOCK + offs, mask=k0 + 2 * BLOCK + offs < K, other=0.0).to(tl.float32)
-            x3 = tl.load(x_ptr + k0 + 3 * BLOCK + offs, mask=k0 + 3 * BLOCK + offs < K, other=0.0).to(tl.float32)
-            sq = (((sq + x0 * x0) + x1 * x1) + x2 * x2) + x3 * x3
-        for _ in tl.static_range(LOG2_BLOCK):
-            sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
-        inv = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        for k0 in range(0, K, 4 * BLOCK):
-            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + offs, K, inv)
-            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + BLOCK + offs, K, inv)
-            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 2 * BLOCK + offs, K, inv)
-            _norm_tile(x_ptr, w_ptr, out_ptr, k0 + 3 * BLOCK + offs, K, inv)
-
     def _even_n(a) -> bool:
         """Every program's columns in range (under ROPE a program covers N / 2 column pairs)."""
         return (a["N"] // 2 if a.get("ROPE") else a["N"]) % a["BLOCK_N"] == 0
@@ -423,8 +393,8 @@ def gemv(
             while every ``|x| <= 65504`` (and ``>= 2^-17``, float16's subnormal resolution); larger
             activations saturate at +-65504 in the float16 modes. ``"fp8"`` (W8A8, opt-in, not yet
             measured): each activation row quantized to E4M3 with its own scale first
-            (`stage_ar.fp8_activations.quantize_rows`, a second launch; after the norm, which then
-            always runs as `rms_norm_rows`), FP8 x FP8 tensor-core dots in float32, ``acc * scale[n] *
+            (`stage_ar.fp8_activations.quantize_rows`, a second launch that also applies the norm,
+            with `rms_norm_rows`' bits), FP8 x FP8 tensor-core dots in float32, ``acc * scale[n] *
             x_scale[m]``: other numerics (`stage_ar.gemv_reference.gemv_reference`'s ``fp8_compute``).
             ``None`` (the default):
             `default_fp8_compute` (``"float16"`` for 16-bit activations: 1.5 x faster than
@@ -452,13 +422,14 @@ def gemv(
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
-    if norm_weight is not None and (w8a8 or not norm_in_prologue):
-        x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    rope = (cos, sin, rope_columns) if cos is not None else None
     x_scales = None
-    if w8a8:
-        x, x_scales = quantize_rows(x)
+    if w8a8:  # the norm (if any) and the per-row quantization in one launch
+        x, x_scales = quantize_rows(x, norm_weight, norm_eps)
+        norm_weight = None
+    elif norm_weight is not None and not norm_in_prologue:
+        x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
+    rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
             x_scales)
     return out
@@ -527,35 +498,6 @@ def split_workspace(weight: torch.Tensor, split: int, programs_n: int, paired: b
 
 
 _LAST_TUNED: list = [None, 1]  # the autotuner of the latest autotuned launch and its split (`last_tuned_config`)
-
-#: Columns per chunk of `rms_norm_rows` (fixed: it sets the sum-of-squares order).
-NORM_BLOCK = 1024
-
-
-def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen2 RMSNorm of each row, one Triton program per row (so a row's bits never depend on M).
-
-    Args:
-        x: ``(M, K)`` activations (bfloat16/float16/float32), rows contiguous.
-        norm_weight: ``(K,)`` in ``x.dtype``.
-        eps: added to the mean square.
-
-    Returns:
-        ``(M, K)`` ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` in ``x.dtype``, contiguous.
-
-    Raises:
-        ValueError / TypeError: shapes or dtypes that do not fit; RuntimeError: triton cannot run here.
-    """
-    if x.ndim != 2 or x.stride(1) != 1:
-        raise ValueError(f"rms_norm_rows takes a 2-D x with contiguous rows, got {tuple(x.shape)}")
-    expect_tensor("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
-    if not available(x.device):
-        raise RuntimeError(f"rms_norm_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(x.shape[0],)](x, norm_weight, out, x.shape[1], x.stride(0), out.stride(0), float(eps),
-                                    BLOCK=NORM_BLOCK, LOG2_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=4)
-    return out
-
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,

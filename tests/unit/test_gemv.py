@@ -506,6 +506,43 @@ def test_quantize_rows_row_alone_equals_row_in_a_batch(gemv):
         quantize_rows(x.to(torch.int32))
 
 
+@pytest.mark.parametrize("k", [K, 2 * 1024 + 452, 4 * 1024 + 100], ids=lambda k: f"K{k}")
+def test_quantize_rows_with_the_norm_is_the_norm_then_the_quantizer(gemv, k):
+    """``quantize_rows(x, norm_weight)`` (one launch) gives the bits of `rms_norm_rows` followed by
+    `quantize_rows`: scales and codes equal, for rows narrower than a norm chunk, spanning chunks and
+    spanning more than one 4-chunk iteration; a wrong-shaped norm weight is refused."""
+    from stage_ar.fp8_activations import quantize_rows
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(5, k, generator=g) * torch.logspace(-2, 2, 5)[:, None]).to(dtype).to(DEVICE)
+    x[2] = 0.0
+    w = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    codes, scales = quantize_rows(x, w, 1e-5)
+    want_codes, want_scales = quantize_rows(gemv.rms_norm_rows(x, w, 1e-5))
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert not torch.equal(scales, quantize_rows(x)[1])  # the norm really ran
+    with pytest.raises(ValueError, match="norm_weight"):
+        quantize_rows(x, w[:-1])
+
+
+def test_w8a8_normalised_projection_runs_no_separate_norm(gemv, monkeypatch):
+    """A W8A8 GEMV with ``norm_weight`` folds the norm into its quantizer: `rms_norm_rows` is not
+    called (its launch was the third of such a projection), and the result is the one of the norm
+    run first."""
+    x, weight, kwargs = make_inputs("norm_swiglu", torch.float16 if gemv.INTERPRETED else torch.bfloat16,
+                                    fp8=True, seed=15)
+    normed = gemv.rms_norm_rows(x, kwargs["norm_weight"], kwargs.get("norm_eps", 1e-6))
+    want = gemv.gemv(normed, weight, fp8_compute="fp8", **{a: b for a, b in kwargs.items() if a != "norm_weight"})
+
+    def no_separate_norm(*args, **kw):
+        raise AssertionError("rms_norm_rows launched for a W8A8 projection")
+
+    monkeypatch.setattr(gemv, "rms_norm_rows", no_separate_norm)
+    assert torch.equal(gemv.gemv(x, weight, fp8_compute="fp8", **kwargs), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", ["plain", "bias", "norm_swiglu", "residual", "bias_rope"])
 def test_w8a8_matches_its_reference(gemv, variant, dtype):

@@ -70,9 +70,11 @@ def _forms():
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live))
         yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live))
-    yield "w8a8_quantizer", lambda: _compile(activations._quantize_rows_kernel, {
-        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "min_scale": "fp32"}, dict(
-        FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, PDL=True))
+    for norm in (False, True):  # the quantizer alone, and with the projection's RMSNorm folded in
+        yield f"w8a8_quantizer_norm_{norm}", lambda norm=norm: _compile(activations._quantize_rows_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "min_scale": "fp32",
+            "eps": "fp32"}, dict(FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, NORM=norm, NORM_BLOCK_=1024,
+                                 LOG2_NORM_BLOCK=10, PDL=True))
 
 
 def _main() -> None:
@@ -101,7 +103,7 @@ def compiled() -> dict:
 def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
-    return names + ["w8a8_quantizer"]
+    return names + [f"w8a8_quantizer_norm_{norm}" for norm in (False, True)]
 
 
 @pytest.mark.parametrize("form", _names())

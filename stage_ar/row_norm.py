@@ -1,0 +1,92 @@
+"""Qwen2 RMSNorm of activation rows for the decode kernels (CUDA, Triton; Triton's interpreter on
+CPU tensors): `rms_norm_rows` (one program per row, its own launch before a GEMV) and the two
+pieces the W8A8 quantizer (`stage_ar.fp8_activations.quantize_rows`) inlines so that the norm and
+the quantization are one launch with the same bits as the two launches.
+
+Numerics: ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))``, statistics in float32, ``round``
+the cast to the activation dtype (the model's `Qwen2RMSNorm` chain). A row's inverse RMS is summed
+column-wise over `NORM_BLOCK`-column chunks in order, then by a fixed pairwise tree (never a
+layout-dependent ``tl.sum``), so its bits depend on the row alone, never on M.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stage_ar.gemv_checks import expect_tensor
+
+try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+#: Columns per chunk of the inverse RMS's sum (fixed: it sets the sum-of-squares order).
+NORM_BLOCK = 1024
+
+if triton is not None:
+
+    @triton.jit
+    def row_inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+        """``rsqrt(mean(x²) + eps)`` (float32) of the row at ``x_ptr``: column ``j`` of the ``BLOCK``
+        lanes sums chunks 0, 1, ... in turn (four loads in flight), then a fixed pairwise tree."""
+        offs = tl.arange(0, BLOCK)
+        sq = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, 4 * BLOCK):
+            x0 = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k0 + BLOCK + offs, mask=k0 + BLOCK + offs < K, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + k0 + 2 * BLOCK + offs, mask=k0 + 2 * BLOCK + offs < K, other=0.0).to(tl.float32)
+            x3 = tl.load(x_ptr + k0 + 3 * BLOCK + offs, mask=k0 + 3 * BLOCK + offs < K, other=0.0).to(tl.float32)
+            sq = (((sq + x0 * x0) + x1 * x1) + x2 * x2) + x3 * x3
+        for _ in tl.static_range(LOG2_BLOCK):
+            sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
+        return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+    @triton.jit
+    def norm_values(x_ptr, w_ptr, k, K, inv):
+        """``round(w[k] * round(x[k] * inv))`` in the activations' dtype at columns ``k`` (0 past K)."""
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        xn = (x.to(tl.float32) * inv).to(x.dtype)
+        nw = tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        return (xn.to(tl.float32) * nw).to(x.dtype)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps,
+                         BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+        """One row per program: `row_inv_rms`, then `norm_values` chunk by chunk (four per iteration)."""
+        x_ptr += tl.program_id(0) * stride_xm
+        out_ptr += tl.program_id(0) * stride_om
+        offs = tl.arange(0, BLOCK)
+        inv = row_inv_rms(x_ptr, K, eps, BLOCK, LOG2_BLOCK)
+        for k0 in range(0, K, 4 * BLOCK):
+            for c in tl.static_range(4):
+                k = k0 + c * BLOCK + offs
+                tl.store(out_ptr + k, norm_values(x_ptr, w_ptr, k, K, inv), mask=k < K)
+
+
+def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2 RMSNorm of each row, one Triton program per row (so a row's bits never depend on M).
+
+    Args:
+        x: ``(M, K)`` activations (bfloat16/float16/float32), rows contiguous.
+        norm_weight: ``(K,)`` in ``x.dtype``.
+        eps: added to the mean square.
+
+    Returns:
+        ``(M, K)`` ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))`` in ``x.dtype``, contiguous.
+
+    Raises:
+        ValueError / TypeError: shapes or dtypes that do not fit; RuntimeError: triton cannot run here.
+    """
+    from stage_ar.gemv import available  # the one availability rule (CUDA, or the interpreter)
+
+    if x.ndim != 2 or x.stride(1) != 1:
+        raise ValueError(f"rms_norm_rows takes a 2-D x with contiguous rows, got {tuple(x.shape)}")
+    expect_tensor("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
+    if not available(x.device):
+        raise RuntimeError(f"rms_norm_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(x.shape[0],)](x, norm_weight, out, x.shape[1], x.stride(0), out.stride(0), float(eps),
+                                    BLOCK=NORM_BLOCK, LOG2_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=4)
+    return out
