@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import time
 from typing import Any
 
@@ -188,7 +190,8 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
     writes = child_writes(emulator, since)
     assert [w for w in writes if w["verb"] == "create"] == []
     # the whole writes in the message: a flake once saw two patches to beta-ar (docs/TESTING.md)
-    assert [(w["resource"], w["name"]) for w in writes] == [("apps/v1/deployments", "beta-ar")], writes
+    assert [(w["resource"], w["name"]) for w in writes] == [("apps/v1/deployments", "beta-ar")], json.dumps(
+        [{k: w.get(k) for k in ("verb", "name", "subresource", "body")} for w in writes])[:6000]
     patch = writes[0]["body"]
     assert patch["spec"] == {"replicas": 3}
     assert "Patching failed with inconsistencies" not in operator_log.text()
