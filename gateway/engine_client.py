@@ -71,16 +71,22 @@ class EngineClient:
                                 settings.health_interval_seconds)
 
     async def generate(self, job: ImageJob, deadline: float, on_reserved: Callable[[], None],
-                       heartbeat: float | None = None) -> AsyncIterator[Event]:
+                       heartbeat: float | None = None,
+                       visible: Callable[[Event], bool] | None = None) -> AsyncIterator[Event]:
         """The events of ``job``'s ``n`` images, run in parallel (image i with seed ``seed + i``):
         `Progress` and `PartialImage` as they happen, one `ImageReady` per image (in the order they
-        finish), `Idle` after ``heartbeat`` seconds without an event, and on the first failure one
-        `Failed` as the last event (the other images are cancelled). Closing the generator
+        finish), `Idle` after ``heartbeat`` seconds without a visible event, and on the first failure
+        one `Failed` as the last event (the other images are cancelled). Closing the generator
         (``contextlib.aclosing``) cancels every call of the request.
 
         Args:
             deadline: event-loop time (s) by which every image must be done.
             on_reserved: called once per image, the first time it holds a DiT slot.
+            heartbeat: seconds of silence toward the client before an `Idle` (None: never).
+            visible: whether an event reaches the client (resets the silence); None: every event
+                does. A stream without progress events writes nothing for `Progress`, so without
+                this a request whose stages report every step would never be `Idle` and its client
+                would read nothing until the image.
         """
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -96,14 +102,19 @@ class EngineClient:
                                         else exc))
 
         tasks = [asyncio.create_task(run(i)) for i in range(job.n)]
+        loop = asyncio.get_running_loop()
         try:
-            ready = 0
+            ready, last_visible = 0, loop.time()
             while ready < job.n:
+                wait = None if heartbeat is None else max(0.0, last_visible + heartbeat - loop.time())
                 try:
-                    event = await asyncio.wait_for(queue.get(), heartbeat)
+                    event = await asyncio.wait_for(queue.get(), wait)
                 except asyncio.TimeoutError:
+                    last_visible = loop.time()
                     yield Idle()
                     continue
+                if visible is None or visible(event):
+                    last_visible = loop.time()
                 yield event
                 if isinstance(event, Failed):
                     return

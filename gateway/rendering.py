@@ -135,6 +135,16 @@ class SSERenderer:
         if self._next == self.job.n:
             self.outcome = "success"
 
+    def visible(self, event: Event) -> bool:
+        """Whether `render` writes something for ``event`` (the engine's heartbeat counts silence
+        toward the client by it): progress only with ``stream_progress``, an image only when it is
+        the next in index order (a later one waits for it)."""
+        if isinstance(event, Progress):
+            return bool(self.job.stream_progress)
+        if isinstance(event, ImageReady):
+            return event.result.index == self._next
+        return True
+
     def _render(self, event: Event, now: int) -> list[bytes]:
         job = self.job
         if isinstance(event, Progress):

@@ -125,7 +125,7 @@ class OpenAIServingImages:
                                getattr(raw.state, "started", started))  # RequestIdMiddleware's clock
         with self._track():
             try:
-                events = self.engine.generate(job, deadline, ticket.image_reserved, keepalive)
+                events = self.engine.generate(job, deadline, ticket.image_reserved, keepalive, renderer.visible)
                 async for chunk in renderer.render(events):
                     yield chunk
             finally:

@@ -128,3 +128,29 @@ def test_the_sdk_client_timeout_bounds_the_request(fakes, gateway_factory):
     assert err.value.status_code == 504
     assert err.value.body["code"] == "deadline_exceeded"
     assert time.monotonic() - t0 < 2.0
+
+
+def test_keep_alives_go_out_while_the_dit_denoises_without_stream_progress(fakes, gateway_factory):
+    """The SSE keep-alive interval counts silence toward the client, not between the stages' events:
+    a stream without ``stream_progress`` writes nothing while the DiT denoises, so it must send
+    keep-alives then too (break-it pass: progress events every step, rendered to nothing, kept the
+    heartbeat from ever firing, and a client with a 10 s read timeout was cut off mid-image). Here
+    the DiT takes 3 s (10 steps of 0.3 s), the client's read timeout is 2 s (interval 1 s)."""
+    dit = fakes("dit", "--step-delay", "0.3")
+    ar = fakes("ar")
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
+    gw.wait_ready()
+    body = {"prompt": "a lighthouse", "size": "32x32", "stream": True, "num_inference_steps": 10, "seed": 1}
+    arrivals, kinds = [], []
+    with httpx.stream("POST", gw.url + GEN, json=body, headers={"X-Stainless-Read-Timeout": "2"},
+                      timeout=30) as response:
+        assert response.status_code == 200
+        start = time.monotonic()
+        for line in response.iter_lines():
+            if line:
+                arrivals.append(time.monotonic() - start)
+                kinds.append("keep-alive" if line.startswith(": keep-alive") else line.split(":", 1)[0])
+    assert kinds[-1] == "data" and arrivals[-1] > 2.5, (kinds, arrivals)
+    gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals)]
+    assert max(gaps) < 1.6, list(zip(kinds, [round(a, 2) for a in arrivals]))
+    assert kinds.count("keep-alive") >= 2, kinds
