@@ -289,10 +289,16 @@ def test_a_slot_freed_late_by_a_cancel_goes_to_the_line_at_once(fakes, gateway_f
     waiter.join()
     assert codes[-1] == 200, codes
     events = dit.events()
-    released = [e["t"] for e in events if e["event"] == "released" and e["outcome"] == "cancelled"]
-    reserved = [e["t"] for e in events if e["event"] == "reserved"]
-    assert len(released) == 1 and len(reserved) == 2, events
-    assert reserved[1] - released[0] < 0.3 + 0.35, reserved[1] - released[0]
+    # The holder's slot, released late (cancelled), goes to the waiter at once. Only the first such
+    # release counts: on a loaded CI host the waiter's own attempt was once given up and retried too
+    # (a second cancelled release and a third reservation, the waiter still served), which is the
+    # gateway's retry at work, not the line waiting.
+    holder = next(e for e in events if e["event"] == "reserved")["request_id"]
+    released = [e["t"] for e in events if e["event"] == "released" and e["outcome"] == "cancelled"
+                and e.get("request_id") == holder]
+    after = [e["t"] for e in events if e["event"] == "reserved" and released and e["t"] > released[0]]
+    assert len(released) == 1 and after, json.dumps(events)
+    assert after[0] - released[0] < 0.3 + 0.35, after[0] - released[0]
 
 
 def _post_until_timeout(gw) -> None:
