@@ -91,7 +91,7 @@ class OpenAIServingImages:
         """
         job = body.to_image_job(self.settings, request_id)
         ticket = self.admission.admit(job.n)
-        logger.info("request %s: n=%d size=%s ar_grid=%dx%d steps=%d seed=%d user=%s", request_id,
+        logger.info("request %s: n=%d size=%s ar_grid=%dx%d steps=%d seed=%d user=%r", request_id,
                     job.n, job.size, *job.ar_grid, job.num_inference_steps, job.seed,
                     job.safety_identifier)
         budget = request_budget(raw.headers, self.settings.request_timeout_seconds, job.stream)

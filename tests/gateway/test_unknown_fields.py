@@ -25,3 +25,40 @@ def test_unknown_fields_are_accepted_and_logged_by_name(fakes, gateway_factory, 
                 and "ignored" in rec.getMessage()]
     assert len(warnings) == 1, warnings
     assert "'future_option'" in warnings[0] and "'temperature'" in warnings[0], warnings
+
+
+def test_unknown_field_names_cannot_flood_the_log(fakes, gateway_factory, caplog):
+    """A break-it pass wrote 20 MB of log with 20 requests of one 1 MB unknown key each (and a
+    589 KB line for 60,000 small ones): the warning names at most a few fields, each cut short, and
+    says how many there were."""
+    dit = fakes("dit")
+    ar = fakes("ar")
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
+    gw.wait_ready()
+    caplog.set_level(logging.WARNING, logger="gateway")
+    for i in range(20):
+        body = {"prompt": "a", "size": "1x1", "x" * 1_000_000: 1, **{f"k{i}_{j}": 1 for j in range(1000)}}
+        assert httpx.post(gw.url + GEN, json=body, timeout=60).status_code == 400
+    warnings = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(warnings) == 20, [len(w) for w in warnings]
+    assert max(len(w) for w in warnings) < 500, [len(w) for w in warnings]
+    assert "1001 fields" in warnings[0], warnings[0][:300]
+
+
+def test_user_text_cannot_forge_log_lines(fakes, gateway_factory, caplog):
+    """``user`` / ``safety_identifier`` reach the request log line escaped: a newline in them cannot
+    start a line of its own that looks like another component's (break-it pass: a forged
+    ``CRITICAL gateway.auth`` line in the run log)."""
+    dit = fakes("dit")
+    ar = fakes("ar")
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
+    gw.wait_ready()
+    caplog.set_level(logging.INFO, logger="gateway")
+    forged = "x\n16:40:00.000 CRITICAL gateway [img-admin] gateway.auth: accepted\r\x1b[31m"
+    for field in ("user", "safety_identifier"):
+        body = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 1, field: forged}
+        assert httpx.post(gw.url + GEN, json=body, timeout=60).status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request ")]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "\n" not in line and "\r" not in line and "\x1b" not in line, line
