@@ -87,7 +87,7 @@ def test_unknown_fields_are_accepted_and_logged_once_naming_them(caplog):
     req = ImageGenerationRequest.model_validate({"prompt": "p", "temperature": 0.5, "top_k": 3})
     assert req.model_extra == {"temperature": 0.5, "top_k": 3}
     messages = [r.getMessage() for r in caplog.records if r.name == "gateway.protocol"]
-    assert messages == ["ignored request fields not in this API: 'temperature', 'top_k'"]
+    assert messages == ["ignored request fields not in this API (2 fields): 'temperature', 'top_k'"]
     caplog.clear()
     ImageGenerationRequest.model_validate({"prompt": "p"})
     assert not [r for r in caplog.records if r.name == "gateway.protocol"]
