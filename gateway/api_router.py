@@ -48,8 +48,17 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
 }
 
 
+def key_of_line(line: str) -> str:
+    """The key a line of the API-key file holds ('' for none): its first whitespace-separated word,
+    unless that starts a comment. ``#`` starts a comment at the line's start or after whitespace
+    only, so a key may contain ``#`` (cutting at any ``#`` turned ``sk-a#b`` into ``sk-a``, a weaker
+    key, silently)."""
+    words = line.split()
+    return "" if not words or words[0].startswith("#") else words[0]
+
+
 class ApiKeys:
-    """API keys from a file (one per line, ``#`` comments), re-read when the file changes.
+    """API keys from a file (one per line, ``#`` comments: `key_of_line`), re-read when the file changes.
 
     With no file configured every request is allowed. A configured but empty or unreadable file
     allows nothing (fail closed).
@@ -69,8 +78,7 @@ class ApiKeys:
             return self._keys
         if mtime != self._mtime:
             with open(self.path, encoding="utf-8") as f:
-                lines = (line.split("#", 1)[0].strip() for line in f)
-                self._keys = frozenset(k for k in lines if k)
+                self._keys = frozenset(k for k in map(key_of_line, f) if k)
             self._mtime = mtime
         return self._keys
 

@@ -156,6 +156,19 @@ def test_api_keys_from_file(gateway_factory, tmp_path):
                      headers={"authorization": "Bearer sk-one"}).status_code == 401
 
 
+def test_an_api_key_containing_a_hash_is_the_whole_key(gateway_factory, tmp_path):
+    """``#`` starts a comment only at a line's start or after whitespace: a key with ``#`` inside
+    (``sk-hash#part``) is the whole key, not its prefix (break-it pass: ``Bearer sk-hash`` was
+    accepted and the full key refused, silently weakening it)."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-hash#notcomment\nsk-other # a comment\n")
+    gw = gateway_factory(api_keys_file=str(keys))
+    ok = {"authorization": "Bearer sk-hash#notcomment"}
+    assert httpx.get(gw.url + "/v1/models", headers=ok).status_code == 200
+    assert_envelope(httpx.get(gw.url + "/v1/models", headers={"authorization": "Bearer sk-hash"}), 401)
+    assert httpx.get(gw.url + "/v1/models", headers={"authorization": "Bearer sk-other"}).status_code == 200
+
+
 def test_request_id_header_is_echoed_or_generated(gw):
     r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"},
                    headers={"x-request-id": "my-id-123"})
