@@ -38,7 +38,6 @@ DEFAULT_OUTPUT_COMPRESSION = 25
 #: Exactly ``WIDTHxHEIGHT``: ASCII digits, no leading zero, nothing around (matched with ``fullmatch``:
 #: ``$`` would also let a trailing newline through).
 _SIZE_RE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 @dataclass
@@ -135,6 +134,6 @@ def check_prompt_length(name: str, text: str, settings: GatewaySettings) -> None
 
 def new_request_id(header_value: str | None) -> str:
     """The client's ``x-request-id`` when it is well formed, else ``img-<32 hex>``."""
-    if header_value and _REQUEST_ID_RE.match(header_value):
+    if header_value and not limits.request_id_problem(header_value, limits.MAX_CLIENT_REQUEST_ID):
         return header_value
     return f"img-{uuid.uuid4().hex}"

@@ -215,7 +215,8 @@ class ImageGenerationRequest(OpenAIBaseModel):
     cfg_range: tuple[StrictFloat, StrictFloat] | None = Field(None, description="Extension: [start, end] in "
                                                   "[0, 1]: guidance applies while start <= i/N <= "
                                                   "end.")
-    ar_guidance_scale: StrictFloat | None = Field(None, ge=0.0, le=100.0, description="Extension: AR-side "
+    ar_guidance_scale: StrictFloat | None = Field(None, ge=GUIDANCE_SCALE_RANGE[0], le=GUIDANCE_SCALE_RANGE[1],
+                                                  description="Extension: AR-side "
                                             "classifier-free guidance (<= 1: off, default).")
     ar_grid: str | None = Field(None, description="Extension: the AR grid, `auto` (width/16 x "
                                 "height/16) or `WxH` cells (W*H cells in the image's aspect ratio; "

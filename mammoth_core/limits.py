@@ -192,6 +192,26 @@ def grid_tokens(grid_width: int, grid_height: int) -> int:
     return grid_height * (grid_width + 1)
 
 
+#: A request id: the gateway's (a client's well-formed ``x-request-id``, else ``img-<32 hex>``) and
+#: the stages' (the gateway's plus ``-<image index>``). Only these characters, so an id written into
+#: a log line cannot break or forge it (a break-it pass logged a newline sent straight to a stage).
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
+#: Longest client ``x-request-id`` the gateway keeps; a stage takes that plus the image suffix.
+MAX_CLIENT_REQUEST_ID = 128
+MAX_STAGE_REQUEST_ID = MAX_CLIENT_REQUEST_ID + 32
+
+
+def request_id_problem(value: str, max_length: int = MAX_STAGE_REQUEST_ID) -> str | None:
+    """Why ``value`` is not a request id (`REQUEST_ID_PATTERN`, 1..``max_length`` characters), or None."""
+    if not value:
+        return "request_id is required"
+    if len(value) > max_length:
+        return f"request_id is {len(value)} characters; the maximum is {max_length}"
+    if not REQUEST_ID_PATTERN.fullmatch(value):
+        return "request_id may hold only ASCII letters, digits and . _ : -"
+    return None
+
+
 def max_caption_rows(axes_lens) -> int:
     """Most condition rows the DiT takes in one CFG branch, from its rotary table lengths
     (``gen_dit_config.axes_lens``): condition row ``i`` has position ``i`` on the first axis and every

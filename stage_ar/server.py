@@ -174,8 +174,11 @@ class ARServicer(pb_grpc.ARServicer):
 
 def validate_request(request: pb.ARGenerateRequest) -> str | None:
     """A message naming what is wrong with ``request``, or None."""
-    if not request.request_id:
-        return "request_id is required"
+    if problem := limits.request_id_problem(request.request_id):
+        return problem
+    low, high = limits.GUIDANCE_SCALE_RANGE
+    if not low <= request.ar_guidance_scale <= high:  # NaN fails both comparisons
+        return f"ar_guidance_scale must be in [{low:g}, {high:g}], got {request.ar_guidance_scale!r}"
     if is_blank(request.prompt):
         return "prompt is blank (it has no visible character)"
     if len(request.prompt) > MAX_PROMPT_CHARS or len(request.negative_prompt) > MAX_PROMPT_CHARS:

@@ -195,8 +195,8 @@ class DiTServicer(pb_grpc.DiTServicer):
         if self.engine is not None and self.engine.failure is not None:
             await _abort(context, grpc.StatusCode.UNAVAILABLE,
                          "the DiT engine failed; this replica takes no new work", Reason.ENGINE_FAILED)
-        if not request.request_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", Reason.INVALID_REQUEST)
+        if problem := limits.request_id_problem(request.request_id):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem, Reason.INVALID_REQUEST)
         why = validate_params(request.params, self.request_limits)
         if why:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, why, Reason.INVALID_REQUEST)

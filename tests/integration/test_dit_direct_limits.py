@@ -65,3 +65,18 @@ async def test_the_largest_documented_size_reserves_a_slot(dit):
     call = stub.Generate(_params(side, side, limits.DEFAULTS.max_steps), timeout=10)
     assert (await call.read()).WhichOneof("event") == "reserved"
     call.cancel()
+
+
+@pytest.mark.parametrize("request_id", ["a\n16:40:00.000 CRITICAL forged", "x" * 1_000_000, "id with space"])
+async def test_a_request_id_that_could_break_a_log_line_is_refused(dit, request_id):
+    """The request id goes into every log line of the request: a direct call (a gateway-token holder)
+    with a newline, 1 MB or spaces in it is INVALID_ARGUMENT before any slot is reserved (a break-it
+    pass wrote a forged line into the DiT's log)."""
+    stub, pool = dit
+    request = _params(64, 64, 1)
+    request.request_id = request_id
+    call = stub.Generate(request, timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+    assert all(slot.state is not SlotState.RESERVED for slot in pool.slots)

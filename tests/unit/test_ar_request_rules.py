@@ -24,6 +24,14 @@ def test_a_valid_request_passes():
 
 @pytest.mark.parametrize("changes, fragment", [
     (dict(request_id=""), "request_id is required"),
+    # break-it pass: a direct call's newline went into the AR's log lines as is
+    (dict(request_id="r\n16:40:00.000 CRITICAL forged"), "request_id may hold only"),
+    (dict(request_id="r" * 100_000), "request_id is 100000 characters"),
+    # and AR-side CFG took NaN, inf and 1e30 (the gateway's range is [0, 100])
+    (dict(ar_guidance_scale=float("nan")), "ar_guidance_scale"),
+    (dict(ar_guidance_scale=float("inf")), "ar_guidance_scale"),
+    (dict(ar_guidance_scale=1e30), "ar_guidance_scale"),
+    (dict(ar_guidance_scale=-1.0), "ar_guidance_scale"),
     (dict(prompt=" \u200b\t"), "prompt is blank"),
     (dict(prompt="x" * (MAX_PROMPT_CHARS + 1)), f"longer than {MAX_PROMPT_CHARS}"),
     (dict(negative_prompt="x" * (MAX_PROMPT_CHARS + 1)), f"longer than {MAX_PROMPT_CHARS}"),
