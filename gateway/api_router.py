@@ -210,3 +210,8 @@ async def readyz(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# HEAD as GET (uvicorn sends no body for it): some load balancers' health checks send HEAD.
+for _path, _endpoint in (("/healthz", healthz), ("/readyz", readyz), ("/metrics", metrics)):
+    router.add_api_route(_path, _endpoint, methods=["HEAD"], include_in_schema=False)

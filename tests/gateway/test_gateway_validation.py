@@ -169,6 +169,16 @@ def test_an_api_key_containing_a_hash_is_the_whole_key(gateway_factory, tmp_path
     assert httpx.get(gw.url + "/v1/models", headers={"authorization": "Bearer sk-other"}).status_code == 200
 
 
+def test_health_and_metrics_answer_head(gw):
+    """Load balancers' health checks may send HEAD: the health, readiness and metrics endpoints
+    answer it as GET, without a body (they answered 405 before)."""
+    for path in ("/healthz", "/readyz", "/metrics"):
+        get, head = httpx.get(gw.url + path), httpx.head(gw.url + path)
+        assert head.status_code == get.status_code != 405, (path, head.status_code)
+        assert head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+
+
 def test_request_id_header_is_echoed_or_generated(gw):
     r = httpx.post(gw.url + GEN, json={"prompt": "p", "size": "abc"},
                    headers={"x-request-id": "my-id-123"})
