@@ -30,7 +30,7 @@ import enum
 import grpc
 
 from gateway.errors import BackendError, DeadlineExceededError, GatewayError, InvalidRequestError
-from mammoth_core.errors import Origin, Reason, origin_of
+from mammoth_core.errors import Origin, Reason, field_of, origin_of
 
 #: Stage answers that no retry can fix (configuration errors): answered with 502 at once.
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -89,7 +89,7 @@ def classify(exc: grpc.aio.AioRpcError, stage: str, address: str,
         return DeadlineExceededError(f"the request's time budget ran out {during}")
     if code == grpc.StatusCode.INVALID_ARGUMENT and own and origin.reason in ("",
                                                                                Reason.INVALID_REQUEST):
-        return InvalidRequestError(f"{_REJECTED[stage]}: {details}")
+        return InvalidRequestError(f"{_REJECTED[stage]}: {details}", param=field_of(exc))
     if code in FATAL_CODES and own:
         return BackendError(f"the {_NAMES[stage]} at {address} refused the call: {code.name} "
                             f"{details}")

@@ -79,32 +79,36 @@ class Origin:
     reason: str
 
 
-def status_trailers(code: grpc.StatusCode, message: str, origin: Origin) -> tuple[tuple[str, bytes]]:
+def status_trailers(code: grpc.StatusCode, message: str, origin: Origin,
+                    field: str | None = None) -> tuple[tuple[str, bytes]]:
     """Trailing metadata carrying the rich status of an abort with ``code``/``message`` from
-    ``origin`` (one ``google.rpc.ErrorInfo`` detail)."""
+    ``origin`` (one ``google.rpc.ErrorInfo`` detail), and with ``field`` a ``google.rpc.BadRequest``
+    detail naming the request field at fault (the gateway's API parameter of the same name)."""
     info = error_details_pb2.ErrorInfo(reason=str(origin.reason), domain=DOMAIN,
                                        metadata={"stage": str(origin.stage)})
     status = status_pb2.Status(code=code.value[0], message=message)
     status.details.add().Pack(info)
+    if field:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
     return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
 
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, *,
-                stage: Stage | str, reason: Reason | str) -> NoReturn:
-    """Abort the RPC of ``context`` with ``code``/``message`` and the `Origin` ``(stage, reason)``.
+                stage: Stage | str, reason: Reason | str, field: str | None = None) -> NoReturn:
+    """Abort the RPC of ``context`` with ``code``/``message``, the `Origin` ``(stage, reason)`` and,
+    for a refused request field, ``field`` (`status_trailers`).
 
     Raises:
         grpc.aio.AbortError: always (what ``context.abort`` raises).
     """
-    await context.abort(code, message,
-                        trailing_metadata=status_trailers(code, message, Origin(str(stage), str(reason))))
+    await context.abort(code, message, trailing_metadata=status_trailers(
+        code, message, Origin(str(stage), str(reason)), field))
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
-def origin_of(error: Any) -> Origin | None:
-    """The `Origin` in the trailers of a failed call (``grpc.aio.AioRpcError``, or anything with
-    ``trailing_metadata()``); None when it has none, it does not parse, or its domain is not ours.
-    """
+def _status_of(error: Any) -> Any:
+    """The ``google.rpc.Status`` in the trailers of a failed call, or None."""
     trailers = getattr(error, "trailing_metadata", None)
     try:
         items = trailers() if callable(trailers) else ()
@@ -114,12 +118,30 @@ def origin_of(error: Any) -> Origin | None:
         if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
             continue
         try:
-            status = status_pb2.Status.FromString(value)
-        except Exception:  # noqa: BLE001 - a malformed status is no origin
+            return status_pb2.Status.FromString(value)
+        except Exception:  # noqa: BLE001 - a malformed status carries nothing
             return None
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info) and info.domain == DOMAIN:
-                return Origin(info.metadata.get("stage", ""), info.reason)
+    return None
+
+
+def origin_of(error: Any) -> Origin | None:
+    """The `Origin` in the trailers of a failed call (``grpc.aio.AioRpcError``, or anything with
+    ``trailing_metadata()``); None when it has none, it does not parse, or its domain is not ours.
+    """
+    status = _status_of(error)
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == DOMAIN:
+            return Origin(info.metadata.get("stage", ""), info.reason)
+    return None
+
+
+def field_of(error: Any) -> str | None:
+    """The request field a failed call's ``google.rpc.BadRequest`` detail names first, or None."""
+    status = _status_of(error)
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Is(bad.DESCRIPTOR) and detail.Unpack(bad) and bad.field_violations:
+            return bad.field_violations[0].field or None
     return None
 

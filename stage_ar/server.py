@@ -94,7 +94,7 @@ class ARServicer(pb_grpc.ARServicer):
             if session is None and failure.outcome:
                 metrics.REQUESTS.labels(failure.outcome).inc()
             await errors.abort(context, failure.code, failure.details, stage=failure.origin.stage,
-                               reason=failure.origin.reason)
+                               reason=failure.origin.reason, field=failure.field)
         finally:
             if session is not None:
                 session.close()
@@ -151,7 +151,7 @@ class ARServicer(pb_grpc.ARServicer):
             raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
                              f"the negative prompt is {len(negative_ids)} tokens; this model's DiT takes at most "
                              f"{limit} (gen_dit_config.axes_lens[0] - 1): shorten negative_prompt", "invalid",
-                             Reason.INVALID_REQUEST)
+                             Reason.INVALID_REQUEST, field="negative_prompt")
         total_rows = len(prompt_ids) + ar_h * (ar_w + 1)
         max_pos = min(self.bundle.model.config.max_position_embeddings, self.engine.max_sequence_length)
         if total_rows > max_pos:

@@ -90,12 +90,12 @@ class CallFailed(Exception):
     """The call ends with ``code`` and ``details``; ``outcome`` labels it in
     ``mammoth_ar_requests_total`` (None: not counted, the model is still loading); ``origin`` is
     where the error arose and why (`mammoth_core.errors`: this AR, or the DiT behind a failed push),
-    sent with the status."""
+    sent with the status; ``field`` the request field at fault, if one is."""
 
     def __init__(self, code: grpc.StatusCode, details: str, outcome: str | None,
-                 reason: Reason | str, stage: Stage | str = Stage.AR) -> None:
+                 reason: Reason | str, stage: Stage | str = Stage.AR, field: str | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details, self.outcome = code, details, outcome
+        self.code, self.details, self.outcome, self.field = code, details, outcome, field
         self.origin = errors.Origin(str(stage), str(reason))
 
 

@@ -34,7 +34,15 @@ class ConditionTooLongError(ValueError):
     """A condition with more rows than the DiT's caption rotary positions: the request's own fault
     (its prompt or negative prompt is too long for this model), which no retry fixes
     (`stage_dit.pipeline.MammothDiTPipeline.check_condition` raises it, the server answers
-    INVALID_ARGUMENT with reason INVALID_REQUEST, the gateway a 400)."""
+    INVALID_ARGUMENT with reason INVALID_REQUEST naming ``field``, the gateway a 400 with that param).
+
+    Attributes:
+        field: the request field to shorten, ``"prompt"`` or ``"negative_prompt"``.
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)

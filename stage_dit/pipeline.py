@@ -211,7 +211,7 @@ class MammothDiTPipeline:
             field = "negative_prompt" if name == "negative" else "prompt"
             raise ConditionTooLongError(
                 f"the {field.replace('_', ' ')} gives a condition of {condition.shape[0]} rows; this DiT's caption "
-                f"positions hold at most {limit} (gen_dit_config.axes_lens[0] - 1): shorten {field}")
+                f"positions hold at most {limit} (gen_dit_config.axes_lens[0] - 1): shorten {field}", field)
         return condition.to(self.device, self.dtype)
 
     def new_scheduler(self) -> FlowMatchEulerScheduler:

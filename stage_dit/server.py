@@ -169,7 +169,7 @@ class DiTServicer(pb_grpc.DiTServicer):
             raise
         except ConditionTooLongError as err:  # the request's own prompt is too long: no retry fixes it
             session.outcome = "rejected"
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.INVALID_REQUEST)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.INVALID_REQUEST, err.field)
         except ValueError as err:  # the pipeline refused these conditions (e.g. no image rows)
             session.outcome = "rejected"
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), Reason.CONDITIONS_REJECTED)
@@ -274,9 +274,9 @@ def _record_model_spans(span, timings: pb.DiTTimings, end_ns: int) -> None:
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                 reason: Reason) -> None:
-    """Abort with this stage (DiT) as the error's origin (`mammoth_core.errors`)."""
-    await errors.abort(context, code, message, stage=errors.Stage.DIT, reason=reason)
+                 reason: Reason, field: str | None = None) -> None:
+    """Abort with this stage (DiT) as the error's origin (`mammoth_core.errors`), naming ``field``."""
+    await errors.abort(context, code, message, stage=errors.Stage.DIT, reason=reason, field=field)
 
 
 def _expired(context: grpc.aio.ServicerContext) -> bool:

@@ -125,6 +125,24 @@ def test_fields_and_errors_against_real_stages(real):
     assert png(ok.data[0].b64_json).size == (32, 32)
 
 
+def test_a_prompt_too_long_for_the_dits_caption_positions_names_the_prompt(stages, gateway_factory):
+    """The tiny checkpoint's DiT (``text_image`` conditions: the prompt's text rows are part of the
+    condition) refuses a condition longer than its caption positions. The refusal travels from the
+    DiT as INVALID_ARGUMENT naming the field (a ``google.rpc.BadRequest`` detail), so the client's
+    400 names ``prompt`` (a break-it pass got ``param: null``)."""
+    dit, ar = stages.dit, stages.ar()
+    wait_idle(dit, ar, timeout=0)
+    gw = gateway_factory(ar=[ar.address], dit=[dit.address], request_timeout_seconds=120, max_prompt_chars=4000,
+                         gateway_token_file=stages.factory.gateway_token_file)
+    gw.wait_ready(60)
+    r = httpx.post(gw.url + GEN, json={"prompt": "\U0001F600" * 2490, "size": "32x32", "seed": 1,
+                                       "num_inference_steps": 1}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "caption positions" in err["message"], err
+    wait_idle(dit, ar)
+
+
 def test_stream_one_progress_event_per_step_completed_last(real):
     gw, _, _ = real
     steps = 3

@@ -144,6 +144,7 @@ async def test_a_negative_prompt_too_long_for_the_dit_is_refused_by_the_ar_befor
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
             assert "shorten negative_prompt" in refused.value.details() and "at most 63" in refused.value.details()
             assert errors.origin_of(refused.value) == errors.Origin(errors.Stage.AR, errors.Reason.INVALID_REQUEST)
+            assert errors.field_of(refused.value) == "negative_prompt"  # the gateway's 400 names it
             request.negative_prompt = "blurry"  # a short one passes admission (and then finds no DiT)
             with pytest.raises(grpc.aio.AioRpcError) as later:
                 async for _ in stub.Generate(request, metadata=auth, timeout=30):

@@ -710,3 +710,4 @@ async def test_a_negative_prompt_too_long_for_the_dit_is_refused_as_the_requests
     assert origin is not None and origin.reason == errors.Reason.INVALID_REQUEST
     verdict = classify(exc.value, errors.Stage.DIT, "dit:1", "while denoising")
     assert type(verdict).__name__ == "InvalidRequestError"  # a 400 at once, not a retried failure
+    assert errors.field_of(exc.value) == "negative_prompt" and verdict.param == "negative_prompt"
