@@ -13,9 +13,13 @@ returns uvicorn's h11 protocol with, per connection:
   otherwise the same ``408`` unless a response has begun, and the connection is closed (the request
   handler sees a disconnect and cancels its work);
 - a **connection cap**: at most ``max_connections`` open connections, and never more than the
-  process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs); a connection over the cap is
-  answered ``503`` (OpenAI envelope, ``code: too_many_connections``, ``Retry-After``) and closed
-  before anything is read, so the listening socket never runs out of file descriptors;
+  process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs). A connection over the cap
+  first evicts the connection that has waited longest, at least `EVICT_AFTER_S`, for a request
+  head (a stalled head, or an idle kept-alive connection, gets the ``408`` and is closed), so a slowloris
+  filling the cap cannot lock out new requests (the kubelet's ``/healthz`` probe among them); with
+  none to evict it is answered ``503`` (OpenAI envelope, ``code: too_many_connections``,
+  ``Retry-After``) and closed before anything is read, so the listening socket never runs out of
+  file descriptors;
 - bytes that are not an HTTP/1.1 request get ``400 invalid_http_request``, a request head larger
   than h11's limit (16 KiB) ``431 request_header_too_large``, both in the envelope (uvicorn's own
   answer is plain text), and the connection lingers `LINGER_SECONDS` so the client can read it.
@@ -46,7 +50,10 @@ logger = logging.getLogger(__name__)
 FD_HEADROOM = 128
 LOG_INTERVAL_SECONDS = 10.0
 LINGER_SECONDS = 1.0
-CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity")
+#: At the cap, a connection whose request head has been incomplete (or which has idled between
+#: requests) this long may be closed to admit a new one: a head normally arrives in one round trip.
+EVICT_AFTER_S = 0.5
+CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity", "evicted")
 
 
 def _invalid_http_response(too_large: bool, limit: int) -> bytes:
@@ -103,12 +110,13 @@ class GuardedH11Protocol(H11Protocol):
     closed: Counter
     refusal: bytes
     _phase: str | None = None
+    _phase_since = 0.0
     _refused = False
     _timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.cap:
+        if len(self.connections) > self.cap and not self._evict_one():
             self.closed.labels("over_capacity").inc()
             logger.warning("refused a connection: %d open (the cap is %d)", len(self.connections),
                            self.cap)
@@ -116,6 +124,19 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         self._track()
+
+    def _evict_one(self) -> bool:
+        """Close the open connection waiting longest (at least `EVICT_AFTER_S`) for a request head;
+        False when there is none."""
+        now = self.loop.time()
+        stalled = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self
+                   and c._phase == "header" and now - c._phase_since >= EVICT_AFTER_S
+                   and c.transport is not None and not c.transport.is_closing()]
+        if not stalled:
+            return False
+        victim = min(stalled, key=lambda c: c._phase_since)
+        victim._close_in_phase("header", now - victim._phase_since, "evicted")
+        return True
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # answered already: what else arrives is read and dropped
@@ -185,6 +206,7 @@ class GuardedH11Protocol(H11Protocol):
             self._timer.cancel()
             self._timer = None
         self._phase = phase
+        self._phase_since = self.loop.time()
         if phase is not None:
             seconds = self.header_timeout if phase == "header" else self.body_timeout
             self._timer = self.loop.call_later(seconds, self._expire, phase)
@@ -193,9 +215,15 @@ class GuardedH11Protocol(H11Protocol):
         self._timer = None
         if self._phase != phase or self.transport.is_closing():
             return
-        self.closed.labels(f"{phase}_timeout").inc()
         seconds = self.header_timeout if phase == "header" else self.body_timeout
-        logger.warning("closed a connection: request %s not received within %.1f s", phase, seconds)
+        self._close_in_phase(phase, seconds, f"{phase}_timeout")
+
+    def _close_in_phase(self, phase: str, seconds: float, reason: str) -> None:
+        """Close this connection, still in ``phase`` after ``seconds``: the ``408`` first unless a
+        response of ours has begun; counted under ``reason``."""
+        self._set_phase(None)
+        self.closed.labels(reason).inc()
+        logger.warning("closed a connection (%s): request %s not received within %.1f s", reason, phase, seconds)
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response of ours begun yet
             self.transport.write(_request_timeout_response("head" if phase == "header" else "body", seconds))
         self.transport.close()

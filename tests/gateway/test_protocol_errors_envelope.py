@@ -100,3 +100,40 @@ def test_content_length_with_chunked_is_refused_and_the_connection_closed(guarde
     assert seconds < DEADLINE_S, seconds  # closed after the answer, not by the next head's deadline
     err = _envelope(data, b"400")
     assert err["code"] == "invalid_http_request" and "Transfer-Encoding" in err["message"], err
+
+
+def test_at_the_connection_cap_a_new_request_evicts_a_stalled_head(tmp_path):
+    """At the cap, a new connection closes the longest-stalled connection still in its head phase
+    (older than `EVICT_AFTER_S`) instead of being refused: a slowloris filling the cap no longer
+    refuses the kubelet's ``/healthz`` probe on the same port (break-it pass: held about 60 s, that
+    would have restarted the gateway and killed its in-flight work). Header deadline 30 s here, so
+    only the eviction can free a place."""
+    from gateway.slow_clients import EVICT_AFTER_S
+
+    gw = GatewayThread(small_settings())
+    config = uvicorn.Config(gw.app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
+                            access_log=False, timeout_graceful_shutdown=2, http=guarded_protocol(30.0, 30.0, 8))
+    gw.server = uvicorn.Server(config)
+    gw.server.capture_signals = _no_signals  # type: ignore[method-assign]
+    gw.start()
+    try:
+        port = int(gw.url.rsplit(":", 1)[1])
+        stalled = []
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(HEAD[:20])
+            stalled.append(s)
+        time.sleep(EVICT_AFTER_S + 0.3)
+        data, _ = _answer(port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        answers = []
+        for s in stalled:
+            s.settimeout(0.5)
+            try:
+                answers.append(s.recv(200)[:12])
+            except (TimeoutError, socket.timeout):
+                answers.append(b"")
+            s.close()
+        assert answers.count(b"HTTP/1.1 408") == 1, answers  # the oldest stalled head, answered and closed
+    finally:
+        gw.stop()
