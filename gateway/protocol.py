@@ -90,6 +90,17 @@ def _first_surrogate(value: Any) -> str | None:
     return None
 
 
+#: The ignored-fields warning names this many fields, each cut to `EXTRA_FIELD_NAME_CHARS`, and
+#: counts them all: field names are the client's text, and a break-it pass filled 20 MB of log with
+#: 20 requests naming 1 MB keys (a line stays under 500 bytes now, like the request's own line).
+EXTRA_FIELDS_NAMED = 5
+EXTRA_FIELD_NAME_CHARS = 64
+
+
+def _clip(name: str) -> str:
+    return name if len(name) <= EXTRA_FIELD_NAME_CHARS else name[:EXTRA_FIELD_NAME_CHARS] + "..."
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of the request models: accepts unknown fields (kept in ``model_extra``) and logs a
     warning naming them, once per request. Floats must be finite (JSON's NaN/Infinity: 400 "Input
@@ -122,17 +133,6 @@ class OpenAIBaseModel(BaseModel):
             more = f" and {len(names) - EXTRA_FIELDS_NAMED} more" if len(names) > EXTRA_FIELDS_NAMED else ""
             logger.warning("ignored request fields not in this API (%d fields): %s%s", len(names), shown, more)
         return self
-
-
-#: The ignored-fields warning names this many fields, each cut to `EXTRA_FIELD_NAME_CHARS`, and
-#: counts them all: field names are the client's text, and a break-it pass filled 20 MB of log with
-#: 20 requests naming 1 MB keys (a line stays under 500 bytes now, like the request's own line).
-EXTRA_FIELDS_NAMED = 5
-EXTRA_FIELD_NAME_CHARS = 64
-
-
-def _clip(name: str) -> str:
-    return name if len(name) <= EXTRA_FIELD_NAME_CHARS else name[:EXTRA_FIELD_NAME_CHARS] + "..."
 
 
 class DiTCacheOptions(BaseModel):

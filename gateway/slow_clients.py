@@ -142,30 +142,32 @@ class GuardedH11Protocol(H11Protocol):
         if self._refused:  # answered already: what else arrives is read and dropped
             return
         if self.conn.their_state is h11.IDLE and self._head_too_large(data):
-            limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-            self._refuse(_invalid_http_response(True, limit))
+            self._refuse(_invalid_http_response(True, self._head_limit))
             return
         super().data_received(data)
         self._track()
 
+    @property
+    def _head_limit(self) -> int:
+        """Bytes a request head (request line and headers) may have: h11's incomplete-event limit."""
+        return self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+
     def _head_too_large(self, data: bytes) -> bool:
-        """Whether the request head now arriving (h11's unparsed bytes, then ``data``, up to the end
-        of its headers) is over the limit. h11 bounds only a head still incomplete when a read
-        ends, so a larger head that arrived whole was accepted: the limit depended on how the
-        network split the bytes (a break-it pass: 17-70 KB heads in one send answered 200)."""
-        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        """Whether the request head now arriving (h11's unparsed bytes, at most the limit, then
+        ``data``, up to the end of its headers) is over the limit. h11 bounds only a head still
+        incomplete when a read ends, so a larger head that arrived whole was accepted: the limit
+        depended on how the network split the bytes (a break-it pass: 17-70 KB heads in one send
+        answered 200)."""
+        limit = self._head_limit
         buffered = self.conn.trailing_data[0]
         if len(buffered) + len(data) <= limit:
             return False
-        window = bytes(buffered[-3:]) + data[: limit + 4]  # the end of the head may straddle the two
-        end = window.find(b"\r\n\r\n")
-        if end < 0:
-            return True  # no end of head within the limit's reach
-        return len(buffered) - min(3, len(buffered)) + end + 4 > limit
+        end = (bytes(buffered) + data[: limit + 4]).find(b"\r\n\r\n")
+        return end < 0 or end + 4 > limit  # no end of head within reach, or beyond the limit
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes h11 cannot parse, here in the envelope (`_invalid_http_response`)."""
-        limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        limit = self._head_limit
         self._refuse(_invalid_http_response(len(self.conn.trailing_data[0]) > limit, limit))
 
     def _refuse(self, response: bytes) -> None:

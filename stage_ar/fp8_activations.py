@@ -133,7 +133,8 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](
             x, norm_weight if norm else x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE,
             float(norm_eps), FP8_MAX_=FP8_MAX, ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, NORM=norm,
-            NORM_BLOCK_=NORM_BLOCK, LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl, **launch_options(pdl))
+            NORM_BLOCK_=NORM_BLOCK, LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1,
+            num_warps=min(16, max(4, row_block // 2048)), PDL=pdl, **launch_options(pdl))
     elif m:
         scales.fill_(MIN_ROW_SCALE)
     return codes, scales

@@ -20,15 +20,21 @@ DEADLINE_S = 0.5
 HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
 
 
-@pytest.fixture
-def guarded_gateway():
+def _guarded(deadline_s: float, max_connections: int) -> GatewayThread:
+    """The gateway app under uvicorn with the guarded protocol (both deadlines ``deadline_s``), started."""
     gw = GatewayThread(small_settings())
     config = uvicorn.Config(gw.app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
                             access_log=False, timeout_graceful_shutdown=2,
-                            http=guarded_protocol(DEADLINE_S, DEADLINE_S, 100))
+                            http=guarded_protocol(deadline_s, deadline_s, max_connections))
     gw.server = uvicorn.Server(config)
     gw.server.capture_signals = _no_signals  # type: ignore[method-assign]
     gw.start()
+    return gw
+
+
+@pytest.fixture
+def guarded_gateway():
+    gw = _guarded(DEADLINE_S, 100)
     yield gw
     gw.stop()
 
@@ -102,7 +108,7 @@ def test_content_length_with_chunked_is_refused_and_the_connection_closed(guarde
     assert err["code"] == "invalid_http_request" and "Transfer-Encoding" in err["message"], err
 
 
-def test_at_the_connection_cap_a_new_request_evicts_a_stalled_head(tmp_path):
+def test_at_the_connection_cap_a_new_request_evicts_a_stalled_head():
     """At the cap, a new connection closes the longest-stalled connection still in its head phase
     (older than `EVICT_AFTER_S`) instead of being refused: a slowloris filling the cap no longer
     refuses the kubelet's ``/healthz`` probe on the same port (break-it pass: held about 60 s, that
@@ -110,12 +116,7 @@ def test_at_the_connection_cap_a_new_request_evicts_a_stalled_head(tmp_path):
     only the eviction can free a place."""
     from gateway.slow_clients import EVICT_AFTER_S
 
-    gw = GatewayThread(small_settings())
-    config = uvicorn.Config(gw.app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
-                            access_log=False, timeout_graceful_shutdown=2, http=guarded_protocol(30.0, 30.0, 8))
-    gw.server = uvicorn.Server(config)
-    gw.server.capture_signals = _no_signals  # type: ignore[method-assign]
-    gw.start()
+    gw = _guarded(30.0, 8)
     try:
         port = int(gw.url.rsplit(":", 1)[1])
         stalled = []

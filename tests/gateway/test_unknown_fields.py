@@ -7,15 +7,22 @@ from __future__ import annotations
 import logging
 
 import httpx
+import pytest
 
 GEN = "/v1/images/generations"
 
 
-def test_unknown_fields_are_accepted_and_logged_by_name(fakes, gateway_factory, caplog):
+@pytest.fixture
+def gw(fakes, gateway_factory):
+    """A gateway on fake stages, ready."""
     dit = fakes("dit")
     ar = fakes("ar")
-    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
-    gw.wait_ready()
+    gateway = gateway_factory(ar=[ar.address], dit=[dit.address])
+    gateway.wait_ready()
+    return gateway
+
+
+def test_unknown_fields_are_accepted_and_logged_by_name(gw, caplog):
     caplog.set_level(logging.WARNING, logger="gateway")
     body = {"prompt": "a red fox", "size": "64x64", "seed": 3, "temperature": 0.5,
             "future_option": {"a": 1}}
@@ -27,14 +34,10 @@ def test_unknown_fields_are_accepted_and_logged_by_name(fakes, gateway_factory, 
     assert "'future_option'" in warnings[0] and "'temperature'" in warnings[0], warnings
 
 
-def test_unknown_field_names_cannot_flood_the_log(fakes, gateway_factory, caplog):
+def test_unknown_field_names_cannot_flood_the_log(gw, caplog):
     """A break-it pass wrote 20 MB of log with 20 requests of one 1 MB unknown key each (and a
     589 KB line for 60,000 small ones): the warning names at most a few fields, each cut short, and
     says how many there were."""
-    dit = fakes("dit")
-    ar = fakes("ar")
-    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
-    gw.wait_ready()
     caplog.set_level(logging.WARNING, logger="gateway")
     for i in range(20):
         body = {"prompt": "a", "size": "1x1", "x" * 1_000_000: 1, **{f"k{i}_{j}": 1 for j in range(1000)}}
@@ -45,14 +48,10 @@ def test_unknown_field_names_cannot_flood_the_log(fakes, gateway_factory, caplog
     assert "1001 fields" in warnings[0], warnings[0][:300]
 
 
-def test_user_text_cannot_forge_log_lines(fakes, gateway_factory, caplog):
+def test_user_text_cannot_forge_log_lines(gw, caplog):
     """``user`` / ``safety_identifier`` reach the request log line escaped: a newline in them cannot
     start a line of its own that looks like another component's (break-it pass: a forged
     ``CRITICAL gateway.auth`` line in the run log)."""
-    dit = fakes("dit")
-    ar = fakes("ar")
-    gw = gateway_factory(ar=[ar.address], dit=[dit.address])
-    gw.wait_ready()
     caplog.set_level(logging.INFO, logger="gateway")
     forged = "x\n16:40:00.000 CRITICAL gateway [img-admin] gateway.auth: accepted\r\x1b[31m"
     for field in ("user", "safety_identifier"):
