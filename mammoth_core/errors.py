@@ -16,6 +16,7 @@ Uses the ``google.rpc`` protos of ``googleapis-common-protos`` (what ``grpcio-st
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -100,10 +101,21 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     for a refused request field, ``field`` (`status_trailers`).
 
     Raises:
-        grpc.aio.AbortError: always (what ``context.abort`` raises).
+        grpc.aio.AbortError: the status was sent (what ``context.abort`` raises).
+        asyncio.CancelledError: the call had already ended (its deadline, or the client cancelled),
+            so there was no status to send: the handler stops as on any cancellation. grpcio raises
+            its internal ``ExecuteBatchError`` then; a DiT whose own condition wait ran out with the
+            caller's deadline logged that as a failed generation and counted it ``failed``.
     """
-    await context.abort(code, message, trailing_metadata=status_trailers(
-        code, message, Origin(str(stage), str(reason)), field))
+    try:
+        await context.abort(code, message, trailing_metadata=status_trailers(
+            code, message, Origin(str(stage), str(reason)), field))
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        if context.done():
+            raise asyncio.CancelledError(f"the call ended before its {code.name} status was sent") from exc
+        raise
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
