@@ -181,7 +181,7 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
     five = torch.equal(G.gemv(x[3:8], w, **_rows(kw, 3, 8)), full[3:8])
     rec["batch_invariant"] = bool(alone and five)
     per_config = {}
-    for c in G.FP8_TUNED_CONFIGS if w.dtype == G.FP8_DTYPE else G.TUNED_CONFIGS:
+    for c in G.tuned_configs(w.dtype, kw.get("fp8_compute")):
         if not G.fits_shared_memory(c, x.dtype, w.dtype, bool(kw.get("swiglu"))):
             continue  # autotuning prunes it too
         try:
@@ -326,14 +326,15 @@ def precompile_jobs(table: dict) -> list[tuple]:
     """Every (shape, form, candidate config) autotuning will compile, as `stage_ar.gemv.compile_ahead` arguments."""
     jobs = []
     for name, shape in table.items():
-        for c in G.FP8_TUNED_CONFIGS:  # section 0's float16-compute and W8A8 FP8 launches (plain)
-            if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
-                jobs += [(f"{name}/fp8-{mode}/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
-                          {"fp8_compute": mode}) for mode in ("float16", "fp8")]
+        for mode in ("float16", "fp8"):  # section 0's float16-compute and W8A8 FP8 launches (plain)
+            for c in G.tuned_configs(G.FP8_DTYPE, mode):
+                if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
+                    jobs.append((f"{name}/fp8-{mode}/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
+                                 {"fp8_compute": mode}))
         for form in ("plain", "fused", "fp8", "w8a8"):
             flags = {} if form == "plain" else dict(shape["fused"]) | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
             w_dtype = G.FP8_DTYPE if form in ("fp8", "w8a8") else torch.bfloat16
-            for c in G.FP8_TUNED_CONFIGS if w_dtype == G.FP8_DTYPE else G.TUNED_CONFIGS:
+            for c in G.tuned_configs(w_dtype, flags.get("fp8_compute")):
                 if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
                     if form == "fused" and flags.get("norm"):

@@ -47,7 +47,8 @@ from stage_ar.configuration_mammoth_ar import MammothARConfig  # noqa: E402
 
 #: split counts tried per shape (K tiles: 14 for the 3,584-column inputs, 74 for down's 18,944)
 SPLITS = {"qkv": (1, 2, 4, 7), "o": (1, 2, 4, 7), "gate_up": (1, 2), "down": (1, 2, 4, 8), "head": (1, 2, 4)}
-FORMS = ("bf16", "fp8", "w8a8")
+ALL_FORMS = ("bf16", "fp8", "w8a8")
+FORMS = ALL_FORMS  # the forms measured (`--forms`)
 HEAD_DIM = 128
 
 
@@ -62,7 +63,7 @@ def _kwargs(name: str, shape: dict, ws: dict, m: int, form: str, residual: torch
 
 
 def _rule(split: int):
-    return lambda n, k, weight_dtype: split
+    return lambda n, k, weight_dtype, fp8_compute=None: split
 
 
 def compile_jobs(table: dict) -> list[tuple]:
@@ -78,7 +79,7 @@ def compile_jobs(table: dict) -> list[tuple]:
             w_dtype = torch.bfloat16 if form == "bf16" else G.FP8_DTYPE
             f = flags | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
             for split in SPLITS[name]:
-                for c in G.FP8_TUNED_CONFIGS if form != "bf16" else G.TUNED_CONFIGS:
+                for c in G.tuned_configs(w_dtype, f.get("fp8_compute")):
                     c = G.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
                     if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(f.get("swiglu") or f.get("rope_head_dim"))):
                         jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, f))
@@ -100,6 +101,14 @@ def measure(name: str, shape: dict, sets: list[dict], form: str, split: int) -> 
     rec["tuned"] = str(G.last_tuned_config())
     alone = [torch.equal(G.gemv(x[i : i + 1], w, **_rows(kw, i))[0], full[i]) for i in (0, 9, 15)]
     rec["row_alone_equals_row_in_16"] = all(alone)
+    # every candidate autotuning may pick, at this split: the same bits as the tuned launch?
+    paired = bool(kw.get("swiglu") or kw.get("cos") is not None)
+    same = {}
+    for c in G.tuned_configs(w.dtype, kw.get("fp8_compute")):
+        c = G.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
+        if G.fits_shared_memory(c, torch.bfloat16, w.dtype, paired):
+            same[str(c)] = bool(torch.equal(G.gemv(x, w, config=c, **kw), full))
+    rec["candidates_same_bits"] = same
     rec["out"] = full
     weight_bytes = shape["rows"] * shape["K"] * (2 if form == "bf16" else 1)
     for m in (1, 16):
@@ -122,7 +131,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no new measurement after this")
     parser.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
     parser.add_argument("--shapes", default=",".join(SPLITS), help="comma-separated subset of the shapes")
+    parser.add_argument("--forms", default=",".join(ALL_FORMS), help="comma-separated subset of the weight forms")
     args = parser.parse_args()
+    global FORMS
+    FORMS = tuple(f for f in ALL_FORMS if f in args.forms.split(","))
     t0 = time.time()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

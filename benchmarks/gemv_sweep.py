@@ -40,8 +40,33 @@ BF16_LAUNCHES = ((16, 1, 4), (16, 2, 4), (16, 2, 6), (16, 4, 3), (16, 4, 4), (16
                  (64, 4, 4))
 
 
-def candidates(smoke: bool) -> list[tuple[str, str, G.GemvConfig | None]]:
-    """(label, fp8_compute or "bf16", config) in the order they are timed (most valuable first)."""
+#: W8A8 launches (``fp8_compute="fp8"``, `--families w8a8`): the ``mma.sync`` blocks autotuning has, and
+#: 64/128-column blocks (Hopper ``wgmma``, the weights as the 64-row operand) that the float16 set cannot
+#: take (other bits than its 16/32-column launches); each with K tiles of 256 and 512 and split counts
+#: `W8A8_SPLITS` (None: `stage_ar.gemv_configs.split_k_for`'s rule; 7-8 on the narrow shapes).
+W8A8_LAUNCHES = ((16, 4, 4), (32, 4, 4), (64, 4, 3), (64, 4, 4), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4))
+W8A8_SPLITS = (None, 1, 4)
+FAMILIES = ("fp8_f16", "bf16", "w8a8")
+
+
+def w8a8_candidates(smoke: bool) -> list[tuple[str, str, G.GemvConfig]]:
+    """The W8A8 family (activations pre-quantized once per M: the timings are the GEMV kernel's alone)."""
+    launches = W8A8_LAUNCHES[:2] if smoke else W8A8_LAUNCHES
+    out = []
+    for bk in (256, 512):
+        for bn, w, st in launches:
+            for split in W8A8_SPLITS:
+                c = G.GemvConfig(bn, w, 1 if smoke else st, bk, split)
+                if G.fits_shared_memory(c, G.FP8_DTYPE, G.FP8_DTYPE, False):
+                    out.append((f"fp8/{bk}/{bn}-{w}-{st}/s{split or 'rule'}", "fp8", c))
+    return out
+
+
+def candidates(smoke: bool, families: tuple[str, ...] = FAMILIES[:2]) -> list[tuple[str, str, G.GemvConfig | None]]:
+    """(label, fp8_compute or "bf16", config) in the order they are timed (most valuable first), for the
+    ``families`` asked for (`FAMILIES`; by default the float16-products and bf16 sets)."""
+    if families == ("w8a8",):
+        return w8a8_candidates(smoke)
     fp8_launches = FP8_LAUNCHES[:2] if smoke else FP8_LAUNCHES
 
     def fp8(mode, tiles):
@@ -55,8 +80,16 @@ def candidates(smoke: bool) -> list[tuple[str, str, G.GemvConfig | None]]:
     act = [(f"activation/256/{bn}-{w}-{st}", "activation", G.GemvConfig(bn, w, 1 if smoke else st, 256))
            for bn, w, st in ((16, 4, 4), (32, 4, 4))]
     tiles = (256, 512) if smoke else (512, 256)
-    return (fp8("float16", tiles) + bf16 + fp8("float16_bits", tiles) + fp8("float16", (1024,))
-            + fp8("float16_bits", (1024,)) + act)
+    out = []
+    if "fp8_f16" in families:
+        out += fp8("float16", tiles)
+    if "bf16" in families:
+        out += bf16
+    if "fp8_f16" in families:
+        out += fp8("float16_bits", tiles) + fp8("float16", (1024,)) + fp8("float16_bits", (1024,)) + act
+    if "w8a8" in families:
+        out += w8a8_candidates(smoke)
+    return out
 
 
 def _compile(job):
@@ -86,6 +119,16 @@ def precompile(table: dict, cands: list, workers: int) -> dict:
 def _call(mode: str, ws: dict, x: torch.Tensor, c):
     if mode == "bf16":
         return lambda: G.gemv(x, ws["w"], config=c)
+    if mode == "fp8":  # W8A8: the rows quantized once here, so the call is the GEMV kernel alone
+        from stage_ar.fp8_activations import quantize_rows
+
+        xq, xs = quantize_rows(x)
+        out = torch.empty(x.shape[0], ws["w8"].shape[0], dtype=x.dtype, device=x.device)
+
+        def launch():
+            G._launch(xq, ws["w8"], ws["scale"], None, None, 1e-6, None, False, c, "fp8", out, None, xs)
+            return out.clone() if x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing() else out
+        return launch
     return lambda: G.gemv(x, ws["w8"], weight_scale=ws["scale"], fp8_compute=mode, config=c)
 
 
@@ -152,7 +195,7 @@ def summary(table: dict, res: dict, cands: list) -> dict:
     """Per mode: µs per visual token at M = 1 with the best invariant candidate per shape, and with
     the best single candidate for all shapes."""
     out = {}
-    for mode in ("float16", "float16_bits", "activation", "bf16"):
+    for mode in ("float16", "float16_bits", "activation", "bf16", "fp8"):
         names = [n for n in table if not (mode != "bf16" and n == "head")]
         best, per_label = 0.0, {}
         for n in names:
@@ -179,6 +222,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget-s", type=float, default=200.0, help="start no new candidate after this")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--families", default="fp8_f16,bf16", help=f"comma-separated of {FAMILIES}")
     parser.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
     args = parser.parse_args()
     t0 = time.time()
@@ -190,7 +234,7 @@ def main() -> None:
         from mammoth_app.make_checkpoint import preview_config
         from stage_ar.configuration_mammoth_ar import MammothARConfig
         table = B.shapes(MammothARConfig.from_dict(preview_config()[0]["llm_config"]))
-    cands = candidates(args.smoke)
+    cands = candidates(args.smoke, tuple(args.families.split(",")))
     res = {"command": "PYTHONPATH=. python3 benchmarks/gemv_sweep.py --out $OUT", "shapes": table,
            "candidates": [lab for lab, _, _ in cands]}
 

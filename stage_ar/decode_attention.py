@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from stage_ar.launch_overlap import launch_options, pdl_enabled
+from stage_ar.launch_overlap import launch_options, pdl_flag
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -345,7 +345,7 @@ def decode_attention(
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_flag(q.device)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
         q.stride(0), q.stride(1),

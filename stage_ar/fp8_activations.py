@@ -17,7 +17,7 @@ import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
 from stage_ar.gemv_checks import ACTIVATION_DTYPES, expect_tensor
-from stage_ar.launch_overlap import launch_options, pdl_enabled
+from stage_ar.launch_overlap import launch_options, pdl_flag
 from stage_ar.row_norm import NORM_BLOCK
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -127,7 +127,7 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
     if k > MAX_COLUMNS:
         raise ValueError(f"quantize_rows takes rows of at most {MAX_COLUMNS} columns, got {k}")
     if m and k:
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_flag(x.device)
         row_block = max(QUANT_BLOCK, triton.next_power_of_2(k))
         norm = norm_weight is not None
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](

@@ -26,8 +26,8 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
   differs from eager only by the dot's summation order (`stage_ar.gemv_reference` is that chain).
 - W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
   codes widened in registers (to float16 by default, activations too: ``fp8_compute``), scale
-  applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`. W8A8 (opt-in
-  ``fp8_compute="fp8"``): rows quantized per token first, FP8 x FP8 dots, both scales in the epilogue.
+  applied once per output; FP8 launches autotune over `FP8_TUNED_CONFIGS`. W8A8 (opt-in,
+  ``fp8_compute="fp8"``, its own candidates `W8A8_TUNED_CONFIGS`): rows quantized per token first, FP8 x FP8 dots, both scales in the epilogue.
 
 Batch invariance by construction: the activations are always one 16-row tile (rows past M load as
 zeros), so M picks no kernel, config or code path; a row's arithmetic is its own dot products,
@@ -55,15 +55,15 @@ import torch
 
 from stage_ar.arrival import persistent_buffers
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
-    FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, GemvConfig, block_k_for, fits_shared_memory,
-    split_k_for,
+    FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, W8A8_TUNED_CONFIGS, GemvConfig, block_k_for,
+    fits_shared_memory, split_k_for, tuned_configs,
 )
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8_activations import quantize_rows
 from stage_ar.row_norm import rms_norm_rows
-from stage_ar.launch_overlap import launch_options, pdl_enabled
+from stage_ar.launch_overlap import launch_options, pdl_flag, preload_weights
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -164,7 +164,11 @@ if triton is not None:
                IEEE: tl.constexpr, FP8_MODE: tl.constexpr = 0):
         """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype (``FP8_MODE`` 2:
         E4M3 codes to float16 ``code * 2^-8`` by `_f16_bits`, the epilogue scales by 2^8)."""
-        w = _w_tile(w_ptr, rows, n_mask, k, K, EVEN_K, EVEN_N)
+        return _tile_dot(_w_tile(w_ptr, rows, n_mask, k, K, EVEN_K, EVEN_N), x_t, acc, IEEE, FP8_MODE)
+
+    @triton.jit
+    def _tile_dot(w, x_t, acc, IEEE: tl.constexpr, FP8_MODE: tl.constexpr):
+        """``acc + w @ x_t`` for a weight tile ``w`` as stored (see `_w_dot`)."""
         if FP8_MODE == 2:
             w = _f16_bits(w)
         else:
@@ -245,7 +249,7 @@ if triton is not None:
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
+        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
         (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
@@ -258,8 +262,9 @@ if triton is not None:
         arrive (a ticket from the counter at ``cnt_ptr + j``, reset to 0 by that program) adds the
         partials in split order 0, 1, ... (whichever arrives last: fixed bits) and runs the epilogue.
 
-        ``PDL`` (`stage_ar.launch_overlap`): the program may start while the previous kernel finishes
-        and waits for it before its first load."""
+        ``PDL`` (`stage_ar.launch_overlap.pdl_flag`): the program may start while the previous kernel
+        finishes and waits for it before its first activation load. ``PRELOAD``
+        (`stage_ar.launch_overlap.preload_weights`): the first weight tile is loaded before that wait."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
         pid_n = tl.program_id(0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -281,13 +286,32 @@ if triton is not None:
             span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             k_lo = tl.program_id(1) * span
             k_hi = tl.minimum(K, k_lo + span)
+        # PRELOAD: the first K tile's weights load before the wait (no kernel writes weights); its dot
+        # comes first after the wait, so a row's sums keep their order. A split's range may be empty
+        # (k_lo >= K): that tile is masked to zeros by k < K, as the activations are.
+        FIRST_EVEN: tl.constexpr = EVEN_K and SPLIT_K == 1
+        if PRELOAD:
+            w_first = _w_tile(w_ptr, offs_n, n_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
+            w2_first = w_first
+            if PAIRED:
+                w2_first = _w_tile(w_ptr, partner, n_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
         wait_for_predecessor(PDL)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
         acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_start = k_lo
+        if PRELOAD:
+            k = k_lo + offs_k
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, FIRST_EVEN))
+            if FP8_MODE == 1 or FP8_MODE == 2:
+                x_t = _f16_saturated(x_t)
+            acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
+            if PAIRED:
+                acc2 = _tile_dot(w2_first, x_t, acc2, IEEE, FP8_MODE)
+            k_start = k_lo + BLOCK_K
+        for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
@@ -344,7 +368,7 @@ if triton is not None:
             do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
         )(_kernel)
 
-    _tuned, _tuned_fp8 = _autotuned(TUNED_CONFIGS), _autotuned(FP8_TUNED_CONFIGS)
+    _TUNERS = {configs: _autotuned(configs) for configs in (TUNED_CONFIGS, FP8_TUNED_CONFIGS, W8A8_TUNED_CONFIGS)}
 
 
 def gemv(
@@ -451,7 +475,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     programs_n = n // 2 if rope else n  # under ROPE a program column is a pair of output columns
-    split = (config.split_k if config is not None else None) or split_k_for(n, k, weight.dtype)
+    split = (config.split_k if config is not None else None) or split_k_for(n, k, weight.dtype, fp8_compute)
     if split < 1:
         raise ValueError(f"split_k must be >= 1, got {split}")
     ws, counters = split_workspace(weight, split, programs_n, bool(swiglu or rope)) if split > 1 else (out, out)
@@ -468,10 +492,10 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split,
     )
-    pdl = pdl_enabled(weight.device)
-    meta.update(PDL=pdl, **launch_options(pdl))
+    pdl = pdl_flag(weight.device)
+    meta.update(PDL=pdl, PRELOAD=preload_weights(), **launch_options(pdl))
     if config is None and not INTERPRETED:
-        tuned = _LAST_TUNED[0] = _tuned_fp8 if meta["FP8"] else _tuned
+        tuned = _LAST_TUNED[0] = _TUNERS[tuned_configs(weight.dtype, fp8_compute)]
         _LAST_TUNED[1] = split
         tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]), split)](*args, **meta)
     else:
@@ -524,8 +548,8 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     fp8_compute = fp8_compute or default_fp8_compute(x_dtype)
     w8a8 = fp8 and fp8_compute == "fp8"
     norm = norm and not w8a8  # W8A8 quantizes the normalised rows first
-    split = config.split_k or split_k_for(n, k, weight_dtype)
-    pdl = pdl_enabled(torch.device("cuda", torch.cuda.current_device()))
+    split = config.split_k or split_k_for(n, k, weight_dtype, fp8_compute)
+    pdl = pdl_flag(torch.device("cuda", torch.cuda.current_device()))
     return _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
@@ -536,7 +560,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
-        SPLIT_K=split, PDL=pdl, **launch_options(pdl),
+        SPLIT_K=split, PDL=pdl, PRELOAD=preload_weights(), **launch_options(pdl),
     )
 
 

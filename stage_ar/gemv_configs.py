@@ -23,13 +23,16 @@ def block_k_for(weight_dtype: torch.dtype) -> int:
     return 256
 
 
-def split_k_for(n: int, k: int, weight_dtype: torch.dtype) -> int:
+def split_k_for(n: int, k: int, weight_dtype: torch.dtype, fp8_compute: str | None = None) -> int:
     """How many K ranges a launch of ``n`` output columns over ``k`` input columns of ``weight_dtype``
     weights splits into (each summed by its own programs, then added in range order by the last one
-    to finish: `stage_ar.gemv`). A function of the shape alone, never of M, of ``fp8_compute`` or of
-    timing, because it sets a row's reduction order (its bits).
+    to finish: `stage_ar.gemv`). A function of the shape and the weights' form (``fp8_compute``: the
+    W8A8 launches have their own candidate set, `W8A8_TUNED_CONFIGS`), never of M or of timing,
+    because it sets a row's reduction order (its bits).
 
-    FP8 weights of at most `SPLIT_MAX_COLUMNS` output columns split into ``min(8, tiles // 2)`` ranges
+    W8A8 (``fp8_compute="fp8"``): 4 ranges for at most `W8A8_SPLIT_MAX_COLUMNS` output columns and 8
+    K tiles or more, else 1. Other FP8 weights of at most `SPLIT_MAX_COLUMNS` output columns split into
+    ``min(8, tiles // 2)`` ranges
     (``tiles`` K tiles of `block_k_for`): qkv and o (K = 3,584, 14 tiles) into 7, down (K = 18,944) into 8.
     Their 256-byte row tiles put too few bytes in flight on 132 SMs; on the H200 (2026-12-03,
     `benchmarks/gemv_split_k.py`, float16 products, M = 1) this took down from 41.9 to 29.6 us, qkv
@@ -40,6 +43,8 @@ def split_k_for(n: int, k: int, weight_dtype: torch.dtype) -> int:
     if weight_dtype != FP8_DTYPE or n > SPLIT_MAX_COLUMNS:
         return 1
     tiles = -(-k // block_k_for(weight_dtype))
+    if fp8_compute == "fp8":  # W8A8's 64-column launches: 4 ranges for the narrowest outputs only
+        return 4 if n <= W8A8_SPLIT_MAX_COLUMNS and tiles >= 8 else 1
     return max(1, min(8, tiles // 2))
 
 
@@ -81,6 +86,21 @@ FP8_TUNED_CONFIGS = (
     GemvConfig(16, 2, 4), GemvConfig(16, 4, 4), GemvConfig(32, 4, 2), GemvConfig(32, 4, 3),
     GemvConfig(32, 4, 4), GemvConfig(32, 8, 4),
 )
+#: Candidates for W8A8 launches (``fp8_compute="fp8"``, FP8 x FP8 dots): 64- and 128-column blocks
+#: (Hopper ``wgmma`` with the weight tile as its 64-row operand). On the H200 (2026-12-03,
+#: `benchmarks/gemv_sweep.py --families w8a8`) every one of them gave the same bits at every split
+#: count and streamed faster than the ``mma.sync`` set at each Preview shape (plain linear, M = 1,
+#: best of each: qkv 7.2 vs 9.7 us, o 6.7 vs 7.7, gate_up 34.3 vs 39.4, down 20.8 vs 24.3); the
+#: 16/32-column launches give other bits, so they stay out of this set.
+W8A8_TUNED_CONFIGS = (
+    GemvConfig(64, 4, 3), GemvConfig(64, 4, 4), GemvConfig(64, 8, 4), GemvConfig(128, 8, 4),
+)
+#: The widest output W8A8 launches split (into 4 K ranges, `split_k_for`): o and down (3,584 columns).
+#: Measured per decoder form with `W8A8_TUNED_CONFIGS` on the H200 (2026-12-03, `benchmarks/gemv_split_k.py
+#: --forms w8a8`, M = 1, us at 1 / 2 / 4 / 7-8 ranges): o 10.0 / 9.5 / **9.0** / 11.0, down 28.5 / 24.0 /
+#: **22.4** / 25.2, qkv with RoPE (4,608 columns) **12.9** / 13.0 / 14.5 / 16.0, gate_up **44.1** / 54.0,
+#: head **18.2** / 23.0: a 64-column block already has the bytes in flight split-K gave the 16/32-column ones.
+W8A8_SPLIT_MAX_COLUMNS = 4096
 #: The interpreter's fixed launch (it has no timing to tune on).
 INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
 _SMEM_BUDGET = 200 * 1024
@@ -94,3 +114,11 @@ def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: t
     w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if paired else 1)
     x_bytes = torch.empty((), dtype=x_dtype).element_size()
     return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET
+
+
+def tuned_configs(weight_dtype: torch.dtype, fp8_compute: str | None = None) -> tuple[GemvConfig, ...]:
+    """The candidate set autotuning times for weights of ``weight_dtype`` multiplied as ``fp8_compute``
+    says (`stage_ar.gemv`'s argument): `TUNED_CONFIGS`, `FP8_TUNED_CONFIGS` or `W8A8_TUNED_CONFIGS`."""
+    if weight_dtype != FP8_DTYPE:
+        return TUNED_CONFIGS
+    return W8A8_TUNED_CONFIGS if fp8_compute == "fp8" else FP8_TUNED_CONFIGS

@@ -14,7 +14,13 @@ wait, so the results are the same bits as serial launches. A kernel that never w
 launched this way (it could read its inputs before they are written). On the H200 (2026-12-03,
 `benchmarks/ar_overlap.py`): bf16 batch-1 step 4.145 -> 4.045 ms, W8A8 3.496 -> 3.100 ms.
 
-`MODE` picks the mode (`MODES`); `pdl_enabled` says whether it applies on a device. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
+``"early"`` (under measurement, issue 17): each kernel lets the next one launch *before* it waits,
+and the GEMV loads its first weight tile(s) before its wait (weights are no previous kernel's output,
+so that load may overlap the previous kernel's tail; every activation load still comes after the
+wait): the same bits again, more of the boundary hidden.
+
+`MODE` picks the mode (`MODES`); `pdl_enabled` says whether it applies on a device, `pdl_flag` which
+flag the kernels get. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
 a CUDA graph the launches become programmatic edges (CUDA 12.3 and up).
 """
 
@@ -32,10 +38,11 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-#: ``"off"``: serial launches; ``"pdl"``: PDL, every program waits at its entry. (A third mode, a GEMV
+#: ``"off"``: serial launches; ``"pdl"``: PDL, every program waits at its entry; ``"early"``: PDL with
+#: the next launch allowed before the wait and the GEMV's first weight tile loaded before it. (A fourth mode, a GEMV
 #: program asking L2 for its weight rows before its wait, ``cp.async.bulk.prefetch.L2``, measured
 #: slower on the H200: bf16 step 4.05 -> 5.06 ms, docs/PERFORMANCE.md; removed.)
-MODES = ("off", "pdl")
+MODES = ("off", "pdl", "early")
 #: Environment variable that sets `MODE` at import (for side-by-side benchmarks of the modes).
 MODE_ENV = "MAMMOTH_AR_LAUNCH_OVERLAP"
 MODE = os.environ.get(MODE_ENV, "pdl")
@@ -56,6 +63,19 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_flag(device: torch.device) -> int:
+    """The kernels' ``PDL`` flag on ``device``: 0 no PDL (`pdl_enabled` False), 1 ``"pdl"``, 2 ``"early"``."""
+    if not pdl_enabled(device):
+        return 0
+    return 2 if MODE == "early" else 1
+
+
+def preload_weights() -> bool:
+    """Whether the GEMV loads its first weight tile before its wait (``"early"``; on any device, as
+    it changes only when that load is issued, not a result)."""
+    return MODE == "early"
+
+
 def launch_options(pdl: bool) -> dict:
     """Keyword arguments of a Triton launch for ``pdl`` (`pdl_enabled`'s answer)."""
     return {"launch_pdl": True} if pdl else {}
@@ -65,9 +85,13 @@ if triton is not None:
 
     @triton.jit
     def wait_for_predecessor(PDL: tl.constexpr):
-        """Under ``PDL``: block until the previous kernel on the stream has completed and its writes
-        are visible, then let the next kernel launch. Call it before the first load of anything a
-        previous kernel writes and before the first store. A no-op otherwise."""
-        if PDL:
+        """Under ``PDL`` (`pdl_flag`): block until the previous kernel on the stream has completed and
+        its writes are visible, and let the next kernel launch (after the wait under 1, before it under
+        2: the next kernel's own wait still waits for this one to complete). Call it before the first
+        load of anything a previous kernel writes and before the first store. A no-op under 0."""
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        elif PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

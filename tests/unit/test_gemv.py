@@ -573,3 +573,34 @@ def test_w8a8_row_bits_do_not_depend_on_the_other_rows(gemv, variant):
     for i in (0, 7, 15):
         assert torch.equal(gemv.gemv(x[i : i + 1], weight, fp8_compute="fp8", **row_slice(kwargs, i, i + 1))[0],
                            full[i]), f"row {i} alone"
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "residual", "bias_rope"])
+def test_w8a8_candidates_give_the_same_bits(gemv, variant):
+    """Every launch W8A8 autotuning may pick (`W8A8_TUNED_CONFIGS`, 64- and 128-column ``wgmma``
+    blocks) gives the bits of every other, with and without a split, and matches the reference: a
+    process's pick changes no output. GPU only (the interpreter's numpy dot orders sums by shape)."""
+    from stage_ar.gemv_configs import W8A8_TUNED_CONFIGS, split_k_for
+    from stage_ar.gemv_reference import gemv_reference
+
+    if gemv.INTERPRETED:
+        pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
+    x, weight, kwargs = make_inputs(variant, torch.bfloat16, fp8=True, n=256, k=3584, seed=15)
+    want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs).float()
+    paired = variant in ("norm_swiglu", "bias_rope")
+    if variant == "bias_rope":
+        kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
+        kwargs["cos"], kwargs["sin"] = kwargs["cos"].to(DEVICE), kwargs["sin"].to(DEVICE)
+        kwargs["rope_columns"] = 128
+        want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs).float()
+    for split in (1, 2, 7):
+        outs = {}
+        for c in W8A8_TUNED_CONFIGS:
+            c = gemv.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
+            if gemv.fits_shared_memory(c, gemv.FP8_DTYPE, gemv.FP8_DTYPE, paired):
+                outs[c] = gemv.gemv(x, weight, config=c, fp8_compute="fp8", **kwargs)
+        first = next(iter(outs.values()))
+        torch.testing.assert_close(first.float(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        for c, out in outs.items():
+            assert torch.equal(out, first), (split, c)
+    assert split_k_for(256, 3584, gemv.FP8_DTYPE, "fp8") >= 1

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True)
+                 SPLIT_K=1, PDL=True, PRELOAD=False)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -32,6 +32,9 @@ GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
     "bf16_gate_up_swiglu": ({}, dict(SWIGLU=True)),
     "bf16_down": ({}, {}),
+    "bf16_gate_up_swiglu_early": ({}, dict(SWIGLU=True, PDL=2, PRELOAD=True)),  # `launch_overlap`'s "early"
+    "w8a8_qkv_split_rope_early": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
+                                                          HEAD_DIM=128, PDL=2, PRELOAD=True)),
     "bf16_head_block64": ({}, dict(BLOCK_N=64)),
     "w8a16_o_split": (_FP8_IN | _SPLIT, dict(FP8=True, FP8_MODE=1, SPLIT_K=7)),
     "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True)),

@@ -34,11 +34,11 @@ def test_an_unknown_mode_is_refused_at_import():
     done = subprocess.run([sys.executable, "-c", "import stage_ar.launch_overlap"], env=env, capture_output=True,
                           text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert done.returncode != 0
-    assert "MAMMOTH_AR_LAUNCH_OVERLAP must be one of ('off', 'pdl'), got 'sometimes'" in done.stderr
+    assert "MAMMOTH_AR_LAUNCH_OVERLAP must be one of ('off', 'pdl', 'early'), got 'sometimes'" in done.stderr
 
 
 @needs_hopper
-@pytest.mark.parametrize("mode", ["off", "pdl"])
+@pytest.mark.parametrize("mode", ["off", "pdl", "early"])
 def test_compiled_gemv_carries_what_its_mode_asks_for(monkeypatch, mode):
     from stage_ar import gemv
 
@@ -46,8 +46,10 @@ def test_compiled_gemv_carries_what_its_mode_asks_for(monkeypatch, mode):
     for weight_dtype, rows, k in ((torch.bfloat16, 4608, 3584), (torch.float8_e4m3fn, 4608, 3584)):
         ptx = gemv.compile_ahead(torch.bfloat16, weight_dtype, rows, k, gemv.GemvConfig(16, 4, 3), bias=True,
                                  rope_head_dim=128).asm["ptx"]
-        assert ("griddepcontrol.wait" in ptx) == (mode == "pdl"), (mode, weight_dtype)
-        assert ("griddepcontrol.launch_dependents" in ptx) == (mode == "pdl"), (mode, weight_dtype)
+        assert ("griddepcontrol.wait" in ptx) == (mode != "off"), (mode, weight_dtype)
+        assert ("griddepcontrol.launch_dependents" in ptx) == (mode != "off"), (mode, weight_dtype)
+        if mode == "early":  # the next launch is allowed before this kernel's wait
+            assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait"), weight_dtype
 
 
 def _decode_chain(x, weights, cache, pos, start):
@@ -72,7 +74,8 @@ def _decode_chain(x, weights, cache, pos, start):
 
 
 @needs_hopper
-def test_a_chain_launched_with_pdl_gives_the_bits_of_serial_launches(monkeypatch):
+@pytest.mark.parametrize("overlap_mode", ["pdl", "early"])
+def test_a_chain_launched_with_pdl_gives_the_bits_of_serial_launches(monkeypatch, overlap_mode):
     from stage_ar.fp8 import quantize_fp8_per_channel
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -108,12 +111,13 @@ def test_a_chain_launched_with_pdl_gives_the_bits_of_serial_launches(monkeypatch
     xs = [rand(rows, hidden) for _ in range(3)]
     for x in xs:
         serial = run("off", x)
-        overlapped = run("pdl", x)
-        for i, (a, b) in enumerate(zip(serial, overlapped)):
-            assert torch.equal(a, b), i
+        for mode in ("pdl", "early"):
+            overlapped = run(mode, x)
+            for i, (a, b) in enumerate(zip(serial, overlapped)):
+                assert torch.equal(a, b), (mode, i)
 
     # replayed from a CUDA graph: the launches become programmatic edges
-    monkeypatch.setattr(launch_overlap, "MODE", "pdl")
+    monkeypatch.setattr(launch_overlap, "MODE", overlap_mode)
     static_x = xs[0].clone()
     cache = fresh_cache()
     _decode_chain(static_x, weights, cache, pos, start)  # compiled outside the capture
@@ -129,3 +133,28 @@ def test_a_chain_launched_with_pdl_gives_the_bits_of_serial_launches(monkeypatch
         serial = run("off", x)
         for i, (a, b) in enumerate(zip(serial, list(outs) + [cache["k"], cache["v"]])):
             assert torch.equal(a, b), ("graph", i)
+
+
+@pytest.mark.parametrize("fp8_compute", [None, "float16", "fp8"], ids=["w16", "fp8_f16", "w8a8"])
+@pytest.mark.parametrize("variant", ["norm_bias", "residual", "norm_swiglu", "bias_rope"])
+def test_the_preloaded_first_weight_tile_keeps_every_bit(monkeypatch, variant, fp8_compute):
+    """``"early"`` loads each GEMV program's first weight tile before its wait and multiplies it first
+    after: the same sums in the same order, so the bits of the loop alone, for a whole K range and for
+    split-K ranges, one of them empty (K = 600: three tiles in 4 ranges of one), on the interpreter
+    (where only the preload applies) and compiled."""
+    from stage_ar import gemv
+    from test_gemv import make_inputs
+
+    if fp8_compute is None:
+        x, weight, kwargs = make_inputs(variant, torch.float16, seed=12)
+    else:
+        x, weight, kwargs = make_inputs(variant, torch.float16, True, seed=12)
+        kwargs["fp8_compute"] = fp8_compute
+    for config in (gemv.GemvConfig(16, 4, 3), gemv.GemvConfig(16, 4, 3, split_k=2),
+                   gemv.GemvConfig(16, 4, 3, split_k=4)):
+        outs = {}
+        for mode in ("off", "early"):
+            monkeypatch.setattr(launch_overlap, "MODE", mode)
+            assert launch_overlap.preload_weights() is (mode == "early")
+            outs[mode] = gemv.gemv(x, weight, config=config, **kwargs)
+        assert torch.equal(outs["off"], outs["early"]), config

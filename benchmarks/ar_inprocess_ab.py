@@ -1,0 +1,78 @@
+"""In-process, interleaved A/B of decode-step variants on one model (issue 17): the launch-overlap
+modes (`stage_ar.launch_overlap.MODE`, read at each launch) and the W8A8 GEMV candidate sets.
+
+Separate processes on one H200 have measured the same tree 3-10 % apart (2026-12-03), more than the
+effects in question; here one process builds the model once and times each variant in turn, twice
+over (rounds interleaved), so drift shows as a round-to-round difference instead of a variant's.
+
+    PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds]
+
+Variants: bf16 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual
+token linears converted to FP8 and W8A8 batch 1 under ``pdl`` and ``early``, each with the W8A8
+candidate set and split rule of this tree (``set=w8a8``: `stage_ar.gemv_configs.W8A8_TUNED_CONFIGS`,
+`W8A8_SPLIT_MAX_COLUMNS`) and with the float16-products set and its split rule (``set=fp8``: what W8A8 launches
+used before, `FP8_TUNED_CONFIGS`, 7-8 splits on the narrow shapes). Last, W8A8 under ``off`` (serial
+launches, so the profile's kernel times are each kernel's own) with each set, profiled.
+Writes the JSON after every variant and prints ``RESULT label ms/step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
+
+import ar_decode as A  # noqa: E402
+from stage_ar import gemv as G  # noqa: E402
+from stage_ar import gemv_configs as C  # noqa: E402
+from stage_ar import launch_overlap  # noqa: E402
+
+_TUNED_CONFIGS, _SPLIT_K_FOR = G.tuned_configs, G.split_k_for
+
+
+def use_set(name: str) -> None:
+    """W8A8 launches autotune over ``name``'s candidates with its split rule (``w8a8``: this tree's)."""
+    if name == "w8a8":
+        G.tuned_configs, G.split_k_for = _TUNED_CONFIGS, _SPLIT_K_FOR
+    else:
+        G.tuned_configs = lambda weight_dtype, fp8_compute=None: _TUNED_CONFIGS(weight_dtype, None)
+        G.split_k_for = lambda n, k, weight_dtype, fp8_compute=None: C.split_k_for(n, k, weight_dtype, None)
+
+
+def main(out: str, rounds: int) -> None:
+    res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
+
+    def save() -> None:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+
+    config, _ = A.preview_config()
+    model, _ = A.random_preview_modules(config, dit=False)
+    model.eval().requires_grad_(False)
+    A.set_linear_backend(model, A.select_backend("auto", "cuda"))
+
+    def timed(label: str, mode: str, profile: bool = False) -> None:
+        launch_overlap.MODE = mode
+        A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile)
+        print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4), flush=True)
+
+    for r in range(rounds):
+        for mode in ("pdl", "early"):
+            timed(f"bf16_{mode}_r{r}", mode)
+    A.quantize_fp8_(model.visual_token_linears())
+    A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+    for r in range(rounds):
+        for name in ("w8a8", "fp8"):
+            use_set(name)
+            for mode in ("pdl", "early"):
+                timed(f"w8a8_set={name}_{mode}_r{r}", mode)
+    for name in ("w8a8", "fp8"):
+        use_set(name)
+        timed(f"w8a8_set={name}_off_profiled", "off", profile=True)
+    save()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2)
