@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from full_size import ceilings, hf_generate_ms_per_token, random_preview_modules  # noqa: E402
+from gpu_state import snapshot  # noqa: E402
 from sections import run_sections  # noqa: E402
 
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
@@ -252,6 +253,7 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
         t[key] = {
             "ms_per_step": ms, "tokens_per_s": batch * 1e3 / ms, "graph_replay_ms": _replay_ms(graph),
             "shape": list(shape), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "gpu_state": snapshot(torch.cuda.current_device()),
         }
         print(f"decode [{label}] B={batch}{' mid' if mid else ''}: {t[key]}", flush=True)
         if profile and batch == 1 and graph is not None:  # batch 1 at image start, and mid-image

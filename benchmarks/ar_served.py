@@ -39,6 +39,8 @@ import grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_state import snapshot  # noqa: E402 - benchmarks/gpu_state.py
 from mammoth_app.local import free_port, stop_pipeline  # noqa: E402
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc  # noqa: E402
@@ -131,7 +133,9 @@ def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int 
                 spy = None
                 if profile_seconds:
                     spy = asyncio.create_task(asyncio.to_thread(_py_spy, ar.proc.pid, profile_seconds, profile_out))
+                gpu_before = snapshot()
                 results = await _requests(address, dit_port, requests, grid)
+                gpu_after = snapshot()
                 if spy is not None:
                     await spy
             finally:
@@ -143,6 +147,7 @@ def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int 
                 "first_wall_ms": results[0]["wall_ms"], "last_wall_ms": results[-1]["wall_ms"],
                 "first_over_last": results[0]["wall_ms"] / results[-1]["wall_ms"],
                 "ms_per_token_median": statistics.median(r["ms_per_token"] for r in later),
+                "gpu_state_before": gpu_before, "gpu_state_after": gpu_after,
                 "ar_log_tail": (workdir / "ar.log").read_text()[-3000:]}
 
     return asyncio.run(main())
