@@ -14,10 +14,13 @@ wait, so the results are the same bits as serial launches. A kernel that never w
 launched this way (it could read its inputs before they are written). On the H200 (2026-12-03,
 `benchmarks/ar_overlap.py`): bf16 batch-1 step 4.145 -> 4.045 ms, W8A8 3.496 -> 3.100 ms.
 
-``"early"`` (under measurement, issue 17): each kernel lets the next one launch *before* it waits,
-and the GEMV loads its first weight tile(s) before its wait (weights are no previous kernel's output,
-so that load may overlap the previous kernel's tail; every activation load still comes after the
-wait): the same bits again, more of the boundary hidden.
+``"early"`` (opt-in, issue 17): each kernel lets the next one launch *before* it waits, and the
+GEMV loads its first weight tile before its wait (weights are no previous kernel's output, so that
+load may overlap the previous kernel's tail; every activation load still comes after the wait): the
+same bits again, more of the boundary hidden. On the H200 (2026-12-03, one process per mode): bf16
+batch 1 4.347 -> 4.216 ms, W8A8 3.154 -> 3.045 ms, the served shape 4.390 -> 4.351 ms (mid-image
+4.331 -> 4.417); processes of one call differed by up to 10 % that day, so it becomes the default
+only after `benchmarks/ar_inprocess_ab.py` (one process, variants in turn) agrees.
 
 `MODE` picks the mode (`MODES`); `pdl_enabled` says whether it applies on a device, `pdl_flag` which
 flag the kernels get. Inductor's kernels of the decode step get the same (`stage_ar.layers.compiled_ops`). Inside
