@@ -22,7 +22,9 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   to ``kubectl get`` (printer columns), deletion propagation, garbage collection, finalizers,
   namespace termination and per-subject authorization with owner-reference permission enforcement
   (``emulator_lifecycle``); ``stall`` delays chosen requests (timeouts of a stuck server);
-* a watch that misses no write made while it sends its listing (`MammothEmulator._serve_watch`).
+* a watch that misses no write made while it sends its listing (`MammothEmulator._serve_watch`);
+* a write that leaves an object as it was stores nothing: the same ``resourceVersion`` in the answer,
+  no watch event (still logged in ``writes``: the client sent it).
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     #: Seconds to hold a request before answering it (None or 0: answer at once).
     stall: Callable[[kmock.Request], float] | None = None
     _cluster_ips: Any = attrs.field(factory=lambda: iter(ipaddress.ip_network("10.96.0.0/16").hosts()))
+    #: ids of the requests being answered whose write leaves the stored object as it was
+    _unchanged: set[int] = attrs.field(factory=set)
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         """KMock's watch without its gap: the listing's snapshot and the subscription to the event
@@ -186,6 +190,9 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
             async with self._lock:
                 self._prepare_delete(request, self._key(request))
         try:
+            if id(request) in self._unchanged:  # answer with the stored object, as KMock's update does,
+                self._unchanged.discard(id(request))  # without its patch and MODIFIED event
+                return await super(kmock.KubernetesEmulator, self)._handle(request)
             return await super()._handle(request)
         finally:
             if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE):
@@ -263,11 +270,15 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
         if strip(final) != strip(old):
             generation += 1
         final["metadata"]["generation"] = generation
+        self.writes.append({"verb": "patch", "resource": key, "namespace": request.namespace, "name": request.name,
+                            "subresource": request.subresource, "body": logged})
+        final["metadata"]["resourceVersion"] = old.get("metadata", {}).get("resourceVersion")
+        if final == old:  # the API server stores nothing: same resourceVersion, no watch event
+            self._unchanged.add(id(request))
+            return
         final["metadata"]["resourceVersion"] = str(next(_RV))
         data.clear()
         data.update(_removal_patch(old, final))
-        self.writes.append({"verb": "patch", "resource": key, "namespace": request.namespace, "name": request.name,
-                            "subresource": request.subresource, "body": logged})
 
     def _updated(self, key: str, request: kmock.Request, old: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         """The object after a merge patch or, for ``PUT``, a full replace (status kept apart)."""

@@ -129,3 +129,41 @@ def test_a_watch_delivers_a_write_made_while_it_sends_its_listing(api, emulator_
                 break
             received += chunk
     assert b"written-during-the-listing" in received, f"{len(received)} bytes, no event for the write"
+
+
+def test_a_write_that_changes_nothing_keeps_the_resource_version_and_sends_no_event(api, emulator_thread):
+    """The API server stores no update that leaves an object as it was: the resourceVersion stays and
+    no watch event goes out (etcd3 storage's GuaranteedUpdate skips the write of identical bytes).
+    The emulator bumped the version and sent MODIFIED for every patch, so a controller saw an event
+    per redundant write of its own and ran again for it (redundant repairs of an unchanged child)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    assert api.create(CONFIGMAPS, {"metadata": {"name": "steady"}, "data": {"v": "1"}}).status_code in (200, 201)
+    before = api.http.get(f"{CONFIGMAPS}/steady").json()["metadata"]["resourceVersion"]
+    url = urlparse(emulator_thread.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as s:
+        s.sendall(f"GET {CONFIGMAPS}?watch=true&resourceVersion={before} HTTP/1.1\r\nHost: {url.hostname}\r\n"
+                  "Authorization: Bearer test-token\r\n\r\n".encode())
+        time.sleep(0.3)
+        same = api.patch(f"{CONFIGMAPS}/steady", {"data": {"v": "1"}})
+        assert same.status_code == 200, same.text
+        assert same.json()["metadata"]["resourceVersion"] == before
+        assert api.http.get(f"{CONFIGMAPS}/steady").json()["metadata"]["resourceVersion"] == before
+        changed = api.patch(f"{CONFIGMAPS}/steady", {"data": {"v": "2"}})  # a real change: one event
+        assert changed.status_code == 200 and changed.json()["metadata"]["resourceVersion"] != before
+        received = b""
+        deadline = time.monotonic() + 10
+        while b'"v": "2"' not in received.replace(b'"v":"2"', b'"v": "2"') and time.monotonic() < deadline:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                chunk = s.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    events = [line for line in received.split(b"\n") if b'"type"' in line and b"steady" in line]
+    modified = [e for e in events if b"MODIFIED" in e]
+    assert len(modified) == 1, [e[:200] for e in modified]
