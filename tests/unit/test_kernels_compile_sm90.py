@@ -37,9 +37,10 @@ GEMV_FORMS = {
                                                           HEAD_DIM=128, PDL=2, PRELOAD=True)),
     "bf16_head_block64": ({}, dict(BLOCK_N=64)),
     "w8a16_o_split": (_FP8_IN | _SPLIT, dict(FP8=True, FP8_MODE=1, SPLIT_K=7)),
-    "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True)),
+    "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True, BLOCK_N=64)),  # W8A8_TUNED_CONFIGS
+    "w8a8_down_split_block128": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=4, RESIDUAL=True, BLOCK_N=128)),
     "w8a8_qkv_split_rope": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
-                                                    HEAD_DIM=128)),
+                                                    HEAD_DIM=128, BLOCK_N=64)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
@@ -85,7 +86,7 @@ def _main() -> None:
         try:
             ptx = thunk()
             print(json.dumps({"form": name, "ok": True, "pdl": "griddepcontrol.wait" in ptx
-                              and "griddepcontrol.launch_dependents" in ptx}), flush=True)
+                              and "griddepcontrol.launch_dependents" in ptx, "wgmma": "wgmma" in ptx}), flush=True)
         except FileNotFoundError as exc:  # a triton without its NVIDIA toolchain
             print(json.dumps({"form": name, "ok": None, "error": repr(exc)}), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
@@ -116,6 +117,8 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
         pytest.skip(f"needs CUDA's ptxas (Triton's NVIDIA backend): {result['error']}")
     assert result["ok"], result["error"]
     assert result["pdl"], "griddepcontrol.wait / launch_dependents missing from the PTX"
+    if form.startswith("gemv_w8a8"):  # W8A8_TUNED_CONFIGS: 64/128-column blocks, Hopper's wgmma
+        assert result["wgmma"] == (GEMV_FORMS[form[5:]][1].get("BLOCK_N", 16) >= 64), form
 
 
 if __name__ == "__main__":
