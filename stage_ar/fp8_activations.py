@@ -13,6 +13,8 @@ by its own programs, so they are the same bits alone and inside any batch. Torch
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
@@ -25,7 +27,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.launch_overlap import wait_for_predecessor
-    from stage_ar.row_norm import norm_values, row_inv_rms
+    from stage_ar.row_norm import norm_values, row_inv_rms, row_values
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -56,31 +58,37 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign (-0 too)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, min_scale, eps,
-                              FP8_MAX_: tl.constexpr, ROW_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                              NORM: tl.constexpr = False, NORM_BLOCK_: tl.constexpr = 1024,
-                              LOG2_NORM_BLOCK: tl.constexpr = 10, PDL: tl.constexpr = False):
+    def _quantize_rows_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_rm, stride_qm,
+                              stride_sm, min_scale, eps, FP8_MAX_: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                              CHUNK: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                              NORM_BLOCK_: tl.constexpr = 1024, LOG2_NORM_BLOCK: tl.constexpr = 10,
+                              PDL: tl.constexpr = False):
         """Row ``program_id(0)``, codes of columns ``[program_id(1) * CHUNK, +CHUNK)``: the whole row in
         one load (``ROW_BLOCK >= K``) for ``amax`` (max is exact in any order, so every program of the
         row gets the same scale), then this program's chunk of codes; the row's first program stores
-        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value). ``NORM``: the row
-        is first RMS-normalised with ``w_ptr`` and ``eps`` exactly as `stage_ar.row_norm.rms_norm_rows`
-        (its `row_inv_rms` and `norm_values`, chunks of ``NORM_BLOCK_``), so the codes and scale are
-        the bits of that launch followed by this one. ``PDL``: `stage_ar.launch_overlap`."""
+        the scale (``FP8_MAX_``: `stage_ar.fp8.FP8_MAX`, E4M3's largest finite value). ``RESIDUAL``:
+        the row is first ``round(x + r)`` (`stage_ar.row_norm.row_values`), whose chunk each program
+        also stores at ``sum_ptr`` (the new residual stream). ``NORM``: the row is then RMS-normalised
+        with ``w_ptr`` and ``eps`` exactly as `stage_ar.row_norm.rms_norm_rows` (its `row_inv_rms` and
+        `norm_values`, chunks of ``NORM_BLOCK_``), so the codes and scale are the bits of those
+        launches followed by this one. ``PDL``: `stage_ar.launch_overlap`."""
         wait_for_predecessor(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         x_ptr += row * stride_xm
+        r_ptr += row * stride_rm
         q_ptr += row * stride_qm
         offs = tl.arange(0, ROW_BLOCK)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        if RESIDUAL:
+            tl.store(sum_ptr + row * stride_sm + cols, row_values(x_ptr, r_ptr, cols, K, True), mask=cols < K)
         if NORM:
-            inv = row_inv_rms(x_ptr, K, eps, NORM_BLOCK_, LOG2_NORM_BLOCK)
-            x = norm_values(x_ptr, w_ptr, offs, K, inv).to(tl.float32)
-            xc = norm_values(x_ptr, w_ptr, cols, K, inv).to(tl.float32)
+            inv = row_inv_rms(x_ptr, r_ptr, K, eps, NORM_BLOCK_, LOG2_NORM_BLOCK, RESIDUAL)
+            x = norm_values(x_ptr, r_ptr, w_ptr, offs, K, inv, RESIDUAL).to(tl.float32)
+            xc = norm_values(x_ptr, r_ptr, w_ptr, cols, K, inv, RESIDUAL).to(tl.float32)
         else:
-            x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-            xc = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
+            xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_), min_scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(xc, scale), -FP8_MAX_), FP8_MAX_)
         tl.store(q_ptr + cols, _round_e4m3(q).to(tl.float8e4nv), mask=cols < K)
@@ -88,27 +96,56 @@ if triton is not None:
             tl.store(s_ptr + row, scale)
 
 
-def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows already quantized by `quantize_rows`, handed to a W8A8 `stage_ar.gemv.gemv`
+    in place of the rows (the quantization, with the norm and residual add before it, done in the
+    launch that produced them: `stage_ar.linear.GemvLinear.norm_input`).
+
+    Attributes:
+        codes: ``(M, K)`` ``torch.float8_e4m3fn``, rows contiguous.
+        scales: ``(M,)`` float32 row scales (``rows ≈ codes.float() * scales[:, None]``).
+        dtype: the activation dtype the rows stand for (the linear's output dtype).
+        shape: the rows' logical shape ``(..., K)`` (leading dims multiply to M).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def dequantize(self) -> torch.Tensor:
+        """``codes * scales`` in float32, viewed as `shape`: the activations W8A8 multiplies."""
+        return (self.codes.float() * self.scales[:, None]).view(self.shape)
+
+
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  residual: torch.Tensor | None = None):
     """E4M3 codes and one float32 scale per row of ``x`` (the module's scheme): one launch, programs per
-    row and `QUANT_BLOCK` columns. With ``norm_weight``, of the rows' Qwen2 RMSNorm instead, in the
-    same launch and with the same bits as `stage_ar.row_norm.rms_norm_rows` followed by this call
-    (the W8A8 GEMV's norm: one launch less per normalised projection).
+    row and `QUANT_BLOCK` columns. With ``residual``, of ``round(x + residual)`` instead (that sum
+    also returned: the new residual stream), and with ``norm_weight`` of the rows' Qwen2 RMSNorm
+    (after the add), in the same launch and with the same bits as ``x + residual`` in torch, then
+    `stage_ar.row_norm.rms_norm_rows`, then this call (the W8A8 GEMV's norm: one or two launches
+    less per normalised projection).
 
     Args:
         x: ``(M, K)`` activations, bfloat16/float16/float32, rows contiguous, on CUDA (or any
             device under ``TRITON_INTERPRET=1``).
         norm_weight: ``(K,)`` in ``x.dtype``, or None (no norm).
         norm_eps: the norm's epsilon (added to the mean square).
+        residual: ``(M, K)`` in ``x.dtype`` with contiguous rows, or None (no add).
 
     Returns:
         ``(codes, scales)``: ``codes (M, K)`` ``torch.float8_e4m3fn`` (contiguous) and ``scales (M,)``
-        float32, on ``x``'s device, with ``x ≈ codes.float() * scales[:, None]`` (``x`` normalised
-        first with ``norm_weight``).
+        float32, on ``x``'s device, with ``x ≈ codes.float() * scales[:, None]`` (``x`` plus the
+        residual, normalised with ``norm_weight``, where given). With ``residual``, ``(codes, scales,
+        summed)``, ``summed (M, K)`` ``round(x + residual)`` in ``x.dtype``, contiguous.
 
     Raises:
-        ValueError: ``x`` is not 2-D with contiguous rows, or has more than `MAX_COLUMNS` columns.
-        TypeError: ``x`` is not bfloat16, float16 or float32.
+        ValueError: ``x`` or ``residual`` is not 2-D with contiguous rows, they differ in shape, or
+            ``x`` has more than `MAX_COLUMNS` columns.
+        TypeError: ``x`` is not bfloat16, float16 or float32; ``residual`` or ``norm_weight`` not in
+            its dtype.
         RuntimeError: triton cannot run on ``x``'s device.
     """
     from stage_ar.gemv import available  # the one availability rule (CUDA, or the interpreter)
@@ -119,10 +156,15 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
         raise TypeError(f"quantize_rows takes {ACTIVATION_DTYPES} activations, got {x.dtype}")
     if norm_weight is not None:
         expect_tensor("norm_weight", norm_weight, (x.shape[1],), x.dtype, x.device)
+    if residual is not None:
+        expect_tensor("residual", residual, tuple(x.shape), x.dtype, x.device)
+        if residual.stride(1) != 1:
+            raise ValueError("quantize_rows takes residual rows contiguous (residual.stride(1) == 1)")
     if not available(x.device):
         raise RuntimeError(f"quantize_rows needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     m, k = x.shape
     if k > MAX_COLUMNS:
         raise ValueError(f"quantize_rows takes rows of at most {MAX_COLUMNS} columns, got {k}")
@@ -130,11 +172,15 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
         pdl = pdl_flag(x.device)
         row_block = max(QUANT_BLOCK, triton.next_power_of_2(k))
         norm = norm_weight is not None
+        r = residual if residual is not None else x
         _quantize_rows_kernel[(m, triton.cdiv(k, QUANT_BLOCK))](
-            x, norm_weight if norm else x, codes, scales, k, x.stride(0), codes.stride(0), MIN_ROW_SCALE,
-            float(norm_eps), FP8_MAX_=FP8_MAX, ROW_BLOCK=row_block, CHUNK=QUANT_BLOCK, NORM=norm,
-            NORM_BLOCK_=NORM_BLOCK, LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1,
-            num_warps=min(16, max(4, row_block // 2048)), PDL=pdl, **launch_options(pdl))
+            x, r, norm_weight if norm else x, codes, scales, summed if summed is not None else x, k, x.stride(0),
+            r.stride(0), codes.stride(0), k, MIN_ROW_SCALE, float(norm_eps), FP8_MAX_=FP8_MAX, ROW_BLOCK=row_block,
+            CHUNK=QUANT_BLOCK, NORM=norm, RESIDUAL=summed is not None, NORM_BLOCK_=NORM_BLOCK,
+            LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl,
+            **launch_options(pdl))
     elif m:
         scales.fill_(MIN_ROW_SCALE)
-    return codes, scales
+        if summed is not None:
+            summed.copy_(x + residual)
+    return (codes, scales) if summed is None else (codes, scales, summed)

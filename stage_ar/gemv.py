@@ -61,7 +61,7 @@ from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch para
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
-from stage_ar.fp8_activations import quantize_rows
+from stage_ar.fp8_activations import QuantizedRows, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import launch_options, pdl_flag, preload_weights
 
@@ -372,7 +372,7 @@ if triton is not None:
 
 
 def gemv(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     *,
     weight_scale: torch.Tensor | None = None,
@@ -396,7 +396,10 @@ def gemv(
     ``sin``). Numerics: `stage_ar.gemv_reference.gemv_reference`.
 
     Args:
-        x: ``(M, K)`` activations, ``1 <= M <= 16``, bfloat16/float16/float32, rows contiguous.
+        x: ``(M, K)`` activations, ``1 <= M <= 16``, bfloat16/float16/float32, rows contiguous; or,
+            for W8A8 (E4M3 weights, ``fp8_compute`` None or ``"fp8"``, no ``norm_weight``), those rows
+            quantized already (`stage_ar.fp8_activations.QuantizedRows`, ``codes`` 2-D: its add, norm
+            and quantization were the producer's launch), whose ``dtype`` stands for ``x.dtype`` below.
         weight: ``(R, K)`` contiguous, ``x.dtype`` or ``torch.float8_e4m3fn``; ``R = N``, or ``2 * N``
             (gate rows then up rows) with ``swiglu``.
         weight_scale: ``(R,)`` float32 per-row scales; required with and only with FP8 weights.
@@ -440,15 +443,20 @@ def gemv(
         TypeError: dtypes that do not fit the above.
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
-    n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns)
-    fp8_compute = fp8_compute or default_fp8_compute(x.dtype)
-    check_fp8_compute(fp8_compute, x.dtype)
+    x_scales, dtype = None, x.dtype
+    if isinstance(x, QuantizedRows):
+        if (fp8_compute or "fp8") != "fp8":
+            raise ValueError(f"quantized rows take fp8_compute='fp8' (W8A8), got {fp8_compute!r}")
+        x, x_scales, fp8_compute = x.codes, x.scales, "fp8"
+    n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
+                        x_scales, dtype)
+    fp8_compute = fp8_compute or default_fp8_compute(dtype)
+    check_fp8_compute(fp8_compute, dtype)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    x_scales = None
-    if w8a8:  # the norm (if any) and the per-row quantization in one launch
+    out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
+    if w8a8 and x_scales is None:  # the norm (if any) and the per-row quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
         norm_weight = None
     elif norm_weight is not None and not norm_in_prologue:

@@ -24,9 +24,11 @@ def check_fp8_compute(fp8_compute: str, x_dtype: torch.dtype) -> None:
 
 
 def check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu,
-                    cos=None, sin=None, rope_columns=0) -> int:
+                    cos=None, sin=None, rope_columns=0, x_scales=None, activation_dtype=None) -> int:
     """Validate `stage_ar.gemv.gemv`'s arguments (its docstring states the rules); returns N, the
-    output width.
+    output width. ``x_scales`` and ``activation_dtype``: ``x`` holds E4M3 codes of rows quantized
+    already (`stage_ar.fp8_activations.QuantizedRows`) with those ``(M,)`` float32 scales, standing for
+    rows of ``activation_dtype`` (the dtype the other arguments and the output take).
 
     Raises:
         ValueError: shapes, strides, devices or flag combinations that do not fit.
@@ -37,10 +39,18 @@ def check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to at most {MAX_ROWS} rows, got M = {m} (use torch.nn.functional.linear)")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not one of {ACTIVATION_DTYPES}")
-    if weight.dtype not in (x.dtype, FP8_DTYPE):
-        raise TypeError(f"weight dtype {weight.dtype} must be x's ({x.dtype}) or {FP8_DTYPE}")
+    dtype = x.dtype if x_scales is None else activation_dtype
+    if x_scales is not None:
+        if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
+            raise TypeError(f"quantized rows are {FP8_DTYPE} codes for {FP8_DTYPE} weights, got {x.dtype} and "
+                            f"{weight.dtype}")
+        expect_tensor("x_scales", x_scales, (m,), torch.float32, x.device)
+        if norm_weight is not None:
+            raise ValueError("quantized rows are normalised already: no norm_weight")
+    if dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x dtype {dtype} is not one of {ACTIVATION_DTYPES}")
+    if weight.dtype not in (dtype, FP8_DTYPE):
+        raise TypeError(f"weight dtype {weight.dtype} must be x's ({dtype}) or {FP8_DTYPE}")
     if weight.shape[1] != k:
         raise ValueError(f"weight has {weight.shape[1]} columns, x has K = {k}")
     if not weight.is_contiguous() or x.stride(1) != 1:
@@ -58,22 +68,22 @@ def check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu
             raise TypeError(f"weight_scale must be float32, got {weight_scale.dtype}")
         expect_tensor("weight_scale", weight_scale, (rows,), torch.float32, x.device)
     if bias is not None:
-        expect_tensor("bias", bias, (rows,), x.dtype, x.device)
+        expect_tensor("bias", bias, (rows,), dtype, x.device)
     if norm_weight is not None:
-        expect_tensor("norm_weight", norm_weight, (k,), x.dtype, x.device)
+        expect_tensor("norm_weight", norm_weight, (k,), dtype, x.device)
     if residual is not None:
-        expect_tensor("residual", residual, (m, n), x.dtype, x.device)
+        expect_tensor("residual", residual, (m, n), dtype, x.device)
         if residual.stride(1) != 1:
             raise ValueError("residual rows must be contiguous (residual.stride(1) == 1)")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    _check_rope(x, n, swiglu, residual, cos, sin, rope_columns)
+    _check_rope(x, dtype, n, swiglu, residual, cos, sin, rope_columns)
     return n
 
 
-def _check_rope(x, n, swiglu, residual, cos, sin, rope_columns) -> None:
+def _check_rope(x, dtype, n, swiglu, residual, cos, sin, rope_columns) -> None:
     """The RoPE epilogue's arguments: ``cos``/``sin`` both or neither, ``(M, head_dim)`` contiguous in
-    ``x.dtype``, ``head_dim`` even and dividing N and ``rope_columns``; not with swiglu/residual."""
+    ``dtype``, ``head_dim`` even and dividing N and ``rope_columns``; not with swiglu/residual."""
     if (cos is None) != (sin is None):
         raise ValueError("the RoPE epilogue takes cos and sin together")
     if cos is None:
@@ -84,7 +94,7 @@ def _check_rope(x, n, swiglu, residual, cos, sin, rope_columns) -> None:
         raise ValueError("the RoPE epilogue does not combine with swiglu or residual")
     head_dim = cos.shape[-1] if cos.ndim == 2 else 0
     for name, t in (("cos", cos), ("sin", sin)):
-        expect_tensor(name, t, (x.shape[0], head_dim), x.dtype, x.device)
+        expect_tensor(name, t, (x.shape[0], head_dim), dtype, x.device)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if head_dim < 2 or head_dim % 2 or n % head_dim:

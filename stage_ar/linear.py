@@ -20,6 +20,10 @@ of the rule); `GemvLinear` with ``fuse_epilogues`` instead runs the op in the GE
 launch, no round trip of the linear output through memory) for calls it takes: on by default since
 it measured faster on the H200 (docs/PERFORMANCE.md, "Epilogue fusions").
 
+A layer's pre-norms also go through the backend of the projection that reads them (`norm_input`):
+the norm module's kernels, except `GemvLinear` under W8A8, whose quantizer launch also adds the
+residual and normalises (`QuantizedRows`), one launch where there were two.
+
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
 (the kernel pads to one 16-row tile; see `stage_ar.gemv`), so a row's bits do not depend on how many
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +47,12 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
+from stage_ar.fp8_activations import QuantizedRows, quantize_rows
 from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
     "BACKENDS", "GemvLinear", "LinearBackend", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
-    "quantize_fp8_", "select_backend", "set_linear_backend",
+    "norm_input", "quantize_fp8_", "select_backend", "set_linear_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,7 +64,19 @@ BACKENDS, WEIGHTS_DTYPES = AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 
 class LinearBackend:
     """What every backend computes for the layers followed by a pointwise op: its own linear
-    (``__call__``), then that op, unfused. Subclasses define ``__call__``."""
+    (``__call__``), then that op, unfused; and the normalised rows a layer reads (`norm_input`).
+    Subclasses define ``__call__``."""
+
+    def norm_input(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, ops: Any,
+                   consumer: MammothLinear | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """The rows ``consumer`` (the one projection that reads them, or None) takes after the
+        pre-norm ``norm`` (a `mammoth_core.norms.RMSNorm`), and the new residual stream: ``(norm(x +
+        residual), x + residual)``, or ``(norm(x), x)`` where ``residual`` is None (the first layer).
+        ``x``/``residual``: ``(..., hidden)``; ``ops``: the norm's kernels (`stage_ar.layers.PointwiseOps`).
+        Here the norm module's own kernels; `GemvLinear` under W8A8 fuses the norm into the quantizer."""
+        if residual is None:
+            return norm(x, kernels=ops), x
+        return norm(x, residual, kernels=ops)
 
     def swiglu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                weight_scale: torch.Tensor | None, act: Callable = silu_and_mul) -> torch.Tensor:
@@ -87,7 +105,12 @@ class TorchLinear(LinearBackend):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None) -> torch.Tensor:
         """``x (..., K)`` -> ``(..., N)`` in ``x.dtype``; ``weight (N, K)`` in ``x.dtype`` or E4M3 with
-        ``weight_scale (N,)`` float32; ``bias (N,)`` or None."""
+        ``weight_scale (N,)`` float32; ``bias (N,)`` or None.
+
+        Raises:
+            TypeError: ``x`` is `QuantizedRows` (only `GemvLinear` makes and takes them)."""
+        if isinstance(x, QuantizedRows):
+            raise TypeError("TorchLinear takes activation rows, not QuantizedRows (GemvLinear's W8A8 input)")
         if weight_scale is None:
             return F.linear(x, weight, bias)
         y = F.linear(x, weight.to(x.dtype)).float() * weight_scale
@@ -161,8 +184,38 @@ class GemvLinear(LinearBackend):
                          sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d)
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
 
-    def _kernel_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """``x`` as ``(rows, K)`` with contiguous rows when the kernel takes the call, else None."""
+    def norm_input(self, norm, x, residual, ops, consumer):
+        """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3
+        weights and calls the kernel takes (at most ``max_rows`` rows), one launch instead of two:
+        `stage_ar.fp8_activations.quantize_rows` adds the residual, normalises (`stage_ar.row_norm`'s
+        summation order, not the norm module's kernels': W8A8's own numerics) and quantizes, and the
+        rows come back as `QuantizedRows` for ``consumer``'s GEMV."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if (self.fp8_compute != "fp8" or consumer is None or not consumer.is_fp8
+                or not consumer.weight.is_contiguous() or not 1 <= rows <= self.max_rows):
+            return super().norm_input(norm, x, residual, ops, consumer)
+        flat = x.reshape(rows, k).contiguous()
+        if residual is None:
+            codes, scales = quantize_rows(flat, norm.weight, norm.variance_epsilon)
+            summed = x
+        else:
+            codes, scales, summed = quantize_rows(flat, norm.weight, norm.variance_epsilon,
+                                                  residual=residual.reshape(rows, k).contiguous())
+            summed = summed.view(x.shape)
+        return QuantizedRows(codes, scales, x.dtype, x.shape), summed
+
+    def _kernel_rows(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> torch.Tensor | QuantizedRows | None:
+        """``x`` as ``(rows, K)`` with contiguous rows when the kernel takes the call, else None.
+
+        Raises:
+            ValueError: `QuantizedRows` the kernel cannot take (more than ``max_rows`` rows, or a
+                non-contiguous weight): nothing else can multiply them."""
+        if isinstance(x, QuantizedRows):
+            if not x.codes.shape[0] <= self.max_rows or not weight.is_contiguous():
+                raise ValueError(f"QuantizedRows of {x.codes.shape[0]} rows for a weight of shape "
+                                 f"{tuple(weight.shape)}: the GEMV takes at most {self.max_rows} rows, contiguous weights")
+            return QuantizedRows(x.codes, x.scales, x.dtype, x.codes.shape)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not 1 <= rows <= self.max_rows or not weight.is_contiguous():
@@ -173,6 +226,14 @@ class GemvLinear(LinearBackend):
     def _gemv(self, flat, weight, bias, weight_scale, **epilogue) -> torch.Tensor:
         return gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
                                  fp8_compute=self.fp8_compute if weight_scale is not None else None, **epilogue)
+
+
+def norm_input(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, ops: Any,
+               consumer: MammothLinear | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """A decoder layer's pre-norm: ``consumer``'s backend's `LinearBackend.norm_input` (the module's
+    own kernels where ``consumer`` is None: tokens split between two experts)."""
+    backend = consumer.backend if consumer is not None else TORCH_LINEAR
+    return backend.norm_input(norm, x, residual, ops, consumer)
 
 
 def select_backend(name: str, device: torch.device | str, *,

@@ -22,9 +22,10 @@ from torch import nn
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.expert_routing import ExpertRouting, route_experts, single_expert
+from stage_ar.fp8_activations import QuantizedRows
 from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
-from stage_ar.linear import TORCH_LINEAR, MammothLinear
+from stage_ar.linear import TORCH_LINEAR, MammothLinear, norm_input
 
 __all__ = [
     "ARForwardOutput",
@@ -176,11 +177,17 @@ class MammothAttention(nn.Module):
         if self.has_experts:
             _stack_hooks(self, "gen_qkv_proj", STACKED_PARAMS["gen_qkv_proj"], sizes)
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``hidden_states (B, T, hidden)`` -> ``(B, T, hidden)``."""
+    def input_projection(self, routing: ExpertRouting | None) -> MammothLinear | None:
+        """The qkv projection every token of a forward with ``routing`` goes through, or None when
+        the tokens are split between the two experts."""
+        return single_expert(self.qkv_proj, self.gen_qkv_proj, routing if self.has_experts else None)
+
+    def forward(self, hidden_states: torch.Tensor | QuantizedRows, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden_states (B, T, hidden)`` (or, under W8A8, those rows quantized for `input_projection`:
+        `stage_ar.linear.norm_input`) -> ``(B, T, hidden)``."""
         routing = ctx.routing if self.has_experts else None
         heads, kv_heads = self.num_heads, self.num_key_value_heads
-        qkv_proj = single_expert(self.qkv_proj, self.gen_qkv_proj, routing)
+        qkv_proj = self.input_projection(ctx.routing)
         if qkv_proj is not None:  # one projection for every token: RoPE may run in its epilogue
             q, k, v = qkv_proj.forward_rope_qkv(hidden_states, ctx.cos, ctx.sin, heads, kv_heads, ctx.ops.rope_qkv)
         else:
@@ -193,7 +200,9 @@ class MammothAttention(nn.Module):
 class MammothDecoderLayer(nn.Module):
     """Pre-norm decoder block with expert routing, residual stream carried separately:
     ``h, r = norm(h, r); h = attn(h); h, r = norm(h, r); h = mlp(h)`` (the residual add fused into
-    each norm; the first layer starts with ``r = None``)."""
+    each norm; the first layer starts with ``r = None``). Each norm runs through the backend of the
+    projection that reads it (`stage_ar.linear.norm_input`: under W8A8 the GEMV gets its rows
+    quantized by the same launch)."""
 
     def __init__(self, config: MammothARConfig, layer_idx: int) -> None:
         super().__init__()
@@ -208,14 +217,13 @@ class MammothDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, hidden)`` states and residual stream -> this layer's ``(mlp output, residual)``;
         the layer's output is their sum (formed by the next norm)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, kernels=ctx.ops)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual, kernels=ctx.ops)
+        hidden_states, residual = norm_input(self.input_layernorm, hidden_states, residual, ctx.ops,
+                                             self.self_attn.input_projection(ctx.routing))
         hidden_states = self.self_attn(hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, kernels=ctx.ops)
         routing = ctx.routing if self.gen_mlp is not None else None
+        mlp = single_expert(self.mlp, self.gen_mlp, routing)
+        hidden_states, residual = norm_input(self.post_attention_layernorm, hidden_states, residual, ctx.ops,
+                                             mlp.gate_up_proj if mlp is not None else None)
         hidden_states = route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops)
         return hidden_states, residual
 

@@ -1,7 +1,7 @@
 """Qwen2 RMSNorm of activation rows for the decode kernels (CUDA, Triton; Triton's interpreter on
-CPU tensors): `rms_norm_rows` (one program per row, its own launch before a GEMV) and the two
-pieces the W8A8 quantizer (`stage_ar.fp8_activations.quantize_rows`) inlines so that the norm and
-the quantization are one launch with the same bits as the two launches.
+CPU tensors): `rms_norm_rows` (one program per row, its own launch before a GEMV) and the
+pieces the W8A8 quantizer (`stage_ar.fp8_activations.quantize_rows`) inlines so that the residual
+add, the norm and the quantization are one launch with the same bits as separate launches.
 
 Numerics: ``round(norm_weight * round(x * rsqrt(mean(x²) + eps)))``, statistics in float32, ``round``
 the cast to the activation dtype (the model's `Qwen2RMSNorm` chain). A row's inverse RMS is summed
@@ -28,25 +28,38 @@ NORM_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def row_inv_rms(x_ptr, K, eps, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
-        """``rsqrt(mean(x²) + eps)`` (float32) of the row at ``x_ptr``: column ``j`` of the ``BLOCK``
-        lanes sums chunks 0, 1, ... in turn (four loads in flight), then a fixed pairwise tree."""
+    def row_values(x_ptr, r_ptr, k, K, RESIDUAL: tl.constexpr):
+        """The row's values at columns ``k`` (0 past K) in its dtype: ``x[k]``, or with ``RESIDUAL``
+        ``round(x[k] + r[k])`` (the sum in float32, rounded once to the dtype, as torch adds two
+        bfloat16 tensors and as `mammoth_core.norms.add_rms_norm` forms the residual stream)."""
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        if RESIDUAL:
+            r = tl.load(r_ptr + k, mask=k < K, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def row_inv_rms(x_ptr, r_ptr, K, eps, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+        """``rsqrt(mean(v²) + eps)`` (float32) of the row ``v`` at ``x_ptr`` (`row_values`: plus the one at
+        ``r_ptr`` with ``RESIDUAL``): column ``j`` of the ``BLOCK`` lanes sums chunks 0, 1, ... in turn
+        (four loads in flight), then a fixed pairwise tree."""
         offs = tl.arange(0, BLOCK)
         sq = tl.zeros((BLOCK,), tl.float32)
         for k0 in range(0, K, 4 * BLOCK):
-            x0 = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + k0 + BLOCK + offs, mask=k0 + BLOCK + offs < K, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + k0 + 2 * BLOCK + offs, mask=k0 + 2 * BLOCK + offs < K, other=0.0).to(tl.float32)
-            x3 = tl.load(x_ptr + k0 + 3 * BLOCK + offs, mask=k0 + 3 * BLOCK + offs < K, other=0.0).to(tl.float32)
+            x0 = row_values(x_ptr, r_ptr, k0 + offs, K, RESIDUAL).to(tl.float32)
+            x1 = row_values(x_ptr, r_ptr, k0 + BLOCK + offs, K, RESIDUAL).to(tl.float32)
+            x2 = row_values(x_ptr, r_ptr, k0 + 2 * BLOCK + offs, K, RESIDUAL).to(tl.float32)
+            x3 = row_values(x_ptr, r_ptr, k0 + 3 * BLOCK + offs, K, RESIDUAL).to(tl.float32)
             sq = (((sq + x0 * x0) + x1 * x1) + x2 * x2) + x3 * x3
         for _ in tl.static_range(LOG2_BLOCK):
             sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
         return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
 
     @triton.jit
-    def norm_values(x_ptr, w_ptr, k, K, inv):
-        """``round(w[k] * round(x[k] * inv))`` in the activations' dtype at columns ``k`` (0 past K)."""
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    def norm_values(x_ptr, r_ptr, w_ptr, k, K, inv, RESIDUAL: tl.constexpr):
+        """``round(w[k] * round(v[k] * inv))`` in the activations' dtype at columns ``k`` (0 past K),
+        ``v`` the row's `row_values`."""
+        x = row_values(x_ptr, r_ptr, k, K, RESIDUAL)
         xn = (x.to(tl.float32) * inv).to(x.dtype)
         nw = tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         return (xn.to(tl.float32) * nw).to(x.dtype)
@@ -58,11 +71,11 @@ if triton is not None:
         x_ptr += tl.program_id(0) * stride_xm
         out_ptr += tl.program_id(0) * stride_om
         offs = tl.arange(0, BLOCK)
-        inv = row_inv_rms(x_ptr, K, eps, BLOCK, LOG2_BLOCK)
+        inv = row_inv_rms(x_ptr, x_ptr, K, eps, BLOCK, LOG2_BLOCK, False)
         for k0 in range(0, K, 4 * BLOCK):
             for c in tl.static_range(4):
                 k = k0 + c * BLOCK + offs
-                tl.store(out_ptr + k, norm_values(x_ptr, w_ptr, k, K, inv), mask=k < K)
+                tl.store(out_ptr + k, norm_values(x_ptr, x_ptr, w_ptr, k, K, inv, False), mask=k < K)
 
 
 def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -245,3 +245,63 @@ def test_backend_selection():
         assert not select_backend("gemv", "cpu", fuse_epilogues=False).fuse_epilogues
     with pytest.raises(ValueError, match="fuse_epilogues"):
         GemvLinear(fuse_epilogues=["norm"])
+
+
+def test_w8a8_pre_norms_run_in_the_quantizer_with_the_same_bits(model, reference, monkeypatch):
+    """Under W8A8 (``GemvLinear(fp8_compute="fp8")``, FP8 visual-token weights) a layer's residual add
+    + RMSNorm before an FP8 projection runs inside the quantizer's launch (`stage_ar.linear.norm_input`:
+    `quantize_rows` with ``residual=``, the rows handed on as `QuantizedRows`), not as a norm kernel
+    of its own; norms before bf16 projections (the understanding experts) and the final norm keep
+    the module's kernels. The fixture's first 24 ids (a 16-row prefill of text, then 4 text and 4
+    generation tokens one by one) give the same logits and rows, bit for bit, as the unfused chain
+    (the norm launch, then the quantizer) with the norms in the same summation order (`rms_norm_rows`)."""
+    import copy
+
+    from stage_ar import linear
+    from stage_ar.layers import PointwiseOps
+    from stage_ar.linear import LinearBackend, quantize_fp8_
+
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    w8a8 = copy.deepcopy(model)
+    quantize_fp8_(w8a8.visual_token_linears())
+    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8"))
+    norms = []
+
+    def rows_norm(x, w, eps):
+        norms.append(x.shape)
+        return gemv_kernels.rms_norm_rows(x.reshape(-1, x.shape[-1]).contiguous(), w, eps).view(x.shape)
+
+    def rows_add_norm(x, r, w, eps):
+        summed = r + x
+        return rows_norm(summed, w, eps), summed
+
+    ops = PointwiseOps(rms_norm=rows_norm, add_rms_norm=rows_add_norm)
+    fused = []
+    real_quantize = linear.quantize_rows
+
+    def recording(x, *args, **kwargs):
+        fused.append(kwargs.get("residual") is not None)
+        return real_quantize(x, *args, **kwargs)
+
+    def decode(ids, prefill=16):
+        cache = w8a8.new_kv_cache(1, ids.shape[1])
+        with torch.no_grad():
+            outs = [w8a8(ids[:, :prefill], torch.arange(prefill)[None], kv_cache=cache, ops=ops)]
+            outs += [w8a8(ids[:, t : t + 1], torch.tensor([[t]]), kv_cache=cache, ops=ops)
+                     for t in range(prefill, ids.shape[1])]
+        return torch.cat([o.last_hidden_state for o in outs], 1), torch.cat([o.logits for o in outs], 1)
+
+    ids = reference["ar_input_ids"][:, :24]
+    monkeypatch.setattr(linear, "quantize_rows", recording)
+    rows, logits = decode(ids)
+    fused_norms, fused_calls = len(norms), list(fused)
+    forwards = 1 + ids.shape[1] - 16
+    layers = w8a8.config.num_hidden_layers
+    assert fused_calls.count(True) >= forwards  # the add + norm before FP8 projections, in the quantizer
+    assert len(fused_calls) + fused_norms == forwards * (2 * layers + 1)  # every pre-norm one way or the other
+    norms.clear()
+    monkeypatch.setattr(GemvLinear, "norm_input", LinearBackend.norm_input)  # the unfused chain
+    want_rows, want_logits = decode(ids)
+    assert len(norms) == forwards * (2 * layers + 1)
+    assert torch.equal(rows, want_rows) and torch.equal(logits, want_logits)

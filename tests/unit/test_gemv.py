@@ -527,6 +527,35 @@ def test_quantize_rows_with_the_norm_is_the_norm_then_the_quantizer(gemv, k):
         quantize_rows(x, w[:-1])
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("k", [K, 4 * 1024 + 100], ids=lambda k: f"K{k}")
+def test_quantize_rows_with_a_residual_is_the_add_then_the_norm_then_the_quantizer(gemv, k, norm):
+    """``quantize_rows(x, norm_weight, residual=r)`` (one launch: the W8A8 layer's add + norm +
+    quantizer) returns torch's ``x + r`` as the new residual stream, bit for bit, and the codes and
+    scales of `rms_norm_rows` (or nothing) on that sum followed by `quantize_rows`; the add really
+    ran (the codes differ from those of ``x`` alone); a residual of another shape or dtype is refused."""
+    from stage_ar.fp8_activations import MIN_ROW_SCALE, quantize_rows
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(33)
+    x = (torch.randn(4, k, generator=g) * torch.logspace(-2, 2, 4)[:, None]).to(dtype).to(DEVICE)
+    r = (torch.randn(4, k, generator=g) * 3.0).to(dtype).to(DEVICE)
+    r[1] = -x[1]  # a row that sums to zero: MIN_ROW_SCALE, zero codes
+    w = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype).to(DEVICE) if norm else None
+    codes, scales, summed = quantize_rows(x, w, 1e-5, residual=r)
+    assert summed.dtype == dtype and torch.equal(summed, x + r)
+    want_codes, want_scales = quantize_rows(gemv.rms_norm_rows(x + r, w, 1e-5) if norm else x + r)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert not codes[1].float().any() and scales[1] == MIN_ROW_SCALE
+    alone = quantize_rows(x, w, 1e-5)[0] if norm else quantize_rows(x)[0]
+    assert not torch.equal(codes.view(torch.uint8), alone.view(torch.uint8))
+    with pytest.raises(ValueError, match="residual"):
+        quantize_rows(x, w, residual=r[:, :-1])
+    with pytest.raises(TypeError, match="residual"):
+        quantize_rows(x, w, residual=r.float())
+
+
 def test_w8a8_normalised_projection_runs_no_separate_norm(gemv, monkeypatch):
     """A W8A8 GEMV with ``norm_weight`` folds the norm into its quantizer: `rms_norm_rows` is not
     called (its launch was the third of such a projection), and the result is the one of the norm

@@ -47,6 +47,11 @@ ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"}
 
 
+#: ``(NORM, RESIDUAL)`` of the W8A8 quantizer's forms: alone (o and down inputs), with the first
+#: layer's norm, with a layer's residual add and norm (`stage_ar.linear.GemvLinear.norm_input`).
+QUANTIZER_FORMS = ((False, False), (True, False), (True, True))
+
+
 def _compile(fn, types: dict[str, str], constexprs: dict) -> str:
     """PTX of ``fn`` for sm_90, served with PDL; ``types`` of the runtime arguments (the rest ``i32``)."""
     import triton
@@ -74,11 +79,13 @@ def _forms():
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live))
         yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live))
-    for norm in (False, True):  # the quantizer alone, and with the projection's RMSNorm folded in
-        yield f"w8a8_quantizer_norm_{norm}", lambda norm=norm: _compile(activations._quantize_rows_kernel, {
-            "x_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "min_scale": "fp32",
-            "eps": "fp32"}, dict(FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, NORM=norm, NORM_BLOCK_=1024,
-                                 LOG2_NORM_BLOCK=10, PDL=True))
+    for norm, residual in QUANTIZER_FORMS:
+        yield f"w8a8_quantizer_norm_{norm}_residual_{residual}", lambda norm=norm, residual=residual: _compile(
+            activations._quantize_rows_kernel, {
+                "x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                "sum_ptr": "*bf16", "min_scale": "fp32", "eps": "fp32"},
+            dict(FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, NORM=norm, RESIDUAL=residual, NORM_BLOCK_=1024,
+                 LOG2_NORM_BLOCK=10, PDL=True))
 
 
 def _main() -> None:
@@ -107,7 +114,7 @@ def compiled() -> dict:
 def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
-    return names + [f"w8a8_quantizer_norm_{norm}" for norm in (False, True)]
+    return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 
 @pytest.mark.parametrize("form", _names())
