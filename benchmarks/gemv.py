@@ -182,7 +182,7 @@ def check_form(name: str, shape: dict, ws: dict, form: str, x: torch.Tensor, res
     rec["batch_invariant"] = bool(alone and five)
     per_config = {}
     for c in G.tuned_configs(w.dtype, kw.get("fp8_compute")):
-        if not G.fits_shared_memory(c, x.dtype, w.dtype, bool(kw.get("swiglu"))):
+        if not G.fits_shared_memory(c, x.dtype, w.dtype):
             continue  # autotuning prunes it too
         try:
             per_config[str(c)] = bool(torch.equal(G.gemv(x, w, config=c, **kw), full))
@@ -328,14 +328,14 @@ def precompile_jobs(table: dict) -> list[tuple]:
     for name, shape in table.items():
         for mode in ("float16", "fp8"):  # section 0's float16-compute and W8A8 FP8 launches (plain)
             for c in G.tuned_configs(G.FP8_DTYPE, mode):
-                if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE, False):
+                if G.fits_shared_memory(c, torch.bfloat16, G.FP8_DTYPE):
                     jobs.append((f"{name}/fp8-{mode}/{c}", torch.bfloat16, G.FP8_DTYPE, shape["rows"], shape["K"], c,
                                  {"fp8_compute": mode}))
         for form in ("plain", "fused", "fp8", "w8a8"):
             flags = {} if form == "plain" else dict(shape["fused"]) | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
             w_dtype = G.FP8_DTYPE if form in ("fp8", "w8a8") else torch.bfloat16
             for c in G.tuned_configs(w_dtype, flags.get("fp8_compute")):
-                if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(flags.get("swiglu"))):
+                if G.fits_shared_memory(c, torch.bfloat16, w_dtype):
                     jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
                     if form == "fused" and flags.get("norm"):
                         jobs.append((f"{name}/{form}-prologue/{c}", torch.bfloat16, w_dtype, shape["rows"],

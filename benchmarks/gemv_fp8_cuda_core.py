@@ -405,7 +405,7 @@ def precompile(table: dict, workers: int) -> dict:
         flags = {"bias": True} if has_bias else {}
         for w_dtype, configs in ((G.FP8_DTYPE, G.FP8_TUNED_CONFIGS), (torch.bfloat16, G.TUNED_CONFIGS)):
             for c in configs:
-                if G.fits_shared_memory(c, torch.bfloat16, w_dtype, False):
+                if G.fits_shared_memory(c, torch.bfloat16, w_dtype):
                     jobs.append(("gemv", (f"{name}/gemv/{w_dtype}/{c}", torch.bfloat16, w_dtype, n, k, c, flags)))
     return B.run_compile_jobs(jobs, workers, _compile_job)
 

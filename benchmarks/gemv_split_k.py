@@ -81,7 +81,7 @@ def compile_jobs(table: dict) -> list[tuple]:
             for split in SPLITS[name]:
                 for c in G.tuned_configs(w_dtype, f.get("fp8_compute")):
                     c = G.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
-                    if G.fits_shared_memory(c, torch.bfloat16, w_dtype, bool(f.get("swiglu") or f.get("rope_head_dim"))):
+                    if G.fits_shared_memory(c, torch.bfloat16, w_dtype):
                         jobs.append((f"{name}/{form}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, f))
     return jobs
 
@@ -102,11 +102,10 @@ def measure(name: str, shape: dict, sets: list[dict], form: str, split: int) -> 
     alone = [torch.equal(G.gemv(x[i : i + 1], w, **_rows(kw, i))[0], full[i]) for i in (0, 9, 15)]
     rec["row_alone_equals_row_in_16"] = all(alone)
     # every candidate autotuning may pick, at this split: the same bits as the tuned launch?
-    paired = bool(kw.get("swiglu") or kw.get("cos") is not None)
     same = {}
     for c in G.tuned_configs(w.dtype, kw.get("fp8_compute")):
         c = G.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
-        if G.fits_shared_memory(c, torch.bfloat16, w.dtype, paired):
+        if G.fits_shared_memory(c, torch.bfloat16, w.dtype):
             same[str(c)] = bool(torch.equal(G.gemv(x, w, config=c, **kw), full))
     rec["candidates_same_bits"] = same
     rec["out"] = full

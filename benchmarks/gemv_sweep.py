@@ -57,7 +57,7 @@ def w8a8_candidates(smoke: bool) -> list[tuple[str, str, G.GemvConfig]]:
         for bn, w, st in launches:
             for split in W8A8_SPLITS:
                 c = G.GemvConfig(bn, w, 1 if smoke else st, bk, split)
-                if G.fits_shared_memory(c, G.FP8_DTYPE, G.FP8_DTYPE, False):
+                if G.fits_shared_memory(c, G.FP8_DTYPE, G.FP8_DTYPE):
                     out.append((f"fp8/{bk}/{bn}-{w}-{st}/s{split or 'rule'}", "fp8", c))
     return out
 
@@ -72,7 +72,7 @@ def candidates(smoke: bool, families: tuple[str, ...] = FAMILIES[:2]) -> list[tu
     def fp8(mode, tiles):
         return [(f"{mode}/{bk}/{bn}-{w}-{st}", mode, c) for bk in tiles for bn, w, st in fp8_launches
                 if G.fits_shared_memory(c := G.GemvConfig(bn, w, 1 if smoke else st, bk), torch.bfloat16,
-                                        G.FP8_DTYPE, False)]
+                                        G.FP8_DTYPE)]
 
     bf16 = [("bf16/tuned", "bf16", None)] + [
         (f"bf16/256/{bn}-{w}-{st}", "bf16", G.GemvConfig(bn, w, 1 if smoke else st, 256))

@@ -20,8 +20,12 @@ float32. Variants are compile-time flags, so each layer's projection is one laun
 - epilogues: FP8 scale (``weight_scale``), ``bias``, then either ``swiglu`` (the weight is
   ``(2 * N, K)``, gate rows then up rows, as vLLM's merged gate/up; ``out = silu(gate) * up``) and/or
   a ``residual`` add, or RoPE (``cos``/``sin``: a fused qkv's q and k heads rotated, rotate-half
-  layout; each program owns column pairs ``(c, c + head_dim / 2)`` and loads both weight tiles, as
-  swiglu loads gate and up). Each step rounds to the activation dtype where the eager module chain
+  layout, column ``c`` paired with ``c + head_dim / 2``). A paired program (SwiGLU's gate and up
+  rows, RoPE's column pairs) owns ``BLOCK_N / 2`` pairs and streams one ``BLOCK_N``-row weight tile
+  holding their first rows, then their partners': the loads and dots of a plain launch, the
+  accumulator split into its halves for the epilogue (before 2026-12-03 it streamed two
+  ``BLOCK_N``-row tiles into two accumulators, and the H200 measured that form slower than the
+  plain launch of the same bytes: bf16 gate_up 75.7 vs 64.9 us, docs/PERFORMANCE.md). Each step rounds to the activation dtype where the eager module chain
   does (linear output, SiLU, product, sum; RoPE's two products and their sum), so the fused kernel
   differs from eager only by the dot's summation order (`stage_ar.gemv_reference` is that chain).
 - W8A16 (``weight`` in ``float8_e4m3fn`` with ``weight_scale (N,)`` float32, `stage_ar.fp8`):
@@ -215,15 +219,17 @@ if triton is not None:
         return tl.where(rotate[:, None], new_lo, lo), tl.where(rotate[:, None], new_hi, hi)
 
     @triton.jit
-    def _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
+    def _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
                   cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
                   ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """From the float32 dot sums ``acc`` (and ``acc2``, the partner rows, when paired) to the stored
-        output: scale and bias, SwiGLU, residual or RoPE, each rounded where the eager chain rounds. Rows
-        in ``m_mask`` are stored."""
+        """From a program's ``(BLOCK_N, 16)`` float32 dot sums ``acc`` (paired: its pairs' first rows, then
+        their partners', `_split_pairs`) to the stored output: scale and bias, SwiGLU, residual or
+        RoPE, each rounded where the eager chain rounds. Rows in ``m_mask`` are stored."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE
+        if PAIRED:
+            acc, acc2 = _split_pairs(acc, acc.shape[0] // 2)
         y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
         if PAIRED:
             y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS,
@@ -251,11 +257,14 @@ if triton is not None:
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     ):
-        """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``; under SWIGLU weight rows ``n``
-        (gate) and ``N + n`` (up) make column ``n``; under ROPE program column ``j`` is the pair
-        (``c``, ``c + HEAD_DIM / 2``) of the j-th first-half column ``c`` of the heads, both written, the
-        first ``ROPE_N`` columns rotated. The accumulators are ``(BLOCK_N, 16)``: transposed. ``FP8_MODE``
-        3 (W8A8): ``x_ptr`` holds E4M3 codes, ``xs_ptr`` their row scales, the dots are FP8 x FP8.
+        """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
+        gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
+        j-th first-half column ``c`` of the heads, both written, the first ``ROPE_N`` columns rotated) a
+        program owns ``BLOCK_N / 2`` such pairs, and its one ``(BLOCK_N, BLOCK_K)`` weight tile holds
+        their first rows, then their partner rows (`_pair_rows`): the same tile, loads and dot as a
+        plain launch of ``BLOCK_N`` columns, split into the two halves for the epilogue
+        (`_split_pairs`). The accumulator is ``(BLOCK_N, 16)``: transposed. ``FP8_MODE`` 3 (W8A8):
+        ``x_ptr`` holds E4M3 codes, ``xs_ptr`` their row scales, the dots are FP8 x FP8.
 
         ``SPLIT_K`` > 1: program ``(j, s)`` sums K tiles ``[s * T, (s + 1) * T)`` (``T = cdiv(tiles,
         SPLIT_K)``) into its float32 partials in ``ws_ptr``; the last of a column block's programs to
@@ -265,17 +274,16 @@ if triton is not None:
         ``PDL`` (`stage_ar.launch_overlap.pdl_flag`): the program may start while the previous kernel
         finishes and waits for it before its first activation load. ``PRELOAD``
         (`stage_ar.launch_overlap.preload_weights`): the first weight tile is loaded before that wait."""
-        PAIRED: tl.constexpr = SWIGLU | ROPE  # two weight tiles per program
+        PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ROPE:
-            offs_n = cols // (HEAD_DIM // 2) * HEAD_DIM + cols % (HEAD_DIM // 2)
-            partner = offs_n + HEAD_DIM // 2
-            n_mask = cols < N // 2
+        if PAIRED:
+            rows, row_mask, offs_n, partner, n_mask = _pair_rows(pid_n, N, BLOCK_N, ROPE, HEAD_DIM)
         else:
-            offs_n = cols
-            partner = cols + N  # SWIGLU: the up row of gate row n
-            n_mask = cols < N
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            partner = offs_n
+            rows = offs_n
+            row_mask = n_mask
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
@@ -291,16 +299,12 @@ if triton is not None:
         # (k_lo >= K): that tile is masked to zeros by k < K, as the activations are.
         FIRST_EVEN: tl.constexpr = EVEN_K and SPLIT_K == 1
         if PRELOAD:
-            w_first = _w_tile(w_ptr, offs_n, n_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
-            w2_first = w_first
-            if PAIRED:
-                w2_first = _w_tile(w_ptr, partner, n_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
+            w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
         wait_for_predecessor(PDL)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
         k_start = k_lo
         if PRELOAD:
             k = k_lo + offs_k
@@ -308,45 +312,65 @@ if triton is not None:
             if FP8_MODE == 1 or FP8_MODE == 2:
                 x_t = _f16_saturated(x_t)
             acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
-            if PAIRED:
-                acc2 = _tile_dot(w2_first, x_t, acc2, IEEE, FP8_MODE)
             k_start = k_lo + BLOCK_K
         for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
                 x_t = _f16_saturated(x_t)
-            acc = _w_dot(w_ptr, offs_n, n_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
-            if PAIRED:
-                acc2 = _w_dot(w_ptr, partner, n_mask, k, K, x_t, acc2, EVEN_K, EVEN_N, IEEE, FP8_MODE)
-        if SPLIT_K == 1:
-            _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
+            acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        if SPLIT_K > 1:
+            # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
+            ntile = tl.num_programs(0) * BLOCK_N
+            part = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * 16 + offs_m[None, :])
+            tl.store(ws_ptr + tl.program_id(1) * ntile * 16 + part, acc)
+            finish = last_arrival(cnt_ptr + pid_n, SPLIT_K)
+            if finish:  # the last split of this block: sum in split order
+                acc = tl.load(ws_ptr + part, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc += tl.load(ws_ptr + s * ntile * 16 + part, cache_modifier=".cg")
+                reset_arrivals(cnt_ptr + pid_n)  # ready for the next launch (and graph replay)
+        else:
+            finish = True
+        if finish:
+            _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
                       res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8, HAS_BIAS,
                       SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
+
+    @triton.jit
+    def _pair_rows(pid_n, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A paired program's weight rows: tile row ``j < BLOCK_N / 2`` is pair ``p = pid_n * BLOCK_N / 2 +
+        j``'s first row, row ``BLOCK_N / 2 + j`` its partner (SWIGLU: gate row ``p``, up row ``N + p``;
+        ROPE: the p-th first-half column ``c`` of the heads and ``c + HEAD_DIM / 2``). Returns the
+        ``(BLOCK_N,)`` rows and their mask, then the ``(BLOCK_N / 2,)`` output columns of the pairs'
+        first and second members and their mask."""
+        HALF: tl.constexpr = BLOCK_N // 2
+        pairs = N // 2 if ROPE else N
+        j = tl.arange(0, BLOCK_N)
+        p = pid_n * HALF + j % HALF
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        if ROPE:
+            first = p // (HEAD_DIM // 2) * HEAD_DIM + p % (HEAD_DIM // 2)
+            rows = tl.where(j >= HALF, first + HEAD_DIM // 2, first)
+            offs_n = cols // (HEAD_DIM // 2) * HEAD_DIM + cols % (HEAD_DIM // 2)
+            partner = offs_n + HEAD_DIM // 2
         else:
-            # partials: (2 if PAIRED, SPLIT_K, columns of the grid, 16) float32; this program's tile
-            ncols = tl.num_programs(0) * BLOCK_N
-            part = (cols[:, None] * 16 + offs_m[None, :])
-            tl.store(ws_ptr + tl.program_id(1) * ncols * 16 + part, acc)
-            if PAIRED:
-                tl.store(ws_ptr + (SPLIT_K + tl.program_id(1)) * ncols * 16 + part, acc2)
-            if last_arrival(cnt_ptr + pid_n, SPLIT_K):  # the last split of this block: sum in split order, finish
-                acc = tl.load(ws_ptr + part, cache_modifier=".cg")
-                acc2 = tl.zeros((BLOCK_N, 16), tl.float32)
-                if PAIRED:
-                    acc2 = tl.load(ws_ptr + SPLIT_K * ncols * 16 + part, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT_K):
-                    acc += tl.load(ws_ptr + s * ncols * 16 + part, cache_modifier=".cg")
-                    if PAIRED:
-                        acc2 += tl.load(ws_ptr + (SPLIT_K + s) * ncols * 16 + part, cache_modifier=".cg")
-                reset_arrivals(cnt_ptr + pid_n)  # ready for the next launch (and graph replay)
-                _epilogue(acc, acc2, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
-                          res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
-                          HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
+            rows = tl.where(j >= HALF, p + N, p)
+            offs_n = cols
+            partner = cols + N
+        return rows, p < pairs, offs_n, partner, cols < pairs
+
+    @triton.jit
+    def _split_pairs(acc, HALF: tl.constexpr):
+        """A paired tile's ``(2 * HALF, 16)`` sums as the first members' ``(HALF, 16)`` and the partners'."""
+        return tl.split(tl.permute(tl.reshape(acc, (2, HALF, 16)), (1, 2, 0)))
 
     def _even_n(a) -> bool:
-        """Every program's columns in range (under ROPE a program covers N / 2 column pairs)."""
-        return (a["N"] // 2 if a.get("ROPE") else a["N"]) % a["BLOCK_N"] == 0
+        """Every program's weight rows in range (a paired program covers BLOCK_N / 2 of the N / 2 RoPE
+        pairs or of the N SwiGLU pairs)."""
+        if a.get("ROPE") or a.get("SWIGLU"):
+            return (a["N"] // 2 if a.get("ROPE") else a["N"]) % (a["BLOCK_N"] // 2) == 0
+        return a["N"] % a["BLOCK_N"] == 0
 
     _kernel = triton.heuristics({"EVEN_N": _even_n})(_gemv_kernel)
 
@@ -355,7 +379,7 @@ if triton is not None:
         n_cap = max(16, triton.next_power_of_2(named_args["N"]))
         kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and fits_shared_memory(
             GemvConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, meta["BLOCK_K"]),
-            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype, meta["SWIGLU"] or meta["ROPE"])]
+            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype)]
         return kept or configs[:1]
 
     def _autotuned(configs):
@@ -431,7 +455,7 @@ def gemv(
             ``[0, rope_columns)``, heads of ``head_dim`` columns in the rotate-half layout (column ``c``
             of a head pairs with ``c + head_dim / 2``), rounded as `stage_ar.layers.apply_rope`; the
             other columns (a fused qkv's v heads) pass through. Each program computes both columns of
-            its pairs (two weight tiles, as swiglu). ``head_dim`` must be even and divide N; not with
+            its pairs (one tile of both rows, as swiglu). ``head_dim`` must be even and divide N; not with
             ``swiglu`` or ``residual``.
         rope_columns: a multiple of ``head_dim`` in ``[0, N]`` (the q and k columns of a fused qkv).
 
@@ -482,11 +506,12 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
-    programs_n = n // 2 if rope else n  # under ROPE a program column is a pair of output columns
+    paired = bool(swiglu or rope)
+    columns = n // 2 if rope else n  # what a program's tile rows cover: columns, or (paired) column pairs
     split = (config.split_k if config is not None else None) or split_k_for(n, k, weight.dtype, fp8_compute)
     if split < 1:
         raise ValueError(f"split_k must be >= 1, got {split}")
-    ws, counters = split_workspace(weight, split, programs_n, bool(swiglu or rope)) if split > 1 else (out, out)
+    ws, counters = split_workspace(weight, split, columns, paired) if split > 1 else (out, out)
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
         _or(x_scales, out), ws, counters, m, n, k,
@@ -505,10 +530,10 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     if config is None and not INTERPRETED:
         tuned = _LAST_TUNED[0] = _TUNERS[tuned_configs(weight.dtype, fp8_compute)]
         _LAST_TUNED[1] = split
-        tuned[lambda meta_: (triton.cdiv(programs_n, meta_["BLOCK_N"]), split)](*args, **meta)
+        tuned[lambda meta_: (triton.cdiv(columns, meta_["BLOCK_N"] // (2 if paired else 1)), split)](*args, **meta)
     else:
         c = config or INTERPRETER_CONFIG
-        grid = (triton.cdiv(programs_n, c.block_n), split)
+        grid = (triton.cdiv(columns, c.block_n // (2 if paired else 1)), split)
         _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
 
 
@@ -516,17 +541,20 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
 _MAX_BLOCK_N = 128
 
 
-def split_workspace(weight: torch.Tensor, split: int, programs_n: int, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def split_workspace(weight: torch.Tensor, split: int, columns: int, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 partials and int32 arrival counters (all zero between launches) of a split-K
-    launch over ``weight``: ``(2 if paired else 1) * split * roundup(programs_n, 128) * 16`` floats and
-    ``cdiv(programs_n, 16)`` counters (`stage_ar.arrival.persistent_buffers`: one set per weight, kept
-    for the process, so a CUDA graph captured around the launch keeps valid addresses).
+    launch over ``weight`` whose programs' tiles cover ``columns`` output columns (``paired``: column
+    pairs, ``BLOCK_N / 2`` per program, each pair two tile rows): ``split * rows * 16`` floats for
+    ``rows = (2 if paired else 1) * roundup(columns, 128)`` tile rows, and one counter per program of
+    the narrowest block (16 rows: ``cdiv(columns, 8 if paired else 16)``)
+    (`stage_ar.arrival.persistent_buffers`: one set per weight, kept for the process, so a CUDA graph
+    captured around the launch keeps valid addresses).
 
     Raises:
         RuntimeError: buffers for more weights than `stage_ar.arrival.MAX_BUFFER_SETS`.
     """
-    floats = (2 if paired else 1) * split * -(-programs_n // _MAX_BLOCK_N) * _MAX_BLOCK_N * 16
-    return persistent_buffers(weight, "gemv_split_k", floats, -(-programs_n // 16))
+    rows = (2 if paired else 1) * -(-columns // _MAX_BLOCK_N) * _MAX_BLOCK_N
+    return persistent_buffers(weight, "gemv_split_k", split * rows * 16, -(-columns // (8 if paired else 16)))
 
 
 _LAST_TUNED: list = [None, 1]  # the autotuner of the latest autotuned launch and its split (`last_tuned_config`)

@@ -106,12 +106,12 @@ INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
 _SMEM_BUDGET = 200 * 1024
 
 
-def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype, paired: bool) -> bool:
-    """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile(s) + 16-row activation
-    tile)) fit the budget this module allows (200 KB of the H200's 227 KB per block); ``paired``:
-    two weight tiles per program (the SwiGLU and RoPE epilogues)."""
+def fits_shared_memory(config: GemvConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether ``config``'s pipelined tiles (``num_stages`` x (weight tile + 16-row activation tile))
+    fit the budget this module allows (200 KB of the H200's 227 KB per block). A paired launch (the
+    SwiGLU and RoPE epilogues) has the same one tile: half its rows are the pairs' partners."""
     block_k = config.block_k or block_k_for(weight_dtype)
-    w_bytes = torch.empty((), dtype=weight_dtype).element_size() * (2 if paired else 1)
+    w_bytes = torch.empty((), dtype=weight_dtype).element_size()
     x_bytes = torch.empty((), dtype=x_dtype).element_size()
     return config.num_stages * block_k * (config.block_n * w_bytes + 16 * x_bytes) <= _SMEM_BUDGET
 

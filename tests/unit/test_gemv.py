@@ -233,6 +233,29 @@ def test_rope_epilogue_gives_the_bits_of_the_eager_rope(gemv, dtype):
         assert ((fused.float() - eager.float()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("form", ["w16", "fp8", "w8a8"])
+def test_a_paired_launch_sums_as_the_plain_launch(gemv, form, split):
+    """A paired launch (the RoPE and SwiGLU forms: each program's one weight tile holds its pairs'
+    first rows, then their partners') computes every output's dot sums as the plain launch does: the
+    RoPE form with nothing to rotate (``rope_columns=0``: every pair passes through) gives the plain
+    launch's bits, for each candidate configuration autotuning may pick (compiled: every
+    `tuned_configs` candidate; the interpreter: its one launch), with and without a split."""
+    from stage_ar.gemv_configs import tuned_configs
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    x, weight, kwargs = make_inputs("bias", dtype, fp8=form != "w16", n=192, k=768, seed=16)
+    if form == "w8a8":
+        kwargs["fp8_compute"] = "fp8"
+    cos, sin = (t.to(DEVICE) for t in rope_tables(torch.arange(16) * 3 + 1, dtype, 64))
+    configs = [gemv.INTERPRETER_CONFIG] if gemv.INTERPRETED else tuned_configs(weight.dtype, kwargs.get("fp8_compute"))
+    for c in configs:
+        c = gemv.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
+        plain = gemv.gemv(x, weight, config=c, **kwargs)
+        paired = gemv.gemv(x, weight, config=c, cos=cos, sin=sin, rope_columns=0, **kwargs)
+        assert torch.equal(paired, plain), c
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_swiglu_epilogue_matches_the_eager_silu_and_mul(gemv, dtype):
     """The fused gate/up launch against the model's unfused path (the plain GEMV, then
@@ -616,7 +639,6 @@ def test_w8a8_candidates_give_the_same_bits(gemv, variant):
         pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
     x, weight, kwargs = make_inputs(variant, torch.bfloat16, fp8=True, n=256, k=3584, seed=15)
     want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs).float()
-    paired = variant in ("norm_swiglu", "bias_rope")
     if variant == "bias_rope":
         kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
         kwargs["cos"], kwargs["sin"] = kwargs["cos"].to(DEVICE), kwargs["sin"].to(DEVICE)
@@ -626,7 +648,7 @@ def test_w8a8_candidates_give_the_same_bits(gemv, variant):
         outs = {}
         for c in W8A8_TUNED_CONFIGS:
             c = gemv.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
-            if gemv.fits_shared_memory(c, gemv.FP8_DTYPE, gemv.FP8_DTYPE, paired):
+            if gemv.fits_shared_memory(c, gemv.FP8_DTYPE, gemv.FP8_DTYPE):
                 outs[c] = gemv.gemv(x, weight, config=c, fp8_compute="fp8", **kwargs)
         first = next(iter(outs.values()))
         torch.testing.assert_close(first.float(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
