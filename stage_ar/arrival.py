@@ -49,7 +49,7 @@ if triton is not None:
 
 
 def persistent_buffers(owner: torch.Tensor, site: str, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 scratch buffer of at least ``floats`` elements and ``counters`` int32 counters at zero,
+    """A float32 scratch buffer of at least ``floats`` elements and ``counters`` int32 counters, all zero when made,
     for split launches at kernel site ``site`` over ``owner`` (a weight, a cache layer: its device,
     address, shape and dtype are the key), kept for the process. Grown (replaced) when a launch needs
     more (the smaller set is kept, never freed: a captured graph may still use it). Call the launch
@@ -65,6 +65,6 @@ def persistent_buffers(owner: torch.Tensor, site: str, floats: int, counters: in
             raise RuntimeError(f"split-kernel buffers for more than {MAX_BUFFER_SETS} owners: a leak, not a model")
         if have is not None:
             _retired.append(have)  # a captured graph may still use it: never freed
-        have = _buffers[key] = (torch.empty(max(floats, 1), dtype=torch.float32, device=owner.device),
+        have = _buffers[key] = (torch.zeros(max(floats, 1), dtype=torch.float32, device=owner.device),
                                 torch.zeros(max(counters, 1), dtype=torch.int32, device=owner.device))
     return have

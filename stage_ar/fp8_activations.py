@@ -58,6 +58,18 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign (-0 too)
 
     @triton.jit
+    def row_scale(amax, min_scale, FP8_MAX_: tl.constexpr):
+        """A row's scale from its float32 ``amax``: ``max(amax / FP8_MAX_, min_scale)``, the division IEEE."""
+        return tl.maximum(tl.math.div_rn(amax, FP8_MAX_), min_scale)
+
+    @triton.jit
+    def quantize_values(v, scale, FP8_MAX_: tl.constexpr):
+        """E4M3 codes of float32 values ``v`` over their row's ``scale`` (broadcast to ``v``):
+        ``e4m3(clamp(v / scale, -FP8_MAX_, FP8_MAX_))``, the division IEEE, rounded to nearest even."""
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX_), FP8_MAX_)
+        return _round_e4m3(q).to(tl.float8e4nv)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_rm, stride_qm,
                               stride_sm, min_scale, eps, FP8_MAX_: tl.constexpr, ROW_BLOCK: tl.constexpr,
                               CHUNK: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
@@ -89,9 +101,8 @@ if triton is not None:
         else:
             x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
             xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_), min_scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(xc, scale), -FP8_MAX_), FP8_MAX_)
-        tl.store(q_ptr + cols, _round_e4m3(q).to(tl.float8e4nv), mask=cols < K)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), min_scale, FP8_MAX_)
+        tl.store(q_ptr + cols, quantize_values(xc, scale, FP8_MAX_), mask=cols < K)
         if chunk == 0:
             tl.store(s_ptr + row, scale)
 
@@ -117,6 +128,40 @@ class QuantizedRows:
     def dequantize(self) -> torch.Tensor:
         """``codes * scales`` in float32, viewed as `shape`: the activations W8A8 multiplies."""
         return (self.codes.float() * self.scales[:, None]).view(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsWithAmax:
+    """Activation rows whose per-row largest magnitude the launch that wrote them gathered
+    (`stage_ar.gemv.gemv`'s ``amax_out``), for a W8A8 `stage_ar.gemv.gemv` that quantizes them in its
+    prologue (this module's scheme, the same codes and scales as `quantize_rows`) instead of a
+    `quantize_rows` launch between the two. Make the buffers with `amax_buffers`.
+
+    Attributes:
+        values: ``(M, K)`` rows in the activation dtype, contiguous rows, ``M <= 16``.
+        amax: ``(16,)`` int32, row ``m``'s ``amax(|values[m]|)`` as float32 bits (zero before the
+            producer; the consumer launch sets it back to zero).
+        counter: ``(1,)`` int32 arrival counter of the consumer's programs (zero between launches).
+    """
+
+    values: torch.Tensor
+    amax: torch.Tensor
+    counter: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """The rows' shape ``(M, K)``."""
+        return self.values.shape
+
+
+def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(amax, counter)`` pair of `RowsWithAmax` for the W8A8 launch over ``weight`` that reads
+    them: ``(16,)`` and ``(1,)`` int32 zeros, one pair per weight kept for the process
+    (`stage_ar.arrival.persistent_buffers`, so a captured CUDA graph keeps valid addresses)."""
+    from stage_ar.arrival import persistent_buffers
+
+    floats, counters = persistent_buffers(weight, "w8a8_amax", 16, 1)
+    return floats[:16].view(torch.int32), counters[:1]
 
 
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,

@@ -65,7 +65,8 @@ from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch para
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
-from stage_ar.fp8_activations import QuantizedRows, quantize_rows
+from stage_ar.fp8 import FP8_MAX
+from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import launch_options, pdl_flag, preload_weights
 
@@ -74,6 +75,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
+    from stage_ar.fp8_activations import quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -93,6 +95,8 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
+    #: E4M3's largest finite value (`stage_ar.fp8.FP8_MAX`) as the kernels' compile-time constant.
+    E4M3_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
     def _squares(x_ptr, stride_xm, offs_m, m_mask, k, K):
@@ -184,17 +188,18 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype: tl.constexpr,
+    def _scaled(acc, rows, n_mask, scale_ptr, bias_ptr, x_scale, dtype: tl.constexpr,
                 FP8: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_MODE: tl.constexpr = 0):
         """The linear output rounded to ``dtype``: ``acc * scale + bias`` in float32 first (``FP8_MODE``
-        2: ``scale * 2^8``, exact, undoing `_f16_bits`' factor; 3: ``acc * scale[n] * x_scale[m]``)."""
+        2: ``scale * 2^8``, exact, undoing `_f16_bits`' factor; 3 and 4, W8A8: ``acc * scale[n] *
+        x_scale[m]``, the ``(16,)`` activation row scales)."""
         if FP8:
             scale = tl.load(scale_ptr + rows, mask=n_mask, other=0.0)
             if FP8_MODE == 2:
                 scale = scale * 256.0
             acc = acc * scale[:, None]
-            if FP8_MODE == 3:  # W8A8: each activation row's own scale (`stage_ar.fp8_activations`)
-                acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+            if FP8_MODE >= 3:  # W8A8: each activation row's own scale (`stage_ar.fp8_activations`)
+                acc = acc * x_scale[None, :]
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         return acc.to(dtype)
@@ -219,21 +224,22 @@ if triton is not None:
         return tl.where(rotate[:, None], new_lo, lo), tl.where(rotate[:, None], new_hi, hi)
 
     @triton.jit
-    def _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr, res_ptr,
-                  cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
+    def _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale, res_ptr,
+                  cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
-                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX_OUT: tl.constexpr):
         """From a program's ``(BLOCK_N, 16)`` float32 dot sums ``acc`` (paired: its pairs' first rows, then
         their partners', `_split_pairs`) to the stored output: scale and bias, SwiGLU, residual or
-        RoPE, each rounded where the eager chain rounds. Rows in ``m_mask`` are stored."""
+        RoPE, each rounded where the eager chain rounds. Rows in ``m_mask`` are stored. ``AMAX_OUT``:
+        each row's largest stored magnitude goes into ``amax_ptr`` (int32 float bits, an atomic max:
+        exact in any order, so the row's amax does not depend on which program finishes last)."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE
         if PAIRED:
             acc, acc2 = _split_pairs(acc, acc.shape[0] // 2)
-        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS, FP8_MODE)
+        y = _scaled(acc, offs_n, n_mask, scale_ptr, bias_ptr, x_scale, dtype, FP8, HAS_BIAS, FP8_MODE)
         if PAIRED:
-            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, xs_ptr, offs_m, m_mask, dtype, FP8, HAS_BIAS,
-                         FP8_MODE)
+            y2 = _scaled(acc2, partner, n_mask, scale_ptr, bias_ptr, x_scale, dtype, FP8, HAS_BIAS, FP8_MODE)
         if SWIGLU:  # silu(gate) * up, each rounded as F.silu and the bf16 product round
             gate = y.to(tl.float32)
             y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * y2.to(tl.float32)).to(dtype)
@@ -245,17 +251,21 @@ if triton is not None:
             y, y2 = _rope_pair(y, y2, cos_ptr, sin_ptr, stride_cm, offs_n % HEAD_DIM, HEAD_DIM // 2, offs_m,
                                out_mask, offs_n < ROPE_N)
             tl.store(out_ptr + offs_m[None, :] * stride_om + partner[:, None], y2, mask=out_mask)
+        if AMAX_OUT:  # not with ROPE (`gemv` refuses it): y holds every stored value
+            row_amax = tl.max(tl.where(out_mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
+            tl.atomic_max(amax_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=m_mask)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, ROPE_N,
+        amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
         gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
@@ -273,7 +283,14 @@ if triton is not None:
 
         ``PDL`` (`stage_ar.launch_overlap.pdl_flag`): the program may start while the previous kernel
         finishes and waits for it before its first activation load. ``PRELOAD``
-        (`stage_ar.launch_overlap.preload_weights`): the first weight tile is loaded before that wait."""
+        (`stage_ar.launch_overlap.preload_weights`): the first weight tile is loaded before that wait.
+
+        ``FP8_MODE`` 4 (W8A8 on `stage_ar.fp8_activations.RowsWithAmax`): ``x_ptr`` holds the rows in
+        the activation dtype and ``amax_ptr`` their amax (int32 float bits); each activation tile is
+        quantized as it is loaded (`stage_ar.fp8_activations.quantize_values` over `row_scale`:
+        `quantize_rows`' codes and scales), and the last program to finish (a ticket from
+        ``amax_cnt_ptr``, then reset) sets the amax back to zero for the next producer. ``AMAX_OUT``:
+        the output rows' amax into ``amax_ptr`` (`_epilogue`)."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
         if PAIRED:
@@ -301,6 +318,12 @@ if triton is not None:
         if PRELOAD:
             w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
         wait_for_predecessor(PDL)
+        x_scale = tl.zeros((16,), tl.float32)  # W8A8's activation row scales (unused otherwise)
+        if FP8_MODE == 3:
+            x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        if FP8_MODE == 4:
+            amax = tl.load(amax_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
+            x_scale = row_scale(amax, min_scale, E4M3_MAX)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
@@ -309,15 +332,13 @@ if triton is not None:
         if PRELOAD:
             k = k_lo + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, FIRST_EVEN))
-            if FP8_MODE == 1 or FP8_MODE == 2:
-                x_t = _f16_saturated(x_t)
+            x_t = _activation_operand(x_t, x_scale, FP8_MODE)
             acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
             k_start = k_lo + BLOCK_K
         for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            if FP8_MODE == 1 or FP8_MODE == 2:  # float16 products: codes (and activations, saturated) in float16
-                x_t = _f16_saturated(x_t)
+            x_t = _activation_operand(x_t, x_scale, FP8_MODE)
             acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K > 1:
             # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
@@ -333,9 +354,24 @@ if triton is not None:
         else:
             finish = True
         if finish:
-            _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, xs_ptr,
-                      res_ptr, cos_ptr, sin_ptr, out_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8, HAS_BIAS,
-                      SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM)
+            _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale,
+                      res_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
+                      HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM, AMAX_OUT)
+        if FP8_MODE == 4:  # every program has read the amax: the last one sets it back to zero
+            if last_arrival(amax_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
+                tl.store(amax_ptr + offs_m, tl.zeros((16,), tl.int32))
+                reset_arrivals(amax_cnt_ptr)
+
+    @triton.jit
+    def _activation_operand(x_t, x_scale, FP8_MODE: tl.constexpr):
+        """The ``(BLOCK_K, 16)`` activation tile as the dot's right operand: float16, saturated (``FP8_MODE``
+        1 and 2: float16 products); E4M3 codes over each row's ``x_scale`` (4: W8A8 quantized here);
+        as loaded otherwise (activation-dtype products; 3: E4M3 codes already)."""
+        if FP8_MODE == 1 or FP8_MODE == 2:
+            x_t = _f16_saturated(x_t)
+        if FP8_MODE == 4:
+            x_t = quantize_values(x_t.to(tl.float32), x_scale[None, :], E4M3_MAX)
+        return x_t
 
     @triton.jit
     def _pair_rows(pid_n, N, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -387,7 +423,7 @@ if triton is not None:
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
             key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-                 "SPLIT_K"],  # not M
+                 "SPLIT_K", "AMAX_OUT"],  # not M
             prune_configs_by={"early_config_prune": _prune},
             do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
         )(_kernel)
@@ -396,7 +432,7 @@ if triton is not None:
 
 
 def gemv(
-    x: torch.Tensor | QuantizedRows,
+    x: torch.Tensor | QuantizedRows | RowsWithAmax,
     weight: torch.Tensor,
     *,
     weight_scale: torch.Tensor | None = None,
@@ -411,6 +447,7 @@ def gemv(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
+    amax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -423,7 +460,10 @@ def gemv(
         x: ``(M, K)`` activations, ``1 <= M <= 16``, bfloat16/float16/float32, rows contiguous; or,
             for W8A8 (E4M3 weights, ``fp8_compute`` None or ``"fp8"``, no ``norm_weight``), those rows
             quantized already (`stage_ar.fp8_activations.QuantizedRows`, ``codes`` 2-D: its add, norm
-            and quantization were the producer's launch), whose ``dtype`` stands for ``x.dtype`` below.
+            and quantization were the producer's launch), whose ``dtype`` stands for ``x.dtype`` below;
+            or rows with their amax gathered by the launch that wrote them
+            (`stage_ar.fp8_activations.RowsWithAmax`, W8A8 likewise), quantized in this launch's
+            prologue with `quantize_rows`' codes and scales (one launch less), ``x.values`` below.
         weight: ``(R, K)`` contiguous, ``x.dtype`` or ``torch.float8_e4m3fn``; ``R = N``, or ``2 * N``
             (gate rows then up rows) with ``swiglu``.
         weight_scale: ``(R,)`` float32 per-row scales; required with and only with FP8 weights.
@@ -458,6 +498,9 @@ def gemv(
             its pairs (one tile of both rows, as swiglu). ``head_dim`` must be even and divide N; not with
             ``swiglu`` or ``residual``.
         rope_columns: a multiple of ``head_dim`` in ``[0, N]`` (the q and k columns of a fused qkv).
+        amax_out: ``(16,)`` int32 zeros, or the ``amax`` of `stage_ar.fp8_activations.amax_buffers`:
+            each output row's largest magnitude is max-ed into it (float32 bits) for the W8A8 launch
+            that reads the output as `stage_ar.fp8_activations.RowsWithAmax`; not with RoPE.
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -467,11 +510,24 @@ def gemv(
         TypeError: dtypes that do not fit the above.
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
-    x_scales, dtype = None, x.dtype
-    if isinstance(x, QuantizedRows):
-        if (fp8_compute or "fp8") != "fp8":
-            raise ValueError(f"quantized rows take fp8_compute='fp8' (W8A8), got {fp8_compute!r}")
-        x, x_scales, fp8_compute = x.codes, x.scales, "fp8"
+    x_scales, dtype, amax_in = None, x.dtype if not isinstance(x, RowsWithAmax) else x.values.dtype, None
+    if isinstance(x, (QuantizedRows, RowsWithAmax)):
+        if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE:
+            raise ValueError(f"{type(x).__name__} take E4M3 weights and fp8_compute='fp8' (W8A8), got "
+                             f"{weight.dtype} weights and fp8_compute={fp8_compute!r}")
+        fp8_compute = "fp8"
+        if isinstance(x, QuantizedRows):
+            x, x_scales = x.codes, x.scales
+        else:
+            if norm_weight is not None:
+                raise ValueError("RowsWithAmax are quantized as they are: no norm_weight")
+            expect_tensor("amax", x.amax, (MAX_ROWS,), torch.int32, x.values.device)
+            expect_tensor("counter", x.counter, (1,), torch.int32, x.values.device)
+            x, amax_in = x.values, x
+    if amax_out is not None:
+        expect_tensor("amax_out", amax_out, (MAX_ROWS,), torch.int32, x.device)
+        if cos is not None:
+            raise ValueError("amax_out does not combine with the RoPE epilogue")
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
                         x_scales, dtype)
     fp8_compute = fp8_compute or default_fp8_compute(dtype)
@@ -480,14 +536,14 @@ def gemv(
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
     out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
-    if w8a8 and x_scales is None:  # the norm (if any) and the per-row quantization in one launch
+    if w8a8 and x_scales is None and amax_in is None:  # the norm (if any) and the quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
         norm_weight = None
     elif norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales)
+            x_scales, amax_in, amax_out)
     return out
 
 
@@ -498,9 +554,11 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None, x_scales=None) -> None:
+            rope=None, x_scales=None, amax_in=None, amax_out=None) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
-    ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8)."""
+    ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8);
+    ``amax_in``: the `RowsWithAmax` ``x`` came from (W8A8 quantized in the prologue); ``amax_out``:
+    the ``(16,)`` int32 buffer the output rows' amax goes into."""
     (m, k), n = x.shape, out.shape[1]
     cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
@@ -512,18 +570,19 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     if split < 1:
         raise ValueError(f"split_k must be >= 1, got {split}")
     ws, counters = split_workspace(weight, split, columns, paired) if split > 1 else (out, out)
+    amax = amax_in.amax if amax_in is not None else amax_out
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
-        _or(x_scales, out), ws, counters, m, n, k,
-        x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0, out.stride(0),
-        float(norm_eps), rope_columns,
+        _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
+        out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
-        FP8_MODE=_FP8_MODES[fp8_compute] if weight.dtype == FP8_DTYPE else 0,
-        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split,
+        FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
+        ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
     )
     pdl = pdl_flag(weight.device)
     meta.update(PDL=pdl, PRELOAD=preload_weights(), **launch_options(pdl))
@@ -589,8 +648,9 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     return _kernel.warmup(
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
+        torch.int32 if split > 1 else x_dtype, torch.int32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
-        n if residual else 0, rope_head_dim, n, 1e-6,
+        n if residual else 0, rope_head_dim, n, 1e-6, MIN_ROW_SCALE,
         rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,

@@ -22,7 +22,9 @@ it measured faster on the H200 (docs/PERFORMANCE.md, "Epilogue fusions").
 
 A layer's pre-norms also go through the backend of the projection that reads them (`norm_input`):
 the norm module's kernels, except `GemvLinear` under W8A8, whose quantizer launch also adds the
-residual and normalises (`QuantizedRows`), one launch where there were two.
+residual and normalises (`QuantizedRows`), one launch where there were two. The MLP is one backend
+call too (`LinearBackend.mlp`): under W8A8 `GemvLinear` hands the SwiGLU output to ``down_proj`` with
+its row amax gathered (`RowsWithAmax`), so ``down_proj`` quantizes it without a launch of its own.
 
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
@@ -47,7 +49,7 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from stage_ar.fp8_activations import QuantizedRows, quantize_rows
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows
 from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
@@ -83,6 +85,13 @@ class LinearBackend:
         """``act(linear(x))`` for a fused gate/up ``weight (2 I, K)``: ``(..., K)`` -> ``(..., I)`` in
         ``x.dtype``; ``act`` is `stage_ar.layers.silu_and_mul` or its compiled version."""
         return act(self(x, weight, bias, weight_scale))
+
+    def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
+            act: Callable = silu_and_mul) -> torch.Tensor:
+        """A SwiGLU MLP: ``down(act(gate_up(x)))`` for ``x (..., K)`` -> ``(..., down.out_features)`` in the
+        activation dtype (`MammothLinear.forward_swiglu`, then ``down``; ``act``:
+        `stage_ar.layers.silu_and_mul` or its compiled version)."""
+        return down(gate_up.forward_swiglu(x, act))
 
     def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -183,6 +192,25 @@ class GemvLinear(LinearBackend):
         out = self._gemv(flat, weight, bias, weight_scale, cos=cos.reshape(rows, d).contiguous(),
                          sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d)
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
+
+    def mlp(self, x, gate_up, down, act=silu_and_mul):
+        """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` fused, for E4M3 ``gate_up`` and ``down`` and
+        calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
+        (``amax_out``) and ``down``'s GEMV quantizes those rows in its prologue
+        (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). A ``down``
+        with forward hooks (tensor parallelism's all-reduce) is called as a module instead."""
+        rows = x.codes.shape[0] if isinstance(x, QuantizedRows) else x.numel() // max(1, x.shape[-1])
+        if (self.fp8_compute != "fp8" or "swiglu" not in self.fuse_epilogues or not gate_up.is_fp8 or not down.is_fp8
+                or not down.weight.is_contiguous() or not 1 <= rows <= self.max_rows
+                or down._forward_hooks or down._forward_pre_hooks):
+            return super().mlp(x, gate_up, down, act)
+        flat = self._kernel_rows(x, gate_up.weight)
+        if flat is None:
+            return super().mlp(x, gate_up, down, act)
+        amax, counter = amax_buffers(down.weight)
+        hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=amax)
+        out = self._gemv(RowsWithAmax(hidden, amax, counter), down.weight, down.bias, down.weight_scale)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def norm_input(self, norm, x, residual, ops, consumer):
         """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3

@@ -105,9 +105,10 @@ class MammothMLP(nn.Module):
         _stack_hooks(self, "gate_up_proj", STACKED_PARAMS["gate_up_proj"], (inter, inter))
 
     def forward(self, x: torch.Tensor, ops: PointwiseOps = EAGER_OPS) -> torch.Tensor:
-        """``x (..., hidden)`` -> ``(..., hidden)``; SwiGLU by ``ops`` (or in the GEMV's epilogue,
-        `stage_ar.linear.GemvLinear`'s ``fuse_epilogues``)."""
-        return self.down_proj(self.gate_up_proj.forward_swiglu(x, ops.silu_and_mul))
+        """``x (..., hidden)`` (under W8A8 possibly `QuantizedRows`) -> ``(..., hidden)``; SwiGLU by ``ops``
+        (or in the GEMV's epilogue, `stage_ar.linear.GemvLinear`'s ``fuse_epilogues``), the two
+        projections through their backend's `stage_ar.linear.LinearBackend.mlp`."""
+        return self.gate_up_proj.backend.mlp(x, self.gate_up_proj, self.down_proj, ops.silu_and_mul)
 
 
 class MammothRotaryEmbedding(nn.Module):

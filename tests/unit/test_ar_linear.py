@@ -247,14 +247,16 @@ def test_backend_selection():
         GemvLinear(fuse_epilogues=["norm"])
 
 
-def test_w8a8_pre_norms_run_in_the_quantizer_with_the_same_bits(model, reference, monkeypatch):
+def test_w8a8_layer_folds_its_norms_and_the_mlp_quantizer_with_the_same_bits(model, reference, monkeypatch):
     """Under W8A8 (``GemvLinear(fp8_compute="fp8")``, FP8 visual-token weights) a layer's residual add
     + RMSNorm before an FP8 projection runs inside the quantizer's launch (`stage_ar.linear.norm_input`:
     `quantize_rows` with ``residual=``, the rows handed on as `QuantizedRows`), not as a norm kernel
-    of its own; norms before bf16 projections (the understanding experts) and the final norm keep
-    the module's kernels. The fixture's first 24 ids (a 16-row prefill of text, then 4 text and 4
-    generation tokens one by one) give the same logits and rows, bit for bit, as the unfused chain
-    (the norm launch, then the quantizer) with the norms in the same summation order (`rms_norm_rows`)."""
+    of its own, and the MLP's ``down_proj`` quantizes the SwiGLU output in its own prologue
+    (`LinearBackend.mlp`: `RowsWithAmax`), not in a quantizer launch; norms before bf16 projections
+    (the understanding experts) and the final norm keep the module's kernels. The fixture's first 24
+    ids (a 16-row prefill of text, then 4 text and 4 generation tokens one by one) give the same
+    logits and rows, bit for bit, as the unfused chain (the norm launch, then the quantizer; the
+    quantizer before ``down_proj``) with the norms in the same summation order (`rms_norm_rows`)."""
     import copy
 
     from stage_ar import linear
@@ -277,12 +279,13 @@ def test_w8a8_pre_norms_run_in_the_quantizer_with_the_same_bits(model, reference
         return rows_norm(summed, w, eps), summed
 
     ops = PointwiseOps(rms_norm=rows_norm, add_rms_norm=rows_add_norm)
-    fused = []
-    real_quantize = linear.quantize_rows
+    fused, quantized = [], []
 
-    def recording(x, *args, **kwargs):
-        fused.append(kwargs.get("residual") is not None)
-        return real_quantize(x, *args, **kwargs)
+    def recording(calls, real):
+        def record(x, *args, **kwargs):
+            calls.append(kwargs.get("residual") is not None)
+            return real(x, *args, **kwargs)
+        return record
 
     def decode(ids, prefill=16):
         cache = w8a8.new_kv_cache(1, ids.shape[1])
@@ -293,15 +296,18 @@ def test_w8a8_pre_norms_run_in_the_quantizer_with_the_same_bits(model, reference
         return torch.cat([o.last_hidden_state for o in outs], 1), torch.cat([o.logits for o in outs], 1)
 
     ids = reference["ar_input_ids"][:, :24]
-    monkeypatch.setattr(linear, "quantize_rows", recording)
+    monkeypatch.setattr(linear, "quantize_rows", recording(fused, linear.quantize_rows))
+    monkeypatch.setattr(gemv_kernels, "quantize_rows", recording(quantized, gemv_kernels.quantize_rows))
     rows, logits = decode(ids)
-    fused_norms, fused_calls = len(norms), list(fused)
+    fused_norms, fused_calls, gemv_quantized = len(norms), list(fused), len(quantized)
     forwards = 1 + ids.shape[1] - 16
     layers = w8a8.config.num_hidden_layers
     assert fused_calls.count(True) >= forwards  # the add + norm before FP8 projections, in the quantizer
     assert len(fused_calls) + fused_norms == forwards * (2 * layers + 1)  # every pre-norm one way or the other
-    norms.clear()
+    norms.clear(), quantized.clear()
     monkeypatch.setattr(GemvLinear, "norm_input", LinearBackend.norm_input)  # the unfused chain
+    monkeypatch.setattr(GemvLinear, "mlp", LinearBackend.mlp)
     want_rows, want_logits = decode(ids)
     assert len(norms) == forwards * (2 * layers + 1)
+    assert len(quantized) >= gemv_quantized + len(fused_calls) + forwards  # + every down_proj's quantizer
     assert torch.equal(rows, want_rows) and torch.equal(logits, want_logits)

@@ -579,6 +579,52 @@ def test_quantize_rows_with_a_residual_is_the_add_then_the_norm_then_the_quantiz
         quantize_rows(x, w, residual=r.float())
 
 
+@pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
+def test_w8a8_rows_with_amax_are_quantized_in_the_consumers_prologue(gemv, split):
+    """The W8A8 MLP without the quantizer's launch between its GEMVs: the SwiGLU launch with
+    ``amax_out`` stores the bits it stores without, and leaves each row's largest magnitude (float32
+    bits) in the buffer; the ``down`` launch on `RowsWithAmax` gives the bits of `quantize_rows` then
+    the W8A8 launch (with a residual, split or not), leaves the amax and its arrival counter at
+    zero for the next step, and does so again on a second round; a row alone gets its bits inside
+    M = 16. Refused: bf16 weights, a norm, RoPE with ``amax_out``, a buffer of the wrong dtype."""
+    from stage_ar.fp8 import quantize_fp8_per_channel
+    from stage_ar.fp8_activations import RowsWithAmax, amax_buffers
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    x, w_gu, kw_gu = make_inputs("norm_swiglu", dtype, fp8=True, seed=17)
+    kw_gu.pop("norm_weight"), kw_gu.pop("norm_eps")
+    g = torch.Generator().manual_seed(18)
+    w_down, s_down = quantize_fp8_per_channel((torch.randn(24, N, generator=g) / N**0.5).to(dtype))
+    w_down, s_down = w_down.to(DEVICE), s_down.to(DEVICE)
+    residual = torch.randn(16, 24, generator=g).to(dtype).to(DEVICE)
+    config = gemv.GemvConfig(16, 4, 3, split_k=split)
+    amax, counter = amax_buffers(w_down)
+    assert not amax.any() and not counter.any()
+    for _ in range(2):
+        hidden = gemv.gemv(x, w_gu, fp8_compute="fp8", amax_out=amax, config=config, **kw_gu)
+        assert torch.equal(hidden, gemv.gemv(x, w_gu, fp8_compute="fp8", config=config, **kw_gu))
+        assert torch.equal(amax.view(torch.float32), hidden.float().abs().amax(dim=1))
+        got = gemv.gemv(RowsWithAmax(hidden, amax, counter), w_down, weight_scale=s_down, residual=residual,
+                        config=config)
+        want = gemv.gemv(hidden, w_down, weight_scale=s_down, residual=residual, fp8_compute="fp8", config=config)
+        assert torch.equal(got, want)
+        assert not amax.any() and not counter.any()
+    one = gemv.gemv(x[5:6], w_gu, fp8_compute="fp8", amax_out=amax, config=config, **kw_gu)
+    alone = gemv.gemv(RowsWithAmax(one, amax, counter), w_down, weight_scale=s_down, residual=residual[5:6],
+                      config=config)
+    assert torch.equal(alone[0], got[5])
+    with pytest.raises(ValueError, match="E4M3 weights"):
+        gemv.gemv(RowsWithAmax(hidden, amax, counter), w_down.to(dtype))
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv.gemv(RowsWithAmax(hidden, amax, counter), w_down, weight_scale=s_down,
+                  norm_weight=torch.ones(N, dtype=dtype, device=DEVICE))
+    with pytest.raises(TypeError, match="amax_out"):
+        gemv.gemv(x, w_gu, fp8_compute="fp8", amax_out=amax.float(), **kw_gu)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(torch.arange(16), dtype))
+    with pytest.raises(ValueError, match="RoPE"):
+        gemv.gemv(x, x.new_zeros(N, K), amax_out=amax, cos=cos, sin=sin, rope_columns=HEAD_DIM)
+
+
 def test_w8a8_normalised_projection_runs_no_separate_norm(gemv, monkeypatch):
     """A W8A8 GEMV with ``norm_weight`` folds the norm into its quantizer: `rms_norm_rows` is not
     called (its launch was the third of such a projection), and the result is the one of the norm

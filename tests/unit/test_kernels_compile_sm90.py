@@ -23,10 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, PRELOAD=False)
+                 SPLIT_K=1, PDL=True, PRELOAD=False, AMAX_OUT=False)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+_AMAX = {"amax_ptr": "*i32", "amax_cnt_ptr": "*i32"}  # W8A8's RowsWithAmax (producer and consumer)
 #: name -> (pointer dtypes other than bf16, constexprs over GEMV_BASE): the served forms
 GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
@@ -39,6 +40,10 @@ GEMV_FORMS = {
     "w8a16_o_split": (_FP8_IN | _SPLIT, dict(FP8=True, FP8_MODE=1, SPLIT_K=7)),
     "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True, BLOCK_N=64)),  # W8A8_TUNED_CONFIGS
     "w8a8_down_split_block128": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=4, RESIDUAL=True, BLOCK_N=128)),
+    "w8a8_gate_up_swiglu_amax_out": (_W8A8_IN | _AMAX, dict(FP8=True, FP8_MODE=3, SWIGLU=True, BLOCK_N=64,
+                                                             AMAX_OUT=True)),
+    "w8a8_down_quantizing_split_block64": (_FP8_IN | _SPLIT | _AMAX, dict(FP8=True, FP8_MODE=4, SPLIT_K=4,
+                                                                          RESIDUAL=True, BLOCK_N=64)),
     "w8a8_qkv_split_rope": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
                                                     HEAD_DIM=128, BLOCK_N=64)),
 }
@@ -71,7 +76,7 @@ def _forms():
     import stage_ar.fp8_activations as activations
     import stage_ar.gemv as gemv
 
-    bf16 = {n: "*bf16" for n in gemv._gemv_kernel.arg_names if n.endswith("_ptr")} | {"eps": "fp32"}
+    bf16 = {n: "*bf16" for n in gemv._gemv_kernel.arg_names if n.endswith("_ptr")} | {"eps": "fp32", "min_scale": "fp32"}
     for name, (pointers, constexprs) in GEMV_FORMS.items():
         yield f"gemv_{name}", lambda p=pointers, c=constexprs: _compile(gemv._gemv_kernel, bf16 | p, GEMV_BASE | c)
     for live in (True, False):
