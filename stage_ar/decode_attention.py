@@ -160,10 +160,14 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, n_splits, stride_ob,
+        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False,
     ):
+        """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
+        ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
+        bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`)."""
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -174,7 +178,10 @@ if triton is not None:
             first = tl.load(start_ptr + row) // SPLIT_KEYS
             last = tl.load(pos_ptr + row) // SPLIT_KEYS
             out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
-            tl.store(at, out.to(out_ptr.dtype.element_ty))
+            stored = out.to(out_ptr.dtype.element_ty)
+            tl.store(at, stored)
+            if AMAX_OUT:
+                tl.atomic_max(amax_ptr + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
         else:
             tl.store(at, tl.zeros((HEAD_DIM,), out_ptr.dtype.element_ty))
 
@@ -303,6 +310,7 @@ def decode_attention(
     length: int,
     scale: float,
     live: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's keys/values into the cache and attend over each row's key range.
 
@@ -321,6 +329,9 @@ def decode_attention(
         live: ``(b,)`` bool on the device, read when the kernels run, or None (every row): a row
             whose flag is False (an idle slot of a padded step) writes no key/value, reads nothing
             and gets zeros; the other rows' bits are unchanged.
+        amax_out: ``(16,)`` int32 (`stage_ar.fp8_activations.amax_buffers`' ``amax``, ``b <= 16``) or
+            None: each output row's largest magnitude is max-ed into it (float32 bits), for a W8A8
+            o_proj that quantizes the rows in its prologue (`stage_ar.fp8_activations.RowsWithAmax`).
 
     Returns:
         ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
@@ -336,6 +347,10 @@ def decode_attention(
     if live is not None and (live.shape != (b,) or live.dtype != torch.bool or live.device != q.device):
         raise ValueError(f"live must be ({b},) bool on {q.device}, "
                          f"got {tuple(live.shape)} {live.dtype} on {live.device}")
+    if amax_out is not None and (amax_out.shape != (16,) or amax_out.dtype != torch.int32
+                                 or amax_out.device != q.device or b > 16):
+        raise ValueError(f"amax_out must be (16,) int32 on {q.device} for at most 16 rows, got "
+                         f"{tuple(amax_out.shape)} {amax_out.dtype} on {amax_out.device} for {b} rows")
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
@@ -356,9 +371,10 @@ def decode_attention(
         PDL=pdl, LIVE=live is not None, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
-        part_acc, part_ml, out, pos, key_start, pos if live is None else live, n_splits, out.stride(0),
+        part_acc, part_ml, out, pos, key_start, pos if live is None else live,
+        amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
-        PDL=pdl, LIVE=live is not None, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, **launch_options(pdl),
     )
     return out
 

@@ -86,6 +86,11 @@ class LinearBackend:
         ``x.dtype``; ``act`` is `stage_ar.layers.silu_and_mul` or its compiled version."""
         return act(self(x, weight, bias, weight_scale))
 
+    def input_amax(self, consumer: MammothLinear, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The `stage_ar.fp8_activations.amax_buffers` a producer fills for ``consumer``'s input of
+        ``rows`` rows (then handed over as `RowsWithAmax`), or None: this backend quantizes nothing there."""
+        return None
+
     def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
             act: Callable = silu_and_mul) -> torch.Tensor:
         """A SwiGLU MLP: ``down(act(gate_up(x)))`` for ``x (..., K)`` -> ``(..., down.out_features)`` in the
@@ -117,9 +122,9 @@ class TorchLinear(LinearBackend):
         ``weight_scale (N,)`` float32; ``bias (N,)`` or None.
 
         Raises:
-            TypeError: ``x`` is `QuantizedRows` (only `GemvLinear` makes and takes them)."""
-        if isinstance(x, QuantizedRows):
-            raise TypeError("TorchLinear takes activation rows, not QuantizedRows (GemvLinear's W8A8 input)")
+            TypeError: ``x`` is `QuantizedRows` or `RowsWithAmax` (only `GemvLinear` makes and takes them)."""
+        if isinstance(x, (QuantizedRows, RowsWithAmax)):
+            raise TypeError(f"TorchLinear takes activation rows, not {type(x).__name__} (GemvLinear's W8A8 input)")
         if weight_scale is None:
             return F.linear(x, weight, bias)
         y = F.linear(x, weight.to(x.dtype)).float() * weight_scale
@@ -193,24 +198,28 @@ class GemvLinear(LinearBackend):
                          sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d)
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
 
+    def input_amax(self, consumer, rows):
+        """`LinearBackend.input_amax`: ``consumer``'s buffers under W8A8 for an E4M3 ``consumer`` and
+        calls the kernel takes (at most ``max_rows`` rows), else None."""
+        if (self.fp8_compute != "fp8" or not consumer.is_fp8 or not consumer.weight.is_contiguous()
+                or not 1 <= rows <= self.max_rows):
+            return None
+        return amax_buffers(consumer.weight)
+
     def mlp(self, x, gate_up, down, act=silu_and_mul):
         """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` fused, for E4M3 ``gate_up`` and ``down`` and
         calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
-        (``amax_out``) and ``down``'s GEMV quantizes those rows in its prologue
-        (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). A ``down``
-        with forward hooks (tensor parallelism's all-reduce) is called as a module instead."""
+        (``amax_out``) and ``down`` quantizes those rows in its GEMV's prologue
+        (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). ``down``
+        is called as a module (its hooks, e.g. tensor parallelism's all-reduce, run)."""
         rows = x.codes.shape[0] if isinstance(x, QuantizedRows) else x.numel() // max(1, x.shape[-1])
-        if (self.fp8_compute != "fp8" or "swiglu" not in self.fuse_epilogues or not gate_up.is_fp8 or not down.is_fp8
-                or not down.weight.is_contiguous() or not 1 <= rows <= self.max_rows
-                or down._forward_hooks or down._forward_pre_hooks):
-            return super().mlp(x, gate_up, down, act)
-        flat = self._kernel_rows(x, gate_up.weight)
+        fusable = "swiglu" in self.fuse_epilogues and gate_up.is_fp8 and down.backend is self
+        buffers = self.input_amax(down, rows) if fusable else None
+        flat = self._kernel_rows(x, gate_up.weight) if buffers is not None else None
         if flat is None:
             return super().mlp(x, gate_up, down, act)
-        amax, counter = amax_buffers(down.weight)
-        hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=amax)
-        out = self._gemv(RowsWithAmax(hidden, amax, counter), down.weight, down.bias, down.weight_scale)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=buffers[0])
+        return down(RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers))
 
     def norm_input(self, norm, x, residual, ops, consumer):
         """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3
@@ -233,17 +242,25 @@ class GemvLinear(LinearBackend):
             summed = summed.view(x.shape)
         return QuantizedRows(codes, scales, x.dtype, x.shape), summed
 
-    def _kernel_rows(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> torch.Tensor | QuantizedRows | None:
+    def _kernel_rows(self, x, weight):
         """``x`` as ``(rows, K)`` with contiguous rows when the kernel takes the call, else None.
 
+        (`QuantizedRows` and `RowsWithAmax` flattened to 2-D rows.)
+
         Raises:
-            ValueError: `QuantizedRows` the kernel cannot take (more than ``max_rows`` rows, or a
-                non-contiguous weight): nothing else can multiply them."""
+            ValueError: `QuantizedRows` or `RowsWithAmax` the kernel cannot take (more than
+                ``max_rows`` rows, or a non-contiguous weight): nothing else can multiply them."""
         if isinstance(x, QuantizedRows):
             if not x.codes.shape[0] <= self.max_rows or not weight.is_contiguous():
                 raise ValueError(f"QuantizedRows of {x.codes.shape[0]} rows for a weight of shape "
                                  f"{tuple(weight.shape)}: the GEMV takes at most {self.max_rows} rows, contiguous weights")
             return QuantizedRows(x.codes, x.scales, x.dtype, x.codes.shape)
+        if isinstance(x, RowsWithAmax):
+            values = x.values.reshape(-1, x.values.shape[-1])
+            if not values.shape[0] <= self.max_rows or not weight.is_contiguous() or values.stride(1) != 1:
+                raise ValueError(f"RowsWithAmax of {values.shape[0]} rows for a weight of shape {tuple(weight.shape)}: "
+                                 f"the GEMV takes at most {self.max_rows} rows, contiguous")
+            return RowsWithAmax(values, x.amax, x.counter)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not 1 <= rows <= self.max_rows or not weight.is_contiguous():

@@ -22,7 +22,7 @@ from torch import nn
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.expert_routing import ExpertRouting, route_experts, single_expert
-from stage_ar.fp8_activations import QuantizedRows
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax
 from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
 from stage_ar.linear import TORCH_LINEAR, MammothLinear, norm_input
@@ -194,8 +194,15 @@ class MammothAttention(nn.Module):
         else:
             qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
             q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, heads, kv_heads)
-        out = ctx.attention.forward(self.layer_idx, q, k, v)
-        return route_experts(out, self.o_proj, self.gen_o_proj, routing)
+        o_proj = single_expert(self.o_proj, self.gen_o_proj, routing)
+        buffers = None
+        if o_proj is not None and getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj quantizes
+            buffers = o_proj.backend.input_amax(o_proj, q.shape[0] * q.shape[1])
+        if buffers is None:
+            out = ctx.attention.forward(self.layer_idx, q, k, v)
+            return route_experts(out, self.o_proj, self.gen_o_proj, routing)
+        out = ctx.attention.forward(self.layer_idx, q, k, v, amax_out=buffers[0])
+        return o_proj(RowsWithAmax(out, *buffers))
 
 
 class MammothDecoderLayer(nn.Module):

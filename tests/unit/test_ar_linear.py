@@ -311,3 +311,47 @@ def test_w8a8_layer_folds_its_norms_and_the_mlp_quantizer_with_the_same_bits(mod
     assert len(norms) == forwards * (2 * layers + 1)
     assert len(quantized) >= gemv_quantized + len(fused_calls) + forwards  # + every down_proj's quantizer
     assert torch.equal(rows, want_rows) and torch.equal(logits, want_logits)
+
+
+def test_w8a8_served_step_quantizes_o_and_down_inputs_in_their_gemvs(model, tokenizer, monkeypatch):
+    """In the served decode step (`ARModelRunner.launch`, the split-KV Triton attention) under W8A8,
+    every layer's ``o_proj`` and ``down_proj`` take `RowsWithAmax` (the attention's combine and the
+    SwiGLU GEMV gathered the rows' amax; the GEMV quantizes in its prologue: no quantizer launch),
+    and the decoded rows are bit for bit those of the same steps with those two quantizer launches
+    run apart."""
+    import copy
+
+    from stage_ar.fp8_activations import RowsWithAmax
+    from stage_ar.linear import LinearBackend, quantize_fp8_
+    from stage_ar.runner import ARModelRunner
+
+    if not gemv_kernels.available(torch.device("cpu")):
+        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    w8a8 = copy.deepcopy(model)
+    quantize_fp8_(w8a8.visual_token_linears())
+    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8"))
+    calls, in_step = [], []
+    real_gemv, real_launch = gemv_kernels.gemv, ARModelRunner.launch
+
+    def recording(x, *args, **kwargs):
+        if in_step:
+            calls.append("amax_in" if isinstance(x, RowsWithAmax) else "swiglu" if kwargs.get("swiglu") else "")
+        return real_gemv(x, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        in_step.append(True)
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            in_step.clear()
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    monkeypatch.setattr(ARModelRunner, "launch", step)
+    fused = _decode_together(w8a8, tokenizer, [2])[2]
+    layers = calls.count("swiglu")
+    assert layers and calls.count("amax_in") == 2 * layers  # o_proj and down_proj of every layer of every step
+    calls.clear()
+    monkeypatch.setattr(GemvLinear, "input_amax", LinearBackend.input_amax)  # the quantizer launches apart
+    apart = _decode_together(w8a8, tokenizer, [2])[2]
+    assert calls.count("amax_in") == 0 and calls.count("swiglu") == layers
+    assert torch.equal(fused, apart)

@@ -250,3 +250,22 @@ def test_idle_rows_write_no_cache_and_get_zeros(da):
             assert torch.equal(masked_k[i], k_cache[i]) and torch.equal(masked_v[i], v_cache[i])
     with pytest.raises(ValueError, match="live must be"):
         da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, live=live[:3])
+
+
+def test_amax_out_gathers_each_rows_largest_magnitude(da):
+    """``amax_out`` (the W8A8 o_proj's input, `stage_ar.fp8_activations.RowsWithAmax`): the output
+    bits are the ones without it, each live row's largest stored magnitude lands in its slot (float32
+    bits), idle rows and slots past the batch stay zero; a buffer of the wrong shape is refused."""
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=4, seed=6)
+    pos, start = ids(200, 17, 99, 64), ids(0, 0, 40, 0)
+    live = torch.tensor([True, False, True, True], device=DEVICE)
+    want = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1, live=live)
+    amax = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    got = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1, live=live,
+                              amax_out=amax)
+    assert torch.equal(got, want)
+    expect = torch.zeros(16, dtype=torch.float32, device=DEVICE)
+    expect[:4] = want.float().abs().amax(dim=1) * live
+    assert torch.equal(amax.view(torch.float32), expect) and expect[0] > 0
+    with pytest.raises(ValueError, match="amax_out"):
+        da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, amax_out=amax[:8])

@@ -49,7 +49,8 @@ GEMV_FORMS = {
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
-                   "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32"}
+                   "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32",
+                   "amax_ptr": "*i32"}
 
 
 #: ``(NORM, RESIDUAL)`` of the W8A8 quantizer's forms: alone (o and down inputs), with the first
@@ -83,7 +84,8 @@ def _forms():
         yield f"split_kv_live_{live}", lambda live=live: _compile(attention._split_kernel, ATTENTION_TYPES, dict(
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live))
         yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
-            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live))
+            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live,
+            AMAX_OUT=live))  # the served pool (live rows) with W8A8's amax for o_proj
     for norm, residual in QUANTIZER_FORMS:
         yield f"w8a8_quantizer_norm_{norm}_residual_{residual}", lambda norm=norm, residual=residual: _compile(
             activations._quantize_rows_kernel, {
