@@ -20,10 +20,13 @@ from mammoth_core.norms import RMSNorm as Qwen2RMSNorm
 from stage_dit import fused
 
 #: Row counts of every GEMM in the DiT forward are padded to a multiple of this. MKL's CPU sgemm
-#: gives each row the same bits at any row count that is a multiple of 4 (any thread count, measured
-#: in `tests/unit/test_dit_batching.py`); below 4 rows per thread chunk it takes another kernel whose
-#: sums round differently. With it a request's rows do not depend on what else is in the batch.
-ROW_QUANTUM = 4
+#: gives each row the same bits at any row count that is a multiple of it (any thread count, for
+#: every linear shape of the DiT: `tests/unit/test_dit_batching.py`); below, it takes other kernels
+#: whose sums round differently, and where that stops depends on the CPU and on K: 4 rows sufficed on
+#: the CI hosts until 2026-12-03, a Xeon with AMX differs at 4 rows for K = 128 and at 8 for K = 256
+#: (2026-12-06), so 16. With it a request's rows do not depend on what else is in the batch. On the
+#: GPU the padding costs little: at most 15 rows on thousands of image patches or on a caption.
+ROW_QUANTUM = 16
 
 
 def round_up(n: int, quantum: int = ROW_QUANTUM) -> int:
