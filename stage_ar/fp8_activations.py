@@ -14,6 +14,7 @@ by its own programs, so they are the same bits alone and inside any batch. Torch
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -42,6 +43,9 @@ QUANT_BLOCK = 1024
 MAX_COLUMNS = 65536
 
 if triton is not None:
+    #: Whether kernels round to E4M3 with the GPU's conversion (`quantize_values`): not under Triton's
+    #: interpreter, whose direct cast rounds wrongly where the mantissa carries (126.7 -> 64).
+    _HARDWARE_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
     @triton.jit
     def _round_e4m3(v):
@@ -65,9 +69,14 @@ if triton is not None:
     @triton.jit
     def quantize_values(v, scale, FP8_MAX_: tl.constexpr):
         """E4M3 codes of float32 values ``v`` over their row's ``scale`` (broadcast to ``v``):
-        ``e4m3(clamp(v / scale, -FP8_MAX_, FP8_MAX_))``, the division IEEE, rounded to nearest even."""
+        ``e4m3(clamp(v / scale, -FP8_MAX_, FP8_MAX_))``, the division IEEE, rounded to nearest even:
+        by the GPU's conversion (``cvt.rn.satfinite``, one instruction per two values), or under the
+        interpreter by `_round_e4m3` first (same bits; about 15 instructions more per value, which the
+        W8A8 GEMV's prologue pays on every activation tile of every program)."""
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX_), FP8_MAX_)
-        return _round_e4m3(q).to(tl.float8e4nv)
+        if not _HARDWARE_E4M3:
+            q = _round_e4m3(q)
+        return q.to(tl.float8e4nv)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_rm, stride_qm,

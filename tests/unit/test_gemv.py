@@ -625,6 +625,31 @@ def test_w8a8_rows_with_amax_are_quantized_in_the_consumers_prologue(gemv, split
         gemv.gemv(x, x.new_zeros(N, K), amax_out=amax, cos=cos, sin=sin, rope_columns=HEAD_DIM)
 
 
+def test_w8a8_autotuned_launches_read_the_amax_their_producer_left(gemv):
+    """Autotuning (the default launch on CUDA) times each candidate by running it, and a launch on
+    `RowsWithAmax` sets the amax it read back to zero: unless the buffer is restored between timing
+    runs, the launch that counts reads zeros (every code saturated at the floor scale). On shapes no
+    other test launches (so the autotuner times them here), the autotuned MLP gives the bits of
+    `quantize_rows` then the W8A8 launch, and leaves the amax at zero. (The interpreter takes one
+    fixed launch: there this is the plain equality.)"""
+    from stage_ar.fp8 import quantize_fp8_per_channel
+    from stage_ar.fp8_activations import RowsWithAmax, amax_buffers
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(23)
+    inner, out = 40, 56  # SwiGLU columns, down's columns: launched by this test only
+    x = torch.randn(16, K, generator=g).to(dtype).to(DEVICE)
+    w_gu, s_gu = (t.to(DEVICE) for t in quantize_fp8_per_channel((torch.randn(2 * inner, K, generator=g) / K**0.5).to(dtype)))
+    w_down, s_down = (t.to(DEVICE) for t in quantize_fp8_per_channel((torch.randn(out, inner, generator=g) / inner**0.5).to(dtype)))
+    amax, counter = amax_buffers(w_down)
+    hidden = gemv.gemv(x, w_gu, weight_scale=s_gu, swiglu=True, fp8_compute="fp8", amax_out=amax)
+    assert torch.equal(amax.view(torch.float32), hidden.float().abs().amax(dim=1))
+    got = gemv.gemv(RowsWithAmax(hidden, amax, counter), w_down, weight_scale=s_down)
+    want = gemv.gemv(hidden, w_down, weight_scale=s_down, fp8_compute="fp8")
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert not amax.any() and not counter.any()
+
+
 def test_w8a8_normalised_projection_runs_no_separate_norm(gemv, monkeypatch):
     """A W8A8 GEMV with ``norm_weight`` folds the norm into its quantizer: `rms_norm_rows` is not
     called (its launch was the third of such a projection), and the result is the one of the norm

@@ -1,0 +1,111 @@
+"""The launches of one W8A8 decoder layer at batch 1, each timed on its own (issue 17): which of the
+folds of 2026-12-03 (add + norm inside the quantizer; the MLP's and o_proj's quantization in the
+consumer GEMV's prologue) pays.
+
+    PYTHONPATH=. python3 benchmarks/w8a8_parts.py "$OUT/w8a8_parts.json"
+
+Preview shapes (hidden 3,584, intermediate 18,944, qkv 4,608), random weights, M = 1. Every part is
+captured ``copies`` times into one CUDA graph over distinct weights (more than 4 x L2 of weight bytes
+where the part streams weights) and reported as us per call, under `stage_ar.launch_overlap` ``off``
+(each kernel's own time) and ``pdl``. Parts:
+
+- ``norm``: `stage_ar.row_norm.rms_norm_rows`; ``quantize``: `quantize_rows` of normalised rows;
+  ``quantize_norm``: the norm inside the quantizer; ``quantize_add_norm``: residual add, norm and
+  quantization in one launch (the served form since 2026-12-03).
+- ``o_codes`` / ``down_codes``: the W8A8 GEMV on rows quantized apart (`QuantizedRows`, + residual);
+  ``o_prologue`` / ``down_prologue``: on `RowsWithAmax` (quantized in the GEMV's prologue).
+- ``gate_up`` / ``gate_up_amax``: the SwiGLU GEMV without and with the output rows' amax gathered.
+- ``qkv``: bias + RoPE on `QuantizedRows`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
+
+import gemv as B  # noqa: E402 - benchmarks/gemv.py: graph timing
+from gpu_state import snapshot  # noqa: E402
+from stage_ar import gemv as G  # noqa: E402
+from stage_ar import launch_overlap  # noqa: E402
+from stage_ar.fp8 import quantize_fp8_per_channel  # noqa: E402
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows  # noqa: E402
+from stage_ar.row_norm import rms_norm_rows  # noqa: E402
+
+H, I, QKV, HEAD_DIM = 3584, 18944, 4608, 128
+L2_BYTES = 50 * 1024**2
+
+
+def _weights(rows: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(rows, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        out.append(quantize_fp8_per_channel(w))
+        del w
+    return out
+
+
+def _copies(rows: int, k: int) -> int:
+    return max(2, -(-4 * L2_BYTES // (rows * k)))
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+    r = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+    xi = torch.randn(1, I, device="cuda").to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16)
+    cos = torch.randn(1, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    sin = torch.randn(1, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    o_w, down_w = _weights(H, H, _copies(H, H)), _weights(H, I, _copies(H, I))
+    gu_w, qkv_w = _weights(2 * I, H, _copies(2 * I, H)), _weights(QKV, H, _copies(QKV, H))
+    qkv_bias = torch.zeros(QKV, device="cuda", dtype=torch.bfloat16)
+    codes_h = QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape)
+    codes_i = QuantizedRows(*quantize_rows(xi), torch.bfloat16, xi.shape)
+
+    def with_amax(values, weight):
+        amax, counter = amax_buffers(weight)
+        return RowsWithAmax(values, amax, counter)
+
+    parts = {
+        "norm": [lambda: rms_norm_rows(x, nw, 1e-6)] * 16,
+        "quantize": [lambda: quantize_rows(x)] * 16,
+        "quantize_norm": [lambda: quantize_rows(x, nw, 1e-6)] * 16,
+        "quantize_add_norm": [lambda: quantize_rows(x, nw, 1e-6, residual=r)] * 16,
+        "o_codes": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], residual=r) for w in o_w],
+        "o_prologue": [lambda w=w: G.gemv(with_amax(x, w[0]), w[0], weight_scale=w[1], residual=r) for w in o_w],
+        "down_codes": [lambda w=w: G.gemv(codes_i, w[0], weight_scale=w[1], residual=r) for w in down_w],
+        "down_prologue": [lambda w=w: G.gemv(with_amax(xi, w[0]), w[0], weight_scale=w[1], residual=r)
+                          for w in down_w],
+        "gate_up": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], swiglu=True) for w in gu_w],
+        "gate_up_amax": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], swiglu=True,
+                                            amax_out=amax_buffers(down_w[0][0])[0]) for w in gu_w],
+        "qkv": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], bias=qkv_bias, cos=cos, sin=sin,
+                                   rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
+    }
+    res: dict = {"command": "benchmarks/w8a8_parts.py", "gpu_state": snapshot(), "us_per_call": {}}
+    for mode in ("off", "pdl"):
+        launch_overlap.MODE = mode
+        row = res["us_per_call"][mode] = {}
+        for name, calls in parts.items():
+            try:
+                ms, how = B.graph_ms_per_call(calls)
+                row[name] = round(ms * 1e3, 2)
+                if name.endswith(("codes", "prologue", "gate_up", "gate_up_amax", "qkv")):
+                    row[name + "_config"] = str(G.last_tuned_config())
+            except Exception as e:  # noqa: BLE001 - record and go on to the next part
+                row[name] = f"error: {type(e).__name__}: {e}"[:300]
+            print(mode, name, row[name], flush=True)
+            with open(out, "w") as f:
+                json.dump(res, f, indent=2)
+    res["gpu_state_after"] = snapshot()
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "w8a8_parts.json")
