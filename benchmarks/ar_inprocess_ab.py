@@ -1,5 +1,7 @@
 """In-process, interleaved A/B of decode-step variants on one model (issue 17): the launch-overlap
-modes (`stage_ar.launch_overlap.MODE`, read at each launch) and the W8A8 GEMV candidate sets.
+modes (`stage_ar.launch_overlap.MODE`, read at each launch) and, under W8A8, the ``amax`` fold
+(`stage_ar.linear.GemvLinear`'s ``fuse_epilogues``: o_proj and down_proj quantize in their GEMV's
+prologue instead of a quantizer launch; measured slower on the H100 on 2026-12-06 across processes).
 
 Separate processes on one H200 have measured the same tree 3-10 % apart (2026-12-03), more than the
 effects in question; here one process builds the model once and times each variant in turn
@@ -9,12 +11,10 @@ effects in question; here one process builds the model once and times each varia
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
-converted to FP8 and W8A8 batch 1 under ``early`` and ``pdl``, each with the W8A8
-candidate set and split rule of this tree (``set=w8a8``: `stage_ar.gemv_configs.W8A8_TUNED_CONFIGS`,
-`W8A8_SPLIT_MAX_COLUMNS`) and with the float16-products set and its split rule (``set=fp8``: what W8A8 launches
-used before, `FP8_TUNED_CONFIGS`, 7-8 splits on the narrow shapes). Last, W8A8 under ``off`` (serial
-launches, so the profile's kernel times are each kernel's own) with each set, profiled.
-Writes the JSON after every variant and prints ``RESULT label ms/step``.
+converted to FP8 and W8A8 batch 1 with the default epilogues and with ``amax`` fused, each under
+``pdl`` and ``early``. Last, W8A8 under ``off`` (serial launches, so the profile's kernel times are
+each kernel's own) without and with ``amax``, profiled. Writes the JSON after every variant and
+prints ``RESULT label ms/step``.
 """
 
 from __future__ import annotations
@@ -26,20 +26,9 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import gemv as G  # noqa: E402
-from stage_ar import gemv_configs as C  # noqa: E402
 from stage_ar import launch_overlap  # noqa: E402
 
-_TUNED_CONFIGS, _SPLIT_K_FOR = G.tuned_configs, G.split_k_for
-
-
-def use_set(name: str) -> None:
-    """W8A8 launches autotune over ``name``'s candidates with its split rule (``w8a8``: this tree's)."""
-    if name == "w8a8":
-        G.tuned_configs, G.split_k_for = _TUNED_CONFIGS, _SPLIT_K_FOR
-    else:
-        G.tuned_configs = lambda weight_dtype, fp8_compute=None: _TUNED_CONFIGS(weight_dtype, None)
-        G.split_k_for = lambda n, k, weight_dtype, fp8_compute=None: C.split_k_for(n, k, weight_dtype, None)
+FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 
 
 def main(out: str, rounds: int) -> None:
@@ -64,14 +53,13 @@ def main(out: str, rounds: int) -> None:
     for i, (tag, mode) in enumerate(bf16):
         timed(f"bf16_{tag}_{i}", mode)
     A.quantize_fp8_(model.visual_token_linears())
-    A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-    w8a8 = [("w8a8", "early"), ("fp8", "early"), ("w8a8", "pdl"), ("fp8", "pdl")] * rounds + [("w8a8", "early")]
-    for i, (name, mode) in enumerate(w8a8):
-        use_set(name)
-        timed(f"w8a8_set={name}_{mode}_{i}", mode)
-    for name in ("w8a8", "fp8"):
-        use_set(name)
-        timed(f"w8a8_set={name}_off_profiled", "off", profile=True)
+    w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
+    for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
+        timed(f"w8a8_{folds}_{mode}_{i}", mode)
+    for folds in FOLDS:
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
+        timed(f"w8a8_{folds}_off_profiled", "off", profile=True)
     save()
 
 

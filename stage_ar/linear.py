@@ -23,8 +23,9 @@ it measured faster on the H200 (docs/PERFORMANCE.md, "Epilogue fusions").
 A layer's pre-norms also go through the backend of the projection that reads them (`norm_input`):
 the norm module's kernels, except `GemvLinear` under W8A8, whose quantizer launch also adds the
 residual and normalises (`QuantizedRows`), one launch where there were two. The MLP is one backend
-call too (`LinearBackend.mlp`): under W8A8 `GemvLinear` hands the SwiGLU output to ``down_proj`` with
-its row amax gathered (`RowsWithAmax`), so ``down_proj`` quantizes it without a launch of its own.
+call too (`LinearBackend.mlp`): under W8A8 with ``"amax"`` fused (opt-in: measured slower) `GemvLinear`
+hands the SwiGLU output to ``down_proj`` with its row amax gathered (`RowsWithAmax`), so ``down_proj``
+quantizes it without a launch of its own (and ``o_proj`` the attention's output likewise).
 
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
@@ -145,22 +146,28 @@ class GemvLinear(LinearBackend):
             float16 products for 16-bit activations, saturating beyond +-65504).
         fuse_epilogues: which of `swiglu` and `rope_qkv` run in the GEMV's epilogue for the calls
             the kernel takes (one launch; the eager ops' roundings, `stage_ar.gemv`) instead of the
-            given op after the linear: names from `EPILOGUES`, True for both (the default: on
-            the H200 both together took a batch-1 step from 4.175 to 4.086 ms, docs/PERFORMANCE.md),
-            False for none.
+            given op after the linear, and (``"amax"``, W8A8 only) whether the launches before
+            ``o_proj`` and ``down_proj`` gather their output rows' amax so those quantize in their
+            GEMV's prologue (`stage_ar.fp8_activations.RowsWithAmax`) instead of a quantizer launch:
+            names from `EPILOGUES`, True for all, False for none; `DEFAULT_EPILOGUES` by default
+            (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
+            4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, 2026-12-06:
+            docs/PERFORMANCE.md).
 
     Raises:
         ValueError: an unknown epilogue name.
     """
 
     #: The epilogues ``fuse_epilogues`` may name.
-    EPILOGUES = ("rope", "swiglu")
+    EPILOGUES = ("rope", "swiglu", "amax")
+    #: Those fused unless a caller says otherwise (``amax`` measured slower: see ``fuse_epilogues``).
+    DEFAULT_EPILOGUES = ("rope", "swiglu")
 
     name = "gemv"
     max_rows = gemv_kernels.MAX_ROWS
 
     def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None,
-                 fuse_epilogues: bool | Iterable[str] = True) -> None:
+                 fuse_epilogues: bool | Iterable[str] = DEFAULT_EPILOGUES) -> None:
         self.config, self.fp8_compute = config, fp8_compute
         names = self.EPILOGUES if fuse_epilogues is True else () if fuse_epilogues is False else tuple(fuse_epilogues)
         if unknown := set(names) - set(self.EPILOGUES):
@@ -199,15 +206,15 @@ class GemvLinear(LinearBackend):
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
 
     def input_amax(self, consumer, rows):
-        """`LinearBackend.input_amax`: ``consumer``'s buffers under W8A8 for an E4M3 ``consumer`` and
-        calls the kernel takes (at most ``max_rows`` rows), else None."""
-        if (self.fp8_compute != "fp8" or not consumer.is_fp8 or not consumer.weight.is_contiguous()
-                or not 1 <= rows <= self.max_rows):
+        """`LinearBackend.input_amax`: ``consumer``'s buffers under W8A8 with ``"amax"`` fused, for an
+        E4M3 ``consumer`` and calls the kernel takes (at most ``max_rows`` rows), else None."""
+        if ("amax" not in self.fuse_epilogues or self.fp8_compute != "fp8" or not consumer.is_fp8
+                or not consumer.weight.is_contiguous() or not 1 <= rows <= self.max_rows):
             return None
         return amax_buffers(consumer.weight)
 
     def mlp(self, x, gate_up, down, act=silu_and_mul):
-        """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` fused, for E4M3 ``gate_up`` and ``down`` and
+        """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
         calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
         (``amax_out``) and ``down`` quantizes those rows in its GEMV's prologue
         (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). ``down``
@@ -282,7 +289,7 @@ def norm_input(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, 
 
 
 def select_backend(name: str, device: torch.device | str, *,
-                   fuse_epilogues: bool | Iterable[str] = True) -> TorchLinear | GemvLinear:
+                   fuse_epilogues: bool | Iterable[str] = GemvLinear.DEFAULT_EPILOGUES) -> TorchLinear | GemvLinear:
     """The linear backend for ``name`` (`BACKENDS`) on ``device``.
 
     ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where
