@@ -100,7 +100,10 @@ def _main() -> None:
         try:
             ptx = thunk()
             print(json.dumps({"form": name, "ok": True, "pdl": "griddepcontrol.wait" in ptx
-                              and "griddepcontrol.launch_dependents" in ptx, "wgmma": "wgmma" in ptx}), flush=True)
+                              and "griddepcontrol.launch_dependents" in ptx, "wgmma": "wgmma" in ptx,
+                              "e4m3_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
+                              # `_round_e4m3`'s 1.5 * 2^23 (the interpreter's emulated rounding)
+                              "e4m3_emulated": "0f4B400000" in ptx}), flush=True)
         except FileNotFoundError as exc:  # a triton without its NVIDIA toolchain
             print(json.dumps({"form": name, "ok": None, "error": repr(exc)}), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
@@ -133,6 +136,9 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
     assert result["pdl"], "griddepcontrol.wait / launch_dependents missing from the PTX"
     if form.startswith("gemv_w8a8"):  # W8A8_TUNED_CONFIGS: 64/128-column blocks, Hopper's wgmma
         assert result["wgmma"] == (GEMV_FORMS[form[5:]][1].get("BLOCK_N", 16) >= 64), form
+    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
+    if quantizes:  # E4M3 codes by the GPU's conversion, not the interpreter's float32 emulation
+        assert result["e4m3_cvt"] and not result["e4m3_emulated"], result
 
 
 if __name__ == "__main__":
