@@ -115,6 +115,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def weight_copies(shape: dict, weight_bytes: int = 2) -> int:
+    """How many weight copies of ``shape`` a timing cycles through so the weights it streams exceed
+    4 x the device's L2 (nothing served from cache, as in a real forward): at least 2.
+    ``weight_bytes``: bytes per weight element of the form timed (2: bf16, 1: FP8)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 2**16
+    return max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * weight_bytes)))
+
+
 def make_weights(shape: dict, copies: int, seed: int) -> list[dict]:
     """``copies`` independent weight sets (bf16 weight, its FP8 form, bias, norm weight)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -421,11 +429,7 @@ def main() -> None:
     res["copy_bandwidth_Bps"] = bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     save("ceiling")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if DEVICE == "cuda" else 2**16
-    sets = {}
-    for i, (name, shape) in enumerate(table.items()):
-        copies = max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * 2)))
-        sets[name] = make_weights(shape, copies, seed=i)
+    sets = {name: make_weights(shape, weight_copies(shape), seed=i) for i, (name, shape) in enumerate(table.items())}
     res["weight_copies"] = {name: len(s) for name, s in sets.items()}
     sys.modules.setdefault("gemv", sys.modules[__name__])  # section 0 uses this module's helpers and DEVICE
     import gemv_variants

@@ -68,7 +68,6 @@ if "--smoke" in sys.argv:  # the interpreter is chosen when triton is imported
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -600,12 +599,10 @@ def gpu(args, out: pathlib.Path) -> dict:
         save("precompile")
     res["copy_bandwidth_Bps"] = bandwidth = B.copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    res["L2_bytes"] = l2
+    res["L2_bytes"] = torch.cuda.get_device_properties(0).L2_cache_size
     for i, (name, shape) in enumerate(table.items()):
         try:
-            copies = max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"])))  # FP8 bytes > 4 x L2
-            sets = B.make_weights(shape, copies, seed=i)
+            sets = B.make_weights(shape, B.weight_copies(shape, weight_bytes=1), seed=i)  # FP8 bytes > 4 x L2
             res["shapes"][name] = run_shape(name, shape, sets, deadline)
         except Exception as exc:  # noqa: BLE001 - the other shapes go on
             res["shapes"][name] = f"error: {type(exc).__name__}: {str(exc)[:400]}"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import sys
@@ -154,11 +153,10 @@ def main() -> None:
     res["copy_bandwidth_Bps"] = bandwidth = B.copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     save("ceiling")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     res["results"] = results = {}
     rule = G.split_k_for
     for i, (name, shape) in enumerate(table.items()):
-        sets = B.make_weights(shape, max(2, math.ceil(4 * l2 / (shape["rows"] * shape["K"] * 2))), seed=i)
+        sets = B.make_weights(shape, B.weight_copies(shape), seed=i)
         for form in FORMS:
             base = None
             for split in SPLITS[name]:

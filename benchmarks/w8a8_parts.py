@@ -32,25 +32,16 @@ import gemv as B  # noqa: E402 - benchmarks/gemv.py: graph timing
 from gpu_state import snapshot  # noqa: E402
 from stage_ar import gemv as G  # noqa: E402
 from stage_ar import launch_overlap  # noqa: E402
-from stage_ar.fp8 import quantize_fp8_per_channel  # noqa: E402
 from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows  # noqa: E402
 from stage_ar.row_norm import rms_norm_rows  # noqa: E402
 
 H, I, QKV, HEAD_DIM = 3584, 18944, 4608, 128
-L2_BYTES = 50 * 1024**2
 
 
-def _weights(rows: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for _ in range(copies):
-        w = (torch.randn(rows, k, device="cuda") / k**0.5).to(torch.bfloat16)
-        out.append(quantize_fp8_per_channel(w))
-        del w
-    return out
-
-
-def _copies(rows: int, k: int) -> int:
-    return max(2, -(-4 * L2_BYTES // (rows * k)))
+def _weights(rows: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(E4M3 weight, per-row scale) copies of a ``(rows, k)`` weight, more than 4 x L2 of FP8 bytes."""
+    shape = dict(rows=rows, K=k)
+    return [(ws["w8"], ws["scale"]) for ws in B.make_weights(shape, B.weight_copies(shape, weight_bytes=1), seed=rows)]
 
 
 def main(out: str) -> None:
@@ -61,8 +52,7 @@ def main(out: str) -> None:
     nw = (1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16)
     cos = torch.randn(1, HEAD_DIM, device="cuda").to(torch.bfloat16)
     sin = torch.randn(1, HEAD_DIM, device="cuda").to(torch.bfloat16)
-    o_w, down_w = _weights(H, H, _copies(H, H)), _weights(H, I, _copies(H, I))
-    gu_w, qkv_w = _weights(2 * I, H, _copies(2 * I, H)), _weights(QKV, H, _copies(QKV, H))
+    o_w, down_w, gu_w, qkv_w = _weights(H, H), _weights(H, I), _weights(2 * I, H), _weights(QKV, H)
     qkv_bias = torch.zeros(QKV, device="cuda", dtype=torch.bfloat16)
     codes_h = QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape)
     codes_i = QuantizedRows(*quantize_rows(xi), torch.bfloat16, xi.shape)

@@ -35,11 +35,10 @@ Triton is optional: `available()` says whether this path can run (CUDA tensors a
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from stage_ar.launch_overlap import launch_options, pdl_flag
+from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -53,8 +52,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys).
 BLOCK_N = 64
 SPLIT = 128
-#: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device) -> bool:

@@ -14,13 +14,12 @@ by its own programs, so they are the same bits alone and inside any batch. Torch
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
 from stage_ar.gemv_checks import ACTIVATION_DTYPES, expect_tensor
-from stage_ar.launch_overlap import launch_options, pdl_flag
+from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag
 from stage_ar.row_norm import NORM_BLOCK
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -45,7 +44,7 @@ MAX_COLUMNS = 65536
 if triton is not None:
     #: Whether kernels round to E4M3 with the GPU's conversion (`quantize_values`): not under Triton's
     #: interpreter, whose direct cast rounds wrongly where the mantissa carries (126.7 -> 64).
-    _HARDWARE_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    _HARDWARE_E4M3 = tl.constexpr(not INTERPRETED)
 
     @triton.jit
     def _round_e4m3(v):

@@ -53,7 +53,6 @@ once before capturing CUDA graphs (the runner's capture warm-up does, at its sma
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -68,7 +67,7 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
 from stage_ar.fp8 import FP8_MAX
 from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
-from stage_ar.launch_overlap import launch_options, pdl_flag, preload_weights
+from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag, preload_weights  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -81,8 +80,6 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-#: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #: The kernel's ``FP8_MODE`` for each of `FP8_COMPUTES` (`gemv`'s ``fp8_compute``).
 _FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2, "fp8": 3}
 #: float16's largest finite magnitude: float16-compute activations saturate there.

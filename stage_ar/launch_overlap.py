@@ -53,6 +53,12 @@ if MODE not in MODES:
     raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {MODE!r}")
 
 
+#: Triton's interpreter was on when triton was imported (``TRITON_INTERPRET=1``; CPU tests): the one
+#: reading of it for `stage_ar`'s kernels (`stage_ar.gemv`, `stage_ar.decode_attention`,
+#: `stage_ar.fp8_activations` re-export or use it).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -61,7 +67,7 @@ def _supports_pdl(device_index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL under `MODE`: False off CUDA (the interpreter
     has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
-    if MODE == "off" or device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if MODE == "off" or device.type != "cuda" or triton is None or INTERPRETED:
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
