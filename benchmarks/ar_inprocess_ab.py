@@ -7,7 +7,7 @@ Separate processes on one H200 have measured the same tree 3-10 % apart (2026-12
 effects in question; here one process builds the model once and times each variant in turn
 (interleaved), so drift shows as a difference between a variant and its repeat, not between variants.
 
-    PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1]
+    PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1] [groups, default bf16,w8a8]
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -31,7 +31,8 @@ from stage_ar import launch_overlap  # noqa: E402
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 
 
-def main(out: str, rounds: int) -> None:
+def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -49,9 +50,12 @@ def main(out: str, rounds: int) -> None:
         print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4), flush=True)
 
     # each group's first variant runs again at the group's end: the difference is the drift
-    bf16 = [("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]
+    bf16 = ([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]) if "bf16" in groups else []
     for i, (tag, mode) in enumerate(bf16):
         timed(f"bf16_{tag}_{i}", mode)
+    if "w8a8" not in groups:
+        save()
+        return
     A.quantize_fp8_(model.visual_token_linears())
     w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
     for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
@@ -64,4 +68,5 @@ def main(out: str, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+         tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ("bf16", "w8a8"))
