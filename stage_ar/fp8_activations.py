@@ -3,8 +3,9 @@ mode (``fp8_compute="fp8"``), Triton programs per row and column chunk (CUDA; Tr
 
 Scheme (the usual per-token one of vLLM and DeepSeek-style W8A8 serving): row ``m``'s scale is
 ``s[m] = max(amax(|x[m]|) / 448, MIN_ROW_SCALE)`` in float32 and its codes are
-``q[m, k] = e4m3(clamp(x[m, k] / s[m], -448, 448))`` (round to nearest even, both divisions IEEE
-``div_rn``), so ``x[m, k] ≈ q[m, k] * s[m]`` within E4M3's rounding: at most 2^-4 of the magnitude for
+``q[m, k] = e4m3(clamp(x[m, k] * r[m], -448, 448))`` with ``r[m] = 1 / s[m]`` (round to nearest
+even; both divisions, ``amax / 448`` and ``1 / s``, IEEE ``div_rn``, once per row: the per-value
+work is one multiplication, which the W8A8 GEMV's prologue repeats on every activation tile), so ``x[m, k] ≈ q[m, k] * s[m]`` within E4M3's rounding: at most 2^-4 of the magnitude for
 values above ``2^-6 * s[m]``, at most ``2^-10 * s[m]`` below. An all-zero row gets
 ``MIN_ROW_SCALE`` and zero codes (no NaN). A row's scale and codes are computed from that row alone,
 by its own programs, so they are the same bits alone and inside any batch. Torch reference:
@@ -66,13 +67,17 @@ if triton is not None:
         return tl.maximum(tl.math.div_rn(amax, FP8_MAX_), min_scale)
 
     @triton.jit
-    def quantize_values(v, scale, FP8_MAX_: tl.constexpr):
-        """E4M3 codes of float32 values ``v`` over their row's ``scale`` (broadcast to ``v``):
-        ``e4m3(clamp(v / scale, -FP8_MAX_, FP8_MAX_))``, the division IEEE, rounded to nearest even:
-        by the GPU's conversion (``cvt.rn.satfinite``, one instruction per two values), or under the
-        interpreter by `_round_e4m3` first (same bits; about 15 instructions more per value, which the
-        W8A8 GEMV's prologue pays on every activation tile of every program)."""
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX_), FP8_MAX_)
+    def inverse_scale(scale):
+        """``1 / scale`` (float32, IEEE ``div_rn``): what `quantize_values` multiplies a row's values by."""
+        return tl.math.div_rn(1.0, scale)
+
+    @triton.jit
+    def quantize_values(v, inv_scale, FP8_MAX_: tl.constexpr):
+        """E4M3 codes of float32 values ``v`` times their row's `inverse_scale` ``inv_scale`` (broadcast
+        to ``v``): ``e4m3(clamp(v * inv_scale, -FP8_MAX_, FP8_MAX_))``, rounded to nearest even: by the
+        GPU's conversion (``cvt.rn.satfinite``, one instruction per two values), or under the
+        interpreter by `_round_e4m3` first (same bits; about 15 instructions more per value)."""
+        q = tl.minimum(tl.maximum(v * inv_scale, -FP8_MAX_), FP8_MAX_)
         if not _HARDWARE_E4M3:
             q = _round_e4m3(q)
         return q.to(tl.float8e4nv)
@@ -110,7 +115,7 @@ if triton is not None:
             x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
             xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(x), axis=0), min_scale, FP8_MAX_)
-        tl.store(q_ptr + cols, quantize_values(xc, scale, FP8_MAX_), mask=cols < K)
+        tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
         if chunk == 0:
             tl.store(s_ptr + row, scale)
 

@@ -74,7 +74,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
-    from stage_ar.fp8_activations import quantize_values, row_scale
+    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -316,11 +316,13 @@ if triton is not None:
             w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
         wait_for_predecessor(PDL)
         x_scale = tl.zeros((16,), tl.float32)  # W8A8's activation row scales (unused otherwise)
+        x_inv = x_scale  # FP8_MODE 4: their inverses, what the prologue multiplies by
         if FP8_MODE == 3:
             x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
         if FP8_MODE == 4:
             amax = tl.load(amax_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
             x_scale = row_scale(amax, min_scale, E4M3_MAX)
+            x_inv = inverse_scale(x_scale)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
@@ -329,13 +331,13 @@ if triton is not None:
         if PRELOAD:
             k = k_lo + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, FIRST_EVEN))
-            x_t = _activation_operand(x_t, x_scale, FP8_MODE)
+            x_t = _activation_operand(x_t, x_inv, FP8_MODE)
             acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
             k_start = k_lo + BLOCK_K
         for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            x_t = _activation_operand(x_t, x_scale, FP8_MODE)
+            x_t = _activation_operand(x_t, x_inv, FP8_MODE)
             acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K > 1:
             # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
@@ -360,14 +362,14 @@ if triton is not None:
                 reset_arrivals(amax_cnt_ptr)
 
     @triton.jit
-    def _activation_operand(x_t, x_scale, FP8_MODE: tl.constexpr):
+    def _activation_operand(x_t, x_inv, FP8_MODE: tl.constexpr):
         """The ``(BLOCK_K, 16)`` activation tile as the dot's right operand: float16, saturated (``FP8_MODE``
-        1 and 2: float16 products); E4M3 codes over each row's ``x_scale`` (4: W8A8 quantized here);
+        1 and 2: float16 products); E4M3 codes times each row's inverse scale ``x_inv`` (4: W8A8 quantized here);
         as loaded otherwise (activation-dtype products; 3: E4M3 codes already)."""
         if FP8_MODE == 1 or FP8_MODE == 2:
             x_t = _f16_saturated(x_t)
         if FP8_MODE == 4:
-            x_t = quantize_values(x_t.to(tl.float32), x_scale[None, :], E4M3_MAX)
+            x_t = quantize_values(x_t.to(tl.float32), x_inv[None, :], E4M3_MAX)
         return x_t
 
     @triton.jit

@@ -90,14 +90,14 @@ def gemv_reference(
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`stage_ar.fp8_activations.quantize_rows` in torch: ``x (M, K)`` (any float dtype) ->
     ``codes (M, K)`` ``float8_e4m3fn`` and ``scales (M,)`` float32, ``scale = max(amax(|row|) / 448,
-    MIN_ROW_SCALE)``, ``codes = e4m3(clamp(row / scale, -448, 448))``."""
+    MIN_ROW_SCALE)``, ``codes = e4m3(clamp(row * (1 / scale), -448, 448))`` (the product float32)."""
     xf = x.float()
     # Both divisions correctly rounded float32 on every device: torch on CUDA divides by a Python
     # scalar as a multiplication by its reciprocal (not IEEE), so each quotient is taken in float64
     # and rounded once to float32 (exact: float64 holds more than twice float32's precision).
     scales = (xf.abs().amax(dim=1).double() / FP8_MAX).float().clamp_min(MIN_ROW_SCALE)
-    quotients = (xf.double() / scales.double()[:, None]).float()
-    codes = quotients.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    inverses = (1.0 / scales.double()).float()
+    codes = (xf * inverses[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scales
 
 
