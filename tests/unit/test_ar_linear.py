@@ -2,10 +2,13 @@
 forward, against the upstream reference fixture and the torch backend, and batch invariance.
 
 On CPU the kernels run in Triton's interpreter (`tests/conftest.py`), float32 (numpy has no
-bfloat16); the GPU machine runs the same tests compiled.
+bfloat16); on a machine with CUDA the same tests run compiled, on a copy of the fixture model moved
+to `DEVICE`.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -21,6 +24,15 @@ from stage_ar.linear import (  # noqa: E402
 )
 
 ATOL = 1e-4  # the fixture's tolerance (test_ar_fidelity)
+#: Where the kernels run: CUDA when present (compiled), else the CPU (Triton's interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _kernel_copy(model):
+    """A copy of the (module-scoped, CPU) fixture model on `DEVICE`; skips where triton cannot run."""
+    if not gemv_kernels.available(DEVICE):
+        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
+    return copy.deepcopy(model).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +47,9 @@ TEST_CONFIG = gemv_kernels.GemvConfig(128, 4, 1)
 
 @pytest.fixture
 def gemv_model(model):
-    if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
-    set_linear_backend(model, GemvLinear(TEST_CONFIG, fuse_epilogues=False))  # the plain kernel
-    yield model
-    set_linear_backend(model, TORCH_LINEAR)
+    kernel_model = _kernel_copy(model)
+    set_linear_backend(kernel_model, GemvLinear(TEST_CONFIG, fuse_epilogues=False))  # the plain kernel
+    return kernel_model
 
 
 @pytest.fixture
@@ -72,16 +82,19 @@ def kernel_calls(monkeypatch):
 
 
 def _decode_all(model, ids: torch.Tensor, prefill: int):
-    """Prefill ``prefill`` tokens into a KV cache, then one token per forward; logits and rows."""
+    """Prefill ``prefill`` tokens into a KV cache, then one token per forward, on the model's device;
+    logits and rows on the CPU."""
+    device = model.lm_head.weight.device
+    ids = ids.to(device)
     cache = model.new_kv_cache(1, ids.shape[1])
     with torch.no_grad():
-        first = model(ids[:, :prefill], torch.arange(prefill)[None], kv_cache=cache)
+        first = model(ids[:, :prefill], torch.arange(prefill, device=device)[None], kv_cache=cache)
         rows, logits = [first.last_hidden_state], [first.logits]
         for t in range(prefill, ids.shape[1]):
-            step = model(ids[:, t : t + 1], torch.tensor([[t]]), kv_cache=cache)
+            step = model(ids[:, t : t + 1], torch.tensor([[t]], device=device), kv_cache=cache)
             rows.append(step.last_hidden_state)
             logits.append(step.logits)
-    return torch.cat(rows, 1)[0], torch.cat(logits, 1)[0]
+    return torch.cat(rows, 1)[0].cpu(), torch.cat(logits, 1)[0].cpu()
 
 
 def _assert_fixture_and_torch(model, reference, rows, logits) -> None:
@@ -171,8 +184,8 @@ def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
     """`MammothLinear.forward_swiglu` / `forward_rope_qkv` with a fusing `GemvLinear`: at most 16 rows
     one fused launch; above, torch matmul then the op passed in (the eager or compiled one), the
     result the same as the unfused path's."""
-    if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    if not gemv_kernels.available(DEVICE):
+        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
     from stage_ar.layers import rope_qkv, silu_and_mul
 
     g = torch.Generator().manual_seed(2)
@@ -184,6 +197,7 @@ def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
     x = torch.randn(2, 12, 32, generator=g)
     angles = torch.arange(24.0).view(2, 12, 1) * torch.tensor([1.0, 0.3, 0.1, 0.03])
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # head_dim 8
+    gate_up, qkv, x, cos, sin = (t.to(DEVICE) for t in (gate_up, qkv, x, cos, sin))
     used = []
 
     def act(y):
@@ -211,16 +225,16 @@ def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
 
 def test_more_than_16_rows_go_to_torch_and_fp8_matches_the_kernel(kernel_calls):
     """Calls above 16 rows take `TorchLinear`; an FP8 layer gives the same result through either."""
-    if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+    if not gemv_kernels.available(DEVICE):
+        pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)")
     g = torch.Generator().manual_seed(1)
     layer = MammothLinear(96, 40, bias=True)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 96, generator=g) / 10)
         layer.bias.copy_(torch.randn(40, generator=g))
-    layer.quantize_fp8()
+    layer.to(DEVICE).quantize_fp8()
     assert layer.is_fp8 and layer.weight_scale.shape == (40,) and layer.bias.dtype == torch.float32
-    x = torch.randn(2, 12, 96, generator=g)
+    x = torch.randn(2, 12, 96, generator=g).to(DEVICE)
     layer.backend = GemvLinear()
     big = layer(x)  # 24 rows
     assert kernel_calls == []
@@ -259,15 +273,11 @@ def test_w8a8_layer_folds_its_norms_and_the_mlp_quantizer_with_the_same_bits(mod
     ids (a 16-row prefill of text, then 4 text tokens and a generation token one by one) give the same
     logits and rows, bit for bit, as the unfused chain (the norm launch, then the quantizer; the
     quantizer before ``down_proj``) with the norms in the same summation order (`rms_norm_rows`)."""
-    import copy
-
     from stage_ar import linear
     from stage_ar.layers import PointwiseOps
     from stage_ar.linear import LinearBackend, quantize_fp8_
 
-    if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
-    w8a8 = copy.deepcopy(model)
+    w8a8 = _kernel_copy(model)
     quantize_fp8_(w8a8.visual_token_linears())
     set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=True))
     norms = []
@@ -292,12 +302,12 @@ def test_w8a8_layer_folds_its_norms_and_the_mlp_quantizer_with_the_same_bits(mod
     def decode(ids, prefill=16):
         cache = w8a8.new_kv_cache(1, ids.shape[1])
         with torch.no_grad():
-            outs = [w8a8(ids[:, :prefill], torch.arange(prefill)[None], kv_cache=cache, ops=ops)]
-            outs += [w8a8(ids[:, t : t + 1], torch.tensor([[t]]), kv_cache=cache, ops=ops)
+            outs = [w8a8(ids[:, :prefill], torch.arange(prefill, device=DEVICE)[None], kv_cache=cache, ops=ops)]
+            outs += [w8a8(ids[:, t : t + 1], torch.tensor([[t]], device=DEVICE), kv_cache=cache, ops=ops)
                      for t in range(prefill, ids.shape[1])]
         return torch.cat([o.last_hidden_state for o in outs], 1), torch.cat([o.logits for o in outs], 1)
 
-    ids = reference["ar_input_ids"][:, :21]
+    ids = reference["ar_input_ids"][:, :21].to(DEVICE)
     monkeypatch.setattr(linear, "quantize_rows", recording(fused, linear.quantize_rows))
     monkeypatch.setattr(gemv_kernels, "quantize_rows", recording(quantized, gemv_kernels.quantize_rows))
     rows, logits = decode(ids)
@@ -321,15 +331,11 @@ def test_w8a8_served_step_quantizes_o_and_down_inputs_in_their_gemvs(model, toke
     SwiGLU GEMV gathered the rows' amax; the GEMV quantizes in its prologue: no quantizer launch),
     and the decoded rows are bit for bit those of the same steps with those two quantizer launches
     run apart."""
-    import copy
-
     from stage_ar.fp8_activations import RowsWithAmax
     from stage_ar.linear import LinearBackend, quantize_fp8_
     from stage_ar.runner import ARModelRunner
 
-    if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
-    w8a8 = copy.deepcopy(model)
+    w8a8 = _kernel_copy(model)
     quantize_fp8_(w8a8.visual_token_linears())
     set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=True))
     calls, in_step = [], []

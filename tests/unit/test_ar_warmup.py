@@ -110,7 +110,7 @@ def test_warm_up_launches_every_gemv_variant_a_real_prompt_does(model, tokenizer
     from stage_ar.linear import TORCH_LINEAR, GemvLinear, set_linear_backend
 
     if not gemv_kernels.available(torch.device("cpu")):
-        pytest.skip("triton cannot run here (no CUDA, interpreter off)")
+        pytest.skip("needs a CPU-only machine (Triton's interpreter; the fixture model runs on the CPU)")
     seen: list[tuple] = []
     real = gemv_kernels.gemv
 

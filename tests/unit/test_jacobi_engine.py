@@ -125,7 +125,7 @@ def triton_runs_here() -> bool:
     {"exact_rows": False},
     # the split-KV Triton kernels (sequential step and window forward) in Triton's interpreter
     pytest.param({"exact_rows": False, "fused_attention": True}, marks=[pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.skipif(
-        not triton_runs_here(), reason="needs triton's interpreter")]),
+        not triton_runs_here(), reason="needs a CPU-only machine (Triton's interpreter; the fixture model runs on the CPU)")]),
 ], ids=["exact_rows", "batched_gemm", "batched_triton"])
 def test_rows_equal_teacher_forcing_and_a_seed_is_reproducible_in_any_batch(model, tokenizer, options):
     alone = run_all(make_engine(model, tokenizer, **options), [make_job(tokenizer, 11, 3, 3)], 1)[0]
