@@ -28,7 +28,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.launch_overlap import wait_for_predecessor
-    from stage_ar.row_norm import norm_values, row_inv_rms, row_values
+    from stage_ar.row_norm import add_squares, inv_rms_of, norm_values, normalized, row_inv_rms, row_values
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -39,6 +39,9 @@ MIN_ROW_SCALE = 1.0 / (FP8_MAX * 512.0)
 #: their chunk: one load round trip instead of a serial loop; H200, 2026-12-03: the single-program
 #: loop took 6.2 us per call at K = 3,584, 0.70 ms of a W8A8 step's 3.54).
 QUANT_BLOCK = 1024
+#: Whether the normalising quantizer takes its one-pass form where a row fits four norm chunks
+#: (`_quantize_rows_kernel`'s ``ONE_PASS``: the hidden size's 3,584 columns). Same bits either way.
+ONE_PASS_NORM = True
 #: Widest row `quantize_rows` takes (the whole row is held in registers for its amax): 2^16 columns.
 MAX_COLUMNS = 65536
 
@@ -87,7 +90,7 @@ if triton is not None:
                               stride_sm, min_scale, eps, FP8_MAX_: tl.constexpr, ROW_BLOCK: tl.constexpr,
                               CHUNK: tl.constexpr, NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
                               NORM_BLOCK_: tl.constexpr = 1024, LOG2_NORM_BLOCK: tl.constexpr = 10,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = False):
         """Row ``program_id(0)``, codes of columns ``[program_id(1) * CHUNK, +CHUNK)``: the whole row in
         one load (``ROW_BLOCK >= K``) for ``amax`` (max is exact in any order, so every program of the
         row gets the same scale), then this program's chunk of codes; the row's first program stores
@@ -96,7 +99,12 @@ if triton is not None:
         also stores at ``sum_ptr`` (the new residual stream). ``NORM``: the row is then RMS-normalised
         with ``w_ptr`` and ``eps`` exactly as `stage_ar.row_norm.rms_norm_rows` (its `row_inv_rms` and
         `norm_values`, chunks of ``NORM_BLOCK_``), so the codes and scale are the bits of those
-        launches followed by this one. ``PDL``: `stage_ar.launch_overlap`."""
+        launches followed by this one. ``ONE_PASS`` (with ``NORM``, ``K <= 4 * NORM_BLOCK_`` and ``CHUNK ==
+        NORM_BLOCK_``): the row, its residual and the norm weight are loaded once, as four
+        ``NORM_BLOCK_`` chunks held in registers, and the sum of squares, the normalised values, the
+        amax, this program's codes and its chunk of the sum all come from them (`add_squares`,
+        `inv_rms_of`, `normalized`: the same expressions, so the same bits) instead of three rounds of
+        loads. ``PDL``: `stage_ar.launch_overlap`."""
         wait_for_predecessor(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -105,19 +113,47 @@ if triton is not None:
         q_ptr += row * stride_qm
         offs = tl.arange(0, ROW_BLOCK)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        if RESIDUAL:
-            tl.store(sum_ptr + row * stride_sm + cols, row_values(x_ptr, r_ptr, cols, K, True), mask=cols < K)
-        if NORM:
-            inv = row_inv_rms(x_ptr, r_ptr, K, eps, NORM_BLOCK_, LOG2_NORM_BLOCK, RESIDUAL)
-            x = norm_values(x_ptr, r_ptr, w_ptr, offs, K, inv, RESIDUAL).to(tl.float32)
-            xc = norm_values(x_ptr, r_ptr, w_ptr, cols, K, inv, RESIDUAL).to(tl.float32)
+        if ONE_PASS:
+            lane = tl.arange(0, NORM_BLOCK_)
+            v0 = row_values(x_ptr, r_ptr, lane, K, RESIDUAL)
+            v1 = row_values(x_ptr, r_ptr, NORM_BLOCK_ + lane, K, RESIDUAL)
+            v2 = row_values(x_ptr, r_ptr, 2 * NORM_BLOCK_ + lane, K, RESIDUAL)
+            v3 = row_values(x_ptr, r_ptr, 3 * NORM_BLOCK_ + lane, K, RESIDUAL)
+            w0 = tl.load(w_ptr + lane, mask=lane < K, other=0.0)
+            w1 = tl.load(w_ptr + NORM_BLOCK_ + lane, mask=NORM_BLOCK_ + lane < K, other=0.0)
+            w2 = tl.load(w_ptr + 2 * NORM_BLOCK_ + lane, mask=2 * NORM_BLOCK_ + lane < K, other=0.0)
+            w3 = tl.load(w_ptr + 3 * NORM_BLOCK_ + lane, mask=3 * NORM_BLOCK_ + lane < K, other=0.0)
+            sq = add_squares(tl.zeros((NORM_BLOCK_,), tl.float32), v0.to(tl.float32), v1.to(tl.float32),
+                             v2.to(tl.float32), v3.to(tl.float32))
+            inv = inv_rms_of(sq, K, eps, LOG2_NORM_BLOCK)
+            n0 = normalized(v0, w0, inv).to(tl.float32)
+            n1 = normalized(v1, w1, inv).to(tl.float32)
+            n2 = normalized(v2, w2, inv).to(tl.float32)
+            n3 = normalized(v3, w3, inv).to(tl.float32)
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(n0), axis=0), tl.max(tl.abs(n1), axis=0)),
+                              tl.maximum(tl.max(tl.abs(n2), axis=0), tl.max(tl.abs(n3), axis=0)))
+            scale = row_scale(amax, min_scale, FP8_MAX_)
+            xc = tl.where(chunk == 0, n0, tl.where(chunk == 1, n1, tl.where(chunk == 2, n2, n3)))
+            if RESIDUAL:
+                vc = tl.where(chunk == 0, v0, tl.where(chunk == 1, v1, tl.where(chunk == 2, v2, v3)))
+                tl.store(sum_ptr + row * stride_sm + cols, vc, mask=cols < K)
+            tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
+            if chunk == 0:
+                tl.store(s_ptr + row, scale)
         else:
-            x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
-            xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(x), axis=0), min_scale, FP8_MAX_)
-        tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
-        if chunk == 0:
-            tl.store(s_ptr + row, scale)
+            if RESIDUAL:
+                tl.store(sum_ptr + row * stride_sm + cols, row_values(x_ptr, r_ptr, cols, K, True), mask=cols < K)
+            if NORM:
+                inv = row_inv_rms(x_ptr, r_ptr, K, eps, NORM_BLOCK_, LOG2_NORM_BLOCK, RESIDUAL)
+                x = norm_values(x_ptr, r_ptr, w_ptr, offs, K, inv, RESIDUAL).to(tl.float32)
+                xc = norm_values(x_ptr, r_ptr, w_ptr, cols, K, inv, RESIDUAL).to(tl.float32)
+            else:
+                x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
+                xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
+            scale = row_scale(tl.max(tl.abs(x), axis=0), min_scale, FP8_MAX_)
+            tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
+            if chunk == 0:
+                tl.store(s_ptr + row, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +272,7 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, norm
             r.stride(0), codes.stride(0), k, MIN_ROW_SCALE, float(norm_eps), FP8_MAX_=FP8_MAX, ROW_BLOCK=row_block,
             CHUNK=QUANT_BLOCK, NORM=norm, RESIDUAL=summed is not None, NORM_BLOCK_=NORM_BLOCK,
             LOG2_NORM_BLOCK=NORM_BLOCK.bit_length() - 1, num_warps=min(16, max(4, row_block // 2048)), PDL=pdl,
+            ONE_PASS=ONE_PASS_NORM and norm and k <= 4 * NORM_BLOCK and QUANT_BLOCK == NORM_BLOCK,
             **launch_options(pdl))
     elif m:
         scales.fill_(MIN_ROW_SCALE)

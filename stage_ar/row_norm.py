@@ -39,10 +39,27 @@ if triton is not None:
         return x
 
     @triton.jit
+    def add_squares(sq, x0, x1, x2, x3):
+        """``sq`` plus the squares of four consecutive ``BLOCK``-column chunks of a row (float32), added
+        lane by lane in chunk order, each step one fused multiply-add (``sq = fma(x, x, sq)``, one
+        rounding): the one expression of the inverse RMS's sum (`row_inv_rms`, and the W8A8
+        quantizer's one-pass norm). Written as explicit FMAs so the compiler's contraction cannot
+        differ between callers (with ``sq`` a known zero it could fuse another pair)."""
+        return tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, sq))))
+
+    @triton.jit
+    def inv_rms_of(sq, K, eps, LOG2_BLOCK: tl.constexpr):
+        """``rsqrt(sum(sq) / K + eps)`` (float32) of the ``(2^LOG2_BLOCK,)`` lane sums ``sq`` of a row of
+        ``K`` columns, the lanes added by a fixed pairwise tree."""
+        for _ in tl.static_range(LOG2_BLOCK):
+            sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
+        return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+    @triton.jit
     def row_inv_rms(x_ptr, r_ptr, K, eps, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
         """``rsqrt(mean(v²) + eps)`` (float32) of the row ``v`` at ``x_ptr`` (`row_values`: plus the one at
         ``r_ptr`` with ``RESIDUAL``): column ``j`` of the ``BLOCK`` lanes sums chunks 0, 1, ... in turn
-        (four loads in flight), then a fixed pairwise tree."""
+        (four loads in flight, `add_squares`), then a fixed pairwise tree (`inv_rms_of`)."""
         offs = tl.arange(0, BLOCK)
         sq = tl.zeros((BLOCK,), tl.float32)
         for k0 in range(0, K, 4 * BLOCK):
@@ -50,19 +67,20 @@ if triton is not None:
             x1 = row_values(x_ptr, r_ptr, k0 + BLOCK + offs, K, RESIDUAL).to(tl.float32)
             x2 = row_values(x_ptr, r_ptr, k0 + 2 * BLOCK + offs, K, RESIDUAL).to(tl.float32)
             x3 = row_values(x_ptr, r_ptr, k0 + 3 * BLOCK + offs, K, RESIDUAL).to(tl.float32)
-            sq = (((sq + x0 * x0) + x1 * x1) + x2 * x2) + x3 * x3
-        for _ in tl.static_range(LOG2_BLOCK):
-            sq = tl.sum(tl.reshape(sq, (2, sq.shape[0] // 2)), axis=0)
-        return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            sq = add_squares(sq, x0, x1, x2, x3)
+        return inv_rms_of(sq, K, eps, LOG2_BLOCK)
+
+    @triton.jit
+    def normalized(x, nw, inv):
+        """``round(nw * round(x * inv))`` in ``x``'s dtype: values ``x`` of a row with inverse RMS ``inv``
+        (float32) and the norm weight ``nw`` at their columns (the Qwen2 RMSNorm chain's two roundings)."""
+        xn = (x.to(tl.float32) * inv).to(x.dtype)
+        return (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
 
     @triton.jit
     def norm_values(x_ptr, r_ptr, w_ptr, k, K, inv, RESIDUAL: tl.constexpr):
-        """``round(w[k] * round(v[k] * inv))`` in the activations' dtype at columns ``k`` (0 past K),
-        ``v`` the row's `row_values`."""
-        x = row_values(x_ptr, r_ptr, k, K, RESIDUAL)
-        xn = (x.to(tl.float32) * inv).to(x.dtype)
-        nw = tl.load(w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        return (xn.to(tl.float32) * nw).to(x.dtype)
+        """`normalized` row values at columns ``k`` (0 past K), ``v`` the row's `row_values`."""
+        return normalized(row_values(x_ptr, r_ptr, k, K, RESIDUAL), tl.load(w_ptr + k, mask=k < K, other=0.0), inv)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, K, stride_xm, stride_om, eps,

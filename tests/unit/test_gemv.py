@@ -550,6 +550,41 @@ def test_quantize_rows_with_the_norm_is_the_norm_then_the_quantizer(gemv, k):
         quantize_rows(x, w[:-1])
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_quantize_rows_one_pass_norm_gives_the_bits_of_the_three_pass_form(gemv, residual, monkeypatch):
+    """A row of the hidden size (3,584 columns: four norm chunks) is normalised and quantized from one
+    load of the row, its residual and the norm weight (``ONE_PASS``), with the bits of the general
+    form (the row read for its sum of squares, again for the amax, again for the chunk): codes,
+    scales and the summed residual stream equal, and that launch really took the one-pass form."""
+    from stage_ar import fp8_activations
+    from stage_ar.fp8_activations import quantize_rows
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(35)
+    k = 3584
+    x = (torch.randn(3, k, generator=g) * torch.logspace(-2, 2, 3)[:, None]).to(dtype).to(DEVICE)
+    r = (torch.randn(3, k, generator=g) * 3.0).to(dtype).to(DEVICE) if residual else None
+    w = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    forms = []
+    real = fp8_activations._quantize_rows_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                forms.append(kwargs["ONE_PASS"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(fp8_activations, "_quantize_rows_kernel", Recording())
+    one_pass = quantize_rows(x, w, 1e-5, residual=r)
+    monkeypatch.setattr(fp8_activations, "ONE_PASS_NORM", False)
+    three_pass = quantize_rows(x, w, 1e-5, residual=r)
+    assert forms == [True, False]
+    for got, want in zip(one_pass, three_pass):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
 @pytest.mark.parametrize("k", [K, 4 * 1024 + 100], ids=lambda k: f"K{k}")
 def test_quantize_rows_with_a_residual_is_the_add_then_the_norm_then_the_quantizer(gemv, k, norm):
