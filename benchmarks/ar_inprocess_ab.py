@@ -9,6 +9,10 @@ effects in question; here one process builds the model once and times each varia
 
     PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1] [groups, default bf16,w8a8]
 
+Group ``l2`` (not in the default): bf16 and W8A8 batch 1 under ``pdl`` with the split-KV attention
+asking L2 for o_proj's weight (`stage_ar.decode_attention.PREFETCH_NEXT_WEIGHTS`) and without, in turn,
+twice each.
+
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
 converted to FP8 and W8A8 batch 1 with the default epilogues and with ``amax`` fused, each under
@@ -26,7 +30,7 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import launch_overlap  # noqa: E402
+from stage_ar import decode_attention, launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 
@@ -53,10 +57,24 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     bf16 = ([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]) if "bf16" in groups else []
     for i, (tag, mode) in enumerate(bf16):
         timed(f"bf16_{tag}_{i}", mode)
-    if "w8a8" not in groups:
+    if "l2" in groups:  # the attention asking L2 for o_proj's weight (decode_attention.PREFETCH_NEXT_WEIGHTS)
+        for i, on in enumerate((True, False, True, False)):
+            decode_attention.PREFETCH_NEXT_WEIGHTS = on
+            timed(f"bf16_l2_{'on' if on else 'off'}_{i}", "pdl")
+        decode_attention.PREFETCH_NEXT_WEIGHTS = False  # the default
+    if "w8a8" not in groups and "l2" not in groups:
         save()
         return
     A.quantize_fp8_(model.visual_token_linears())
+    if "l2" in groups:
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+        for i, on in enumerate((True, False, True, False)):
+            decode_attention.PREFETCH_NEXT_WEIGHTS = on
+            timed(f"w8a8_l2_{'on' if on else 'off'}_{i}", "pdl")
+        decode_attention.PREFETCH_NEXT_WEIGHTS = False  # the default
+    if "w8a8" not in groups:
+        save()
+        return
     w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
     for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
