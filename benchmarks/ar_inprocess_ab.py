@@ -36,7 +36,7 @@ FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGU
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``) ``rounds`` times over into the JSON at ``out``."""
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``l2``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -53,35 +53,32 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile)
         print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4), flush=True)
 
-    # each group's first variant runs again at the group's end: the difference is the drift
-    bf16 = ([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]) if "bf16" in groups else []
-    for i, (tag, mode) in enumerate(bf16):
-        timed(f"bf16_{tag}_{i}", mode)
-    if "l2" in groups:  # the attention asking L2 for o_proj's weight (decode_attention.PREFETCH_NEXT_WEIGHTS)
+    def l2_on_off(dtype: str) -> None:
+        """The attention asking L2 for o_proj's weight (`decode_attention.PREFETCH_NEXT_WEIGHTS`), on/off twice."""
         for i, on in enumerate((True, False, True, False)):
             decode_attention.PREFETCH_NEXT_WEIGHTS = on
-            timed(f"bf16_l2_{'on' if on else 'off'}_{i}", "pdl")
+            timed(f"{dtype}_l2_{'on' if on else 'off'}_{i}", "pdl")
         decode_attention.PREFETCH_NEXT_WEIGHTS = False  # the default
-    if "w8a8" not in groups and "l2" not in groups:
-        save()
-        return
-    A.quantize_fp8_(model.visual_token_linears())
+
+    # each group's first variant runs again at the group's end: the difference is the drift
+    if "bf16" in groups:
+        for i, (tag, mode) in enumerate([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]):
+            timed(f"bf16_{tag}_{i}", mode)
+    if "l2" in groups:
+        l2_on_off("bf16")
+    if "w8a8" in groups or "l2" in groups:
+        A.quantize_fp8_(model.visual_token_linears())
     if "l2" in groups:
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-        for i, on in enumerate((True, False, True, False)):
-            decode_attention.PREFETCH_NEXT_WEIGHTS = on
-            timed(f"w8a8_l2_{'on' if on else 'off'}_{i}", "pdl")
-        decode_attention.PREFETCH_NEXT_WEIGHTS = False  # the default
-    if "w8a8" not in groups:
-        save()
-        return
-    w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
-    for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
-        timed(f"w8a8_{folds}_{mode}_{i}", mode)
-    for folds in FOLDS:
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
-        timed(f"w8a8_{folds}_off_profiled", "off", profile=True)
+        l2_on_off("w8a8")
+    if "w8a8" in groups:
+        w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
+        for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
+            A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
+            timed(f"w8a8_{folds}_{mode}_{i}", mode)
+        for folds in FOLDS:
+            A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
+            timed(f"w8a8_{folds}_off_profiled", "off", profile=True)
     save()
 
 

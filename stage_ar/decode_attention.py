@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
+from stage_ar.launch_overlap import INTERPRETED, hopper_or_newer, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -416,10 +416,8 @@ def _prefetch_bytes(tensor: torch.Tensor | None, device: torch.device) -> torch.
     """``tensor``'s bytes as a flat ``uint8`` view when `decode_attention` should prefetch them
     (`PREFETCH_NEXT_WEIGHTS`, a CUDA device of compute capability 9.0+, not the interpreter, a
     contiguous tensor on that device whose size and address are multiples of 16 bytes), else None."""
-    if (tensor is None or not PREFETCH_NEXT_WEIGHTS or INTERPRETED or device.type != "cuda"
-            or tensor.device != device or not tensor.is_contiguous()):
-        return None
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if (tensor is None or not PREFETCH_NEXT_WEIGHTS or INTERPRETED or tensor.device != device
+            or not tensor.is_contiguous() or not hopper_or_newer(device)):
         return None
     flat = tensor.view(-1).view(torch.uint8)
     if flat.numel() % 16 or flat.data_ptr() % 16:

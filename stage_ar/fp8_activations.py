@@ -132,14 +132,10 @@ if triton is not None:
             n3 = normalized(v3, w3, inv).to(tl.float32)
             amax = tl.maximum(tl.maximum(tl.max(tl.abs(n0), axis=0), tl.max(tl.abs(n1), axis=0)),
                               tl.maximum(tl.max(tl.abs(n2), axis=0), tl.max(tl.abs(n3), axis=0)))
-            scale = row_scale(amax, min_scale, FP8_MAX_)
             xc = tl.where(chunk == 0, n0, tl.where(chunk == 1, n1, tl.where(chunk == 2, n2, n3)))
             if RESIDUAL:
                 vc = tl.where(chunk == 0, v0, tl.where(chunk == 1, v1, tl.where(chunk == 2, v2, v3)))
                 tl.store(sum_ptr + row * stride_sm + cols, vc, mask=cols < K)
-            tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
-            if chunk == 0:
-                tl.store(s_ptr + row, scale)
         else:
             if RESIDUAL:
                 tl.store(sum_ptr + row * stride_sm + cols, row_values(x_ptr, r_ptr, cols, K, True), mask=cols < K)
@@ -150,10 +146,11 @@ if triton is not None:
             else:
                 x = row_values(x_ptr, r_ptr, offs, K, RESIDUAL).to(tl.float32)
                 xc = row_values(x_ptr, r_ptr, cols, K, RESIDUAL).to(tl.float32)
-            scale = row_scale(tl.max(tl.abs(x), axis=0), min_scale, FP8_MAX_)
-            tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
-            if chunk == 0:
-                tl.store(s_ptr + row, scale)
+            amax = tl.max(tl.abs(x), axis=0)
+        scale = row_scale(amax, min_scale, FP8_MAX_)
+        tl.store(q_ptr + cols, quantize_values(xc, inverse_scale(scale), FP8_MAX_), mask=cols < K)
+        if chunk == 0:
+            tl.store(s_ptr + row, scale)
 
 
 @dataclasses.dataclass(frozen=True)

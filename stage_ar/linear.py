@@ -151,7 +151,8 @@ class GemvLinear(LinearBackend):
             GEMV's prologue (`stage_ar.fp8_activations.RowsWithAmax`) instead of a quantizer launch:
             names from `EPILOGUES`, True for all, False for none; `DEFAULT_EPILOGUES` by default
             (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
-            4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, 2026-12-06:
+            4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, and from 3.27 to
+            3.39 ms once the prologue multiplied by the row's inverse scale, 2026-12-06:
             docs/PERFORMANCE.md).
 
     Raises:
