@@ -9,10 +9,6 @@ effects in question; here one process builds the model once and times each varia
 
     PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1] [groups, default bf16,w8a8]
 
-Group ``l2`` (not in the default): bf16 and W8A8 batch 1 under ``pdl`` with the split-KV attention
-asking L2 for o_proj's weight (`stage_ar.decode_attention.PREFETCH_NEXT_WEIGHTS`) and without, in turn,
-twice each.
-
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
 converted to FP8 and W8A8 batch 1 with the default epilogues and with ``amax`` fused, each under
@@ -30,13 +26,13 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import decode_attention, launch_overlap  # noqa: E402
+from stage_ar import launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``l2``) ``rounds`` times over into the JSON at ``out``."""
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -53,25 +49,12 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile)
         print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4), flush=True)
 
-    def l2_on_off(dtype: str) -> None:
-        """The attention asking L2 for o_proj's weight (`decode_attention.PREFETCH_NEXT_WEIGHTS`), on/off twice."""
-        for i, on in enumerate((True, False, True, False)):
-            decode_attention.PREFETCH_NEXT_WEIGHTS = on
-            timed(f"{dtype}_l2_{'on' if on else 'off'}_{i}", "pdl")
-        decode_attention.PREFETCH_NEXT_WEIGHTS = False  # the default
-
     # each group's first variant runs again at the group's end: the difference is the drift
     if "bf16" in groups:
         for i, (tag, mode) in enumerate([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]):
             timed(f"bf16_{tag}_{i}", mode)
-    if "l2" in groups:
-        l2_on_off("bf16")
-    if "w8a8" in groups or "l2" in groups:
-        A.quantize_fp8_(model.visual_token_linears())
-    if "l2" in groups:
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-        l2_on_off("w8a8")
     if "w8a8" in groups:
+        A.quantize_fp8_(model.visual_token_linears())
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
             A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))

@@ -35,9 +35,7 @@ __all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDe
 class AttentionBackend(Protocol):
     """``forward(layer, q (B,T,H,d), k (B,T,KV,d), v (B,T,KV,d)) -> (B, T, H*d)``. A backend whose
     ``gathers_amax`` attribute is True also takes ``amax_out=`` (`TritonDecodeAttention`: each output
-    row's amax for a W8A8 o_proj, `stage_ar.fp8_activations.RowsWithAmax`); one whose
-    ``prefetches_weights`` is True takes ``prefetch_l2=`` (the o_proj weight, asked of L2 while the
-    attention runs)."""
+    row's amax for a W8A8 o_proj, `stage_ar.fp8_activations.RowsWithAmax`)."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -152,17 +150,16 @@ class TritonDecodeAttention(_SlotDecode):
         """Whether the kernel can run on ``device`` (CUDA with triton, or Triton's interpreter)."""
         return triton_decode.available(device)
 
-    #: takes ``amax_out`` and ``prefetch_l2`` (`AttentionBackend`)
+    #: takes ``amax_out`` (`AttentionBackend`)
     gathers_amax = True
-    prefetches_weights = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                amax_out: torch.Tensor | None = None, prefetch_l2: torch.Tensor | None = None) -> torch.Tensor:
-        """``(b, 1, heads * d)``; ``amax_out``, ``prefetch_l2``: `stage_ar.decode_attention.decode_attention`'s."""
+                amax_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(b, 1, heads * d)``; ``amax_out``: `stage_ar.decode_attention.decode_attention`'s."""
         b, _, heads, d = q.shape
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
                                              self.pos, self.key_start, self.length, self.scale, live=self.live,
-                                             amax_out=amax_out, prefetch_l2=prefetch_l2)
+                                             amax_out=amax_out)
         return out.view(b, 1, heads * d)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_ar.launch_overlap import INTERPRETED, hopper_or_newer, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
+from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -52,11 +52,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys).
 BLOCK_N = 64
 SPLIT = 128
-#: Whether `decode_attention` asks L2 for the ``prefetch_l2`` tensor (the o_proj weight that reads its
-#: output) while it runs: read at each launch, so benchmarks can time both in one process. Off until
-#: measured (built 2026-12-06 after the session's device time ran out; `benchmarks/ar_inprocess_ab.py
-#: OUT 1 l2` times it against off in one process).
-PREFETCH_NEXT_WEIGHTS = False
 
 
 def available(device: torch.device) -> bool:
@@ -77,44 +72,22 @@ if triton is not None:
         return alive
 
     @triton.jit
-    def prefetch_l2(ptr, nbytes, program, PIECES: tl.constexpr):
-        """Ask L2 for this program's share of the ``nbytes`` bytes at ``ptr`` (a ``uint8`` pointer, 16-byte
-        aligned, ``nbytes`` a multiple of 16): ``PIECES`` pieces of ``piece = ceil(nbytes / (programs x
-        PIECES))`` bytes (rounded up to 16) from ``program * PIECES * piece``, one Hopper bulk prefetch
-        (``cp.async.bulk.prefetch.L2``, sm_90) per thread and piece; pieces past the end ask for nothing.
-        No data moves into the program and nothing waits on it: a later kernel's loads of those bytes
-        hit L2 instead of HBM."""
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        piece = tl.cdiv(tl.cdiv(nbytes, programs * PIECES), 16) * 16
-        start = (program * PIECES + tl.arange(0, PIECES)).to(tl.int64) * piece
-        size = tl.minimum(tl.maximum(nbytes - start, 0), piece).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + start, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _split_kernel(
         q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr, live_ptr,
-        part_acc_ptr, part_ml_ptr, pf_ptr, pf_bytes,
+        part_acc_ptr, part_ml_ptr,
         stride_qb, stride_qh,
         stride_nb, stride_nh, stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cn,
         n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         TILES: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False,
     ):
         """Program (row, KV head, split): the split's keys attended (online softmax), the partials
-        stored; the tile holding ``pos`` writes the new key/value. ``PREFETCH``: first, after the wait
-        (so it does not compete with the previous kernel's stream), the program asks L2 for its share
-        of the ``pf_bytes`` bytes at ``pf_ptr`` (`prefetch_l2`; the next GEMV's weights)."""
+        stored; the tile holding ``pos`` writes the new key/value."""
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        if PREFETCH:
-            # one piece per thread of the launch's 4 warps
-            prefetch_l2(pf_ptr, pf_bytes, (row * tl.num_programs(1) + kvh) * tl.num_programs(2) + split, 128)
         pos = tl.load(pos_ptr + row)
         start = tl.load(start_ptr + row)
         alive = _row_live(live_ptr, row, LIVE)  # an idle row: no KV write, no work (its combine writes zeros)
@@ -337,7 +310,6 @@ def decode_attention(
     scale: float,
     live: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
-    prefetch_l2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's keys/values into the cache and attend over each row's key range.
 
@@ -359,10 +331,6 @@ def decode_attention(
         amax_out: ``(16,)`` int32 (`stage_ar.fp8_activations.amax_buffers`' ``amax``, ``b <= 16``) or
             None: each output row's largest magnitude is max-ed into it (float32 bits), for a W8A8
             o_proj that quantizes the rows in its prologue (`stage_ar.fp8_activations.RowsWithAmax`).
-        prefetch_l2: a contiguous CUDA tensor or None: the bytes of the kernel that runs next (the
-            o_proj weight), which the split programs ask L2 for while attention, latency-bound at
-            decode, leaves HBM idle (`PREFETCH_NEXT_WEIGHTS`; compute capability 9.0 and up, not under
-            the interpreter; a hint: results are unchanged).
 
     Returns:
         ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
@@ -392,16 +360,14 @@ def decode_attention(
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     pdl = pdl_flag(q.device)
-    prefetch = _prefetch_bytes(prefetch_l2, q.device)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
-        prefetch if prefetch is not None else q, prefetch.numel() if prefetch is not None else 0,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
-        PDL=pdl, LIVE=live is not None, PREFETCH=prefetch is not None, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
@@ -410,19 +376,6 @@ def decode_attention(
         PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, **launch_options(pdl),
     )
     return out
-
-
-def _prefetch_bytes(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """``tensor``'s bytes as a flat ``uint8`` view when `decode_attention` should prefetch them
-    (`PREFETCH_NEXT_WEIGHTS`, a CUDA device of compute capability 9.0+, not the interpreter, a
-    contiguous tensor on that device whose size and address are multiples of 16 bytes), else None."""
-    if (tensor is None or not PREFETCH_NEXT_WEIGHTS or INTERPRETED or tensor.device != device
-            or not tensor.is_contiguous() or not hopper_or_newer(device)):
-        return None
-    flat = tensor.view(-1).view(torch.uint8)
-    if flat.numel() % 16 or flat.data_ptr() % 16:
-        return None
-    return flat
 
 
 #: Query rows (window positions x query heads of one KV head) per split program of `window_attention`.

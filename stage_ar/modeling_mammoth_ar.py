@@ -195,16 +195,13 @@ class MammothAttention(nn.Module):
             qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
             q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, heads, kv_heads)
         o_proj = single_expert(self.o_proj, self.gen_o_proj, routing)
-        hints = {}
-        if o_proj is not None and getattr(ctx.attention, "prefetches_weights", False):  # o_proj's weight into L2
-            hints["prefetch_l2"] = o_proj.weight
         buffers = None
         if o_proj is not None and getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj quantizes
             buffers = o_proj.backend.input_amax(o_proj, q.shape[0] * q.shape[1])
         if buffers is None:
-            out = ctx.attention.forward(self.layer_idx, q, k, v, **hints)
+            out = ctx.attention.forward(self.layer_idx, q, k, v)
             return route_experts(out, self.o_proj, self.gen_o_proj, routing)
-        out = ctx.attention.forward(self.layer_idx, q, k, v, amax_out=buffers[0], **hints)
+        out = ctx.attention.forward(self.layer_idx, q, k, v, amax_out=buffers[0])
         return o_proj(RowsWithAmax(out, *buffers))
 
 
