@@ -9,6 +9,11 @@ effects in question; here one process builds the model once and times each varia
 
     PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1] [groups, default bf16,w8a8]
 
+Group ``split`` (not in the default): W8A8 batch 1 under ``pdl`` with o_proj and down_proj split
+into 4 K ranges and unsplit (`stage_ar.gemv_configs.W8A8_SPLIT_K`), in turn, twice each. Group
+``attn`` (not in the default): W8A8 batch 1 at image start and mid-image under ``pdl`` with the
+split-KV attention's `stage_ar.decode_attention.SPLIT` at 128 (the default), 64, 256 and 128 again.
+
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
 converted to FP8 and W8A8 batch 1 with the default epilogues and with ``amax`` fused, each under
@@ -26,13 +31,13 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import launch_overlap  # noqa: E402
+from stage_ar import decode_attention, gemv_configs, launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``) ``rounds`` times over into the JSON at ``out``."""
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -44,17 +49,34 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     model.eval().requires_grad_(False)
     A.set_linear_backend(model, A.select_backend("auto", "cuda"))
 
-    def timed(label: str, mode: str, profile: bool = False) -> None:
+    def timed(label: str, mode: str, profile: bool = False, mid_image: bool = False) -> None:
         launch_overlap.MODE = mode
-        A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile)
-        print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4), flush=True)
+        A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile, mid_image=mid_image)
+        mid = res["timings"].get(f"{label}_B1_mid", {}).get("ms_per_step")
+        print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4),
+              *(["mid-image", round(mid, 4)] if mid_image and mid else []), flush=True)
 
     # each group's first variant runs again at the group's end: the difference is the drift
     if "bf16" in groups:
         for i, (tag, mode) in enumerate([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]):
             timed(f"bf16_{tag}_{i}", mode)
-    if "w8a8" in groups:
+    if "w8a8" in groups or "split" in groups or "attn" in groups:
         A.quantize_fp8_(model.visual_token_linears())
+    if "attn" in groups:
+        default = decode_attention.SPLIT
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+        for i, keys in enumerate((128, 64, 256, 128)):
+            decode_attention.SPLIT = keys
+            timed(f"w8a8_attn_split{keys}_{i}", "pdl", mid_image=True)
+        decode_attention.SPLIT = default
+    if "split" in groups:
+        default = gemv_configs.W8A8_SPLIT_K
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+        for i, split in enumerate((4, 1, 4, 1)):
+            gemv_configs.W8A8_SPLIT_K = split
+            timed(f"w8a8_split{split}_{i}", "pdl")
+        gemv_configs.W8A8_SPLIT_K = default
+    if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
             A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))

@@ -30,9 +30,9 @@ def split_k_for(n: int, k: int, weight_dtype: torch.dtype, fp8_compute: str | No
     W8A8 launches have their own candidate set, `W8A8_TUNED_CONFIGS`), never of M or of timing,
     because it sets a row's reduction order (its bits).
 
-    W8A8 (``fp8_compute="fp8"``): 4 ranges for at most `W8A8_SPLIT_MAX_COLUMNS` output columns and 8
-    K tiles or more, else 1. Other FP8 weights of at most `SPLIT_MAX_COLUMNS` output columns split into
-    ``min(8, tiles // 2)`` ranges
+    W8A8 (``fp8_compute="fp8"``): `W8A8_SPLIT_K` ranges (today 1: no split) for at most
+    `W8A8_SPLIT_MAX_COLUMNS` output columns and 8 K tiles or more, else 1. Other FP8 weights of at
+    most `SPLIT_MAX_COLUMNS` output columns split into ``min(8, tiles // 2)`` ranges
     (``tiles`` K tiles of `block_k_for`): qkv and o (K = 3,584, 14 tiles) into 7, down (K = 18,944) into 8.
     Their 256-byte row tiles put too few bytes in flight on 132 SMs; on the H200 (2026-12-03,
     `benchmarks/gemv_split_k.py`, float16 products, M = 1) this took down from 41.9 to 29.6 us, qkv
@@ -43,8 +43,8 @@ def split_k_for(n: int, k: int, weight_dtype: torch.dtype, fp8_compute: str | No
     if weight_dtype != FP8_DTYPE or n > SPLIT_MAX_COLUMNS:
         return 1
     tiles = -(-k // block_k_for(weight_dtype))
-    if fp8_compute == "fp8":  # W8A8's 64-column launches: 4 ranges for the narrowest outputs only
-        return 4 if n <= W8A8_SPLIT_MAX_COLUMNS and tiles >= 8 else 1
+    if fp8_compute == "fp8":  # W8A8's 64-column launches: the narrowest outputs only
+        return W8A8_SPLIT_K if n <= W8A8_SPLIT_MAX_COLUMNS and tiles >= 8 else 1
     return max(1, min(8, tiles // 2))
 
 
@@ -91,16 +91,25 @@ FP8_TUNED_CONFIGS = (
 #: `benchmarks/gemv_sweep.py --families w8a8`) every one of them gave the same bits at every split
 #: count and streamed faster than the ``mma.sync`` set at each Preview shape (plain linear, M = 1,
 #: best of each: qkv 7.2 vs 9.7 us, o 6.7 vs 7.7, gate_up 34.3 vs 39.4, down 20.8 vs 24.3); the
-#: 16/32-column launches give other bits, so they stay out of this set.
+#: 16/32-column launches give other bits, so they stay out of this set. The 6- and 8-stage pipelines
+#: (2026-12-06) are what lets an unsplit o or down launch keep enough bytes in flight (`W8A8_SPLIT_K`).
 W8A8_TUNED_CONFIGS = (
-    GemvConfig(64, 4, 3), GemvConfig(64, 4, 4), GemvConfig(64, 8, 4), GemvConfig(128, 8, 4),
+    GemvConfig(64, 4, 3), GemvConfig(64, 4, 4), GemvConfig(64, 4, 6), GemvConfig(64, 4, 8),
+    GemvConfig(64, 8, 4), GemvConfig(128, 8, 4),
 )
-#: The widest output W8A8 launches split (into 4 K ranges, `split_k_for`): o and down (3,584 columns).
-#: Measured per decoder form with `W8A8_TUNED_CONFIGS` on the H200 (2026-12-03, `benchmarks/gemv_split_k.py
-#: --forms w8a8`, M = 1, us at 1 / 2 / 4 / 7-8 ranges): o 10.0 / 9.5 / **9.0** / 11.0, down 28.5 / 24.0 /
-#: **22.4** / 25.2, qkv with RoPE (4,608 columns) **12.9** / 13.0 / 14.5 / 16.0, gate_up **44.1** / 54.0,
-#: head **18.2** / 23.0: a 64-column block already has the bytes in flight split-K gave the 16/32-column ones.
+#: The widest output a W8A8 launch may split (`split_k_for`): o and down (3,584 columns).
 W8A8_SPLIT_MAX_COLUMNS = 4096
+#: K ranges of those W8A8 launches: 1, no split (was 4 until 2026-12-06). A row's bits follow it, so it
+#: is a rule, not a timing pick. With 3-4 pipeline stages the 56 programs of an unsplit 64-column
+#: launch had too few bytes in flight, and 4 ranges won on the H200 (2026-12-03, `benchmarks/gemv_split_k.py
+#: --forms w8a8`, M = 1, us at 1 / 2 / 4 / 7-8 ranges: o 10.0 / 9.5 / **9.0** / 11.0, down 28.5 / 24.0 /
+#: **22.4** / 25.2); the split's partials and last-arrival sum then cost a serial tail. With 6-8 stages
+#: (20-24 KB each; 160-192 KB of shared memory) one program per column block keeps enough in flight:
+#: on the H100 (2026-12-06, `docs/measurements/gemv_w8a8_stages_split_h100_2026-12-06.json`, decoder
+#: form, M = 1, us) o 9.27 (4 ranges, 3 stages, the old pick) -> **7.61** (unsplit, 8 stages), down
+#: 29.00 -> **27.22**; every unsplit 64/128-column candidate gave the same bits. Not yet measured
+#: on the H200.
+W8A8_SPLIT_K = 1
 #: The interpreter's fixed launch (it has no timing to tune on).
 INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
 _SMEM_BUDGET = 200 * 1024

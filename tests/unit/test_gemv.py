@@ -734,6 +734,31 @@ def test_w8a8_row_bits_do_not_depend_on_the_other_rows(gemv, variant):
 
 
 @pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "residual", "bias_rope"])
+def test_bf16_candidates_give_the_same_bits(gemv, variant):
+    """Every launch bf16 autotuning may pick (`TUNED_CONFIGS`: 16/32-column ``mma.sync`` and 64-column
+    ``wgmma`` blocks, every pipeline depth) gives the bits of every other and matches the reference:
+    which candidate a process's timing picks changes no output. GPU only (the interpreter's numpy
+    dot orders sums by shape)."""
+    from stage_ar.gemv_configs import TUNED_CONFIGS
+    from stage_ar.gemv_reference import gemv_reference
+
+    if gemv.INTERPRETED:
+        pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
+    x, weight, kwargs = make_inputs(variant, torch.bfloat16, n=256, k=3584, seed=16)
+    if variant == "bias_rope":
+        kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
+        kwargs["cos"], kwargs["sin"] = kwargs["cos"].to(DEVICE), kwargs["sin"].to(DEVICE)
+        kwargs["rope_columns"] = 128
+    want = gemv_reference(x, weight, **kwargs).float()
+    outs = {c: gemv.gemv(x, weight, config=c, **kwargs) for c in TUNED_CONFIGS
+            if gemv.fits_shared_memory(c, torch.bfloat16, torch.bfloat16)}
+    first = next(iter(outs.values()))
+    torch.testing.assert_close(first.float(), want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    for c, out in outs.items():
+        assert torch.equal(out, first), c
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "residual", "bias_rope"])
 def test_w8a8_candidates_give_the_same_bits(gemv, variant):
     """Every launch W8A8 autotuning may pick (`W8A8_TUNED_CONFIGS`, 64- and 128-column ``wgmma``
     blocks) gives the bits of every other, with and without a split, and matches the reference: a
