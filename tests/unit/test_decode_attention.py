@@ -101,12 +101,18 @@ def poisoned_partials(da, monkeypatch) -> list:
     return handed
 
 
-def assert_only_used_splits_written(handed: list, used_by_row: tuple[set[int], ...], n_splits: int) -> None:
+def splits_of(da, first: torch.Tensor, last: torch.Tensor) -> tuple[set[int], ...]:
+    """Each row's split indices covering its keys ``[first, last]`` at the module's split size
+    (``da.SPLIT`` keys per split: the expectation follows the rule, whatever its value)."""
+    return tuple(set(range(int(a) // da.SPLIT, int(b) // da.SPLIT + 1)) for a, b in zip(first, last))
+
+
+def assert_only_used_splits_written(handed: list, used_by_row: tuple[set[int], ...]) -> None:
     """The one workspace in ``handed``: row ``i``'s splits in ``used_by_row[i]`` were written, every
-    other split still holds the poison."""
+    other split of the workspace still holds the poison."""
     (part_acc, part_ml), = handed
     for row, used in enumerate(used_by_row):
-        for split in range(n_splits):
+        for split in range(part_acc.shape[2]):
             untouched = bool(part_acc[row, :, split].isnan().all() and part_ml[row, :, split].isnan().all())
             assert untouched == (split not in used), f"row {row} split {split}: untouched={untouched}"
 
@@ -118,12 +124,13 @@ def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     step. Splits outside ``[start, pos]`` stay untouched, and the output is still exact."""
     handed = poisoned_partials(da, monkeypatch)
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=3)
-    pos, start = ids(5, 300, 200), ids(0, 140, 0)  # splits of 128: {0}, {1, 2}, {0, 1} of 0..4
+    pos, start = ids(5, 300, 200), ids(0, 140, 0)  # splits of 128 keys: {0}, {1, 2}, {0, 1} of 0..4
     want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, pos, start, 128**-0.5)
     got = da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
     tol = 1e-5 if da.INTERPRETED else 5e-3
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)  # NaN never passes
-    assert_only_used_splits_written(handed, ({0}, {1, 2}, {0, 1}), 5)
+    assert handed[0][0].shape[2] == -(-640 // da.SPLIT)  # the pool width's splits, every one checked
+    assert_only_used_splits_written(handed, splits_of(da, start, pos))
 
 
 def test_rejects_mismatched_shapes(da):
