@@ -62,20 +62,19 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
             timed(f"bf16_{tag}_{i}", mode)
     if "w8a8" in groups or "split" in groups or "attn" in groups:
         A.quantize_fp8_(model.visual_token_linears())
+    def w8a8_settings(module, name: str, values: tuple[int, ...], tag: str, mid_image: bool = False) -> None:
+        """W8A8 batch 1 under ``pdl`` with ``module.name`` at each of ``values`` in turn, then its default again."""
+        default = getattr(module, name)
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
+        for i, value in enumerate(values):
+            setattr(module, name, value)
+            timed(f"w8a8_{tag}{value}_{i}", "pdl", mid_image=mid_image)
+        setattr(module, name, default)
+
     if "attn" in groups:
-        default = decode_attention.SPLIT
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-        for i, keys in enumerate((128, 64, 256, 128)):
-            decode_attention.SPLIT = keys
-            timed(f"w8a8_attn_split{keys}_{i}", "pdl", mid_image=True)
-        decode_attention.SPLIT = default
+        w8a8_settings(decode_attention, "SPLIT", (128, 64, 256, 128), "attn_split", mid_image=True)
     if "split" in groups:
-        default = gemv_configs.W8A8_SPLIT_K
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-        for i, split in enumerate((4, 1, 4, 1)):
-            gemv_configs.W8A8_SPLIT_K = split
-            timed(f"w8a8_split{split}_{i}", "pdl")
-        gemv_configs.W8A8_SPLIT_K = default
+        w8a8_settings(gemv_configs, "W8A8_SPLIT_K", (4, 1, 4, 1), "split")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

@@ -61,6 +61,26 @@ def _kwargs(name: str, shape: dict, ws: dict, m: int, form: str, residual: torch
     return w, kw
 
 
+def compile_flags(name: str, shape: dict, form: str) -> dict:
+    """`stage_ar.gemv.compile_ahead`'s variant flags for ``name`` in its decoder form (``_kwargs``)."""
+    flags = dict(shape["fused"])
+    if name == "qkv":
+        flags |= {"rope_head_dim": HEAD_DIM}
+    if name == "head":
+        flags.pop("norm", None)
+    return flags | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
+
+
+def decoder_inputs(shape: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """16 rows of activations, of the residual and of the RoPE ``cos`` / ``sin`` tables for ``shape``
+    in ``dtype`` (seeded: every call gets the same)."""
+    g = torch.Generator(device=B.DEVICE).manual_seed(7)
+    x = torch.randn(16, shape["K"], device=B.DEVICE, generator=g).to(dtype)
+    residual = torch.randn(16, B.out_width(shape), device=B.DEVICE, generator=g).to(dtype)
+    angles = torch.rand(16, HEAD_DIM, device=B.DEVICE, generator=g) * 6.28
+    return x, residual, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rule(split: int):
     return lambda n, k, weight_dtype, fp8_compute=None: split
 
@@ -69,14 +89,9 @@ def compile_jobs(table: dict) -> list[tuple]:
     """Every (shape, form, split, candidate) autotuning will compile, as `stage_ar.gemv.compile_ahead` jobs."""
     jobs = []
     for name, shape in table.items():
-        flags = dict(shape["fused"])
-        if name == "qkv":
-            flags |= {"rope_head_dim": HEAD_DIM}
-        if name == "head":
-            flags.pop("norm", None)
         for form in FORMS:
             w_dtype = torch.bfloat16 if form == "bf16" else G.FP8_DTYPE
-            f = flags | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
+            f = compile_flags(name, shape, form)
             for split in SPLITS[name]:
                 for c in G.tuned_configs(w_dtype, f.get("fp8_compute")):
                     c = G.GemvConfig(c.block_n, c.num_warps, c.num_stages, None, split)
@@ -88,12 +103,7 @@ def compile_jobs(table: dict) -> list[tuple]:
 def measure(name: str, shape: dict, sets: list[dict], form: str, split: int) -> dict:
     """Timings at M = 1 and 16 and the bit checks for one (shape, form, split)."""
     G.split_k_for = _rule(split)
-    dtype = sets[0]["w"].dtype
-    g = torch.Generator(device=B.DEVICE).manual_seed(7)
-    x = torch.randn(16, shape["K"], device=B.DEVICE, generator=g).to(dtype)
-    residual = torch.randn(16, B.out_width(shape), device=B.DEVICE, generator=g).to(dtype)
-    angles = torch.rand(16, HEAD_DIM, device=B.DEVICE, generator=g) * 6.28
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x, residual, cos, sin = decoder_inputs(shape, sets[0]["w"].dtype)
     rec: dict = {}
     w, kw = _kwargs(name, shape, sets[0], 16, form, residual, cos, sin)
     full = G.gemv(x, w, **kw)

@@ -63,9 +63,7 @@ def main() -> None:
              if k in table_cfg}
     jobs = []
     for name, shape in table.items():
-        flags = dict(shape["fused"]) | ({"fp8_compute": "fp8"} if form == "w8a8" else {})
-        if name == "qkv":
-            flags |= {"rope_head_dim": S.HEAD_DIM}
+        flags = S.compile_flags(name, shape, form)
         for bn, w, st, sp in table_cfg[name]:
             c = G.GemvConfig(bn, w, st, None, sp)
             if G.fits_shared_memory(c, x_dtype, w_dtype):
@@ -78,11 +76,7 @@ def main() -> None:
     res["rows"] = rows = {}
     for i, (name, shape) in enumerate(table.items()):
         sets = B.make_weights(shape, B.weight_copies(shape), seed=i)
-        g = torch.Generator(device=B.DEVICE).manual_seed(7)
-        x = torch.randn(16, shape["K"], device=B.DEVICE, generator=g).to(torch.bfloat16)
-        residual = torch.randn(16, B.out_width(shape), device=B.DEVICE, generator=g).to(torch.bfloat16)
-        angles = torch.rand(16, S.HEAD_DIM, device=B.DEVICE, generator=g) * 6.28
-        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        x, residual, cos, sin = S.decoder_inputs(shape, torch.bfloat16)
         first = None
         for bn, w, st, sp in table_cfg[name]:
             c = G.GemvConfig(bn, w, st, None, sp)

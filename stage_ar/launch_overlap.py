@@ -60,24 +60,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_newer(device_index: int) -> bool:
+def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def hopper_or_newer(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA GPU of compute capability 9.0 or more (Hopper: PDL's
-    ``griddepcontrol``, the ``cp.async.bulk`` instructions), answered once per device."""
-    if device.type != "cuda":
-        return False
-    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL under `MODE`: False off CUDA (the interpreter
     has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
-    if MODE == "off" or triton is None or INTERPRETED:
+    if MODE == "off" or device.type != "cuda" or triton is None or INTERPRETED:
         return False
-    return hopper_or_newer(device)
+    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_flag(device: torch.device) -> int:

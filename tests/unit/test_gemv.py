@@ -733,6 +733,16 @@ def test_w8a8_row_bits_do_not_depend_on_the_other_rows(gemv, variant):
                            full[i]), f"row {i} alone"
 
 
+def candidate_inputs(variant: str, fp8: bool, seed: int):
+    """`make_inputs` at a Preview-width K (3,584) with 256 output columns; ``bias_rope`` with 128-wide
+    RoPE heads (one rotated head). For the candidate-set tests."""
+    x, weight, kwargs = make_inputs(variant, torch.bfloat16, fp8=fp8, n=256, k=3584, seed=seed)
+    if variant == "bias_rope":
+        cos, sin = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
+        kwargs |= {"cos": cos.to(DEVICE), "sin": sin.to(DEVICE), "rope_columns": 128}
+    return x, weight, kwargs
+
+
 @pytest.mark.parametrize("variant", ["plain", "norm_swiglu", "residual", "bias_rope"])
 def test_bf16_candidates_give_the_same_bits(gemv, variant):
     """Every launch bf16 autotuning may pick (`TUNED_CONFIGS`: 16/32-column ``mma.sync`` and 64-column
@@ -744,11 +754,7 @@ def test_bf16_candidates_give_the_same_bits(gemv, variant):
 
     if gemv.INTERPRETED:
         pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
-    x, weight, kwargs = make_inputs(variant, torch.bfloat16, n=256, k=3584, seed=16)
-    if variant == "bias_rope":
-        kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
-        kwargs["cos"], kwargs["sin"] = kwargs["cos"].to(DEVICE), kwargs["sin"].to(DEVICE)
-        kwargs["rope_columns"] = 128
+    x, weight, kwargs = candidate_inputs(variant, fp8=False, seed=16)
     want = gemv_reference(x, weight, **kwargs).float()
     outs = {c: gemv.gemv(x, weight, config=c, **kwargs) for c in TUNED_CONFIGS
             if gemv.fits_shared_memory(c, torch.bfloat16, torch.bfloat16)}
@@ -768,13 +774,8 @@ def test_w8a8_candidates_give_the_same_bits(gemv, variant):
 
     if gemv.INTERPRETED:
         pytest.skip("needs CUDA: numpy's matmul (the interpreter's tl.dot) sums in a shape-dependent order")
-    x, weight, kwargs = make_inputs(variant, torch.bfloat16, fp8=True, n=256, k=3584, seed=15)
+    x, weight, kwargs = candidate_inputs(variant, fp8=True, seed=15)
     want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs).float()
-    if variant == "bias_rope":
-        kwargs["cos"], kwargs["sin"] = rope_tables(torch.arange(16) * 7 + 3, torch.bfloat16, 128)
-        kwargs["cos"], kwargs["sin"] = kwargs["cos"].to(DEVICE), kwargs["sin"].to(DEVICE)
-        kwargs["rope_columns"] = 128
-        want = gemv_reference(x, weight, fp8_compute="fp8", **kwargs).float()
     for split in (1, 2, 7):
         outs = {}
         for c in W8A8_TUNED_CONFIGS:
