@@ -11,8 +11,9 @@ effects in question; here one process builds the model once and times each varia
 
 Group ``split`` (not in the default): W8A8 batch 1 under ``pdl`` with o_proj and down_proj split
 into 4 K ranges and unsplit (`stage_ar.gemv_configs.W8A8_SPLIT_K`), in turn, twice each. Group
-``attn`` (not in the default): W8A8 batch 1 at image start and mid-image under ``pdl`` with the
-split-KV attention's `stage_ar.decode_attention.SPLIT` at 128 (the default), 64, 256 and 128 again.
+``attn`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
+with the split-KV attention's keys per split and per tile (`stage_ar.decode_attention.SPLIT`,
+``BLOCK_N``) at each of `ATTENTION_SHAPES` (bf16: the first two), the first again at the end.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -34,6 +35,8 @@ import ar_decode as A  # noqa: E402
 from stage_ar import decode_attention, gemv_configs, launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
+#: (SPLIT, BLOCK_N) of the split-KV attention the ``attn`` group times: the default first.
+ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
@@ -57,24 +60,33 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
               *(["mid-image", round(mid, 4)] if mid_image and mid else []), flush=True)
 
     # each group's first variant runs again at the group's end: the difference is the drift
+    def settings(module, names: tuple[str, ...], values: tuple[tuple[int, ...], ...], tag: str,
+                 mid_image: bool = False) -> None:
+        """Batch 1 under ``pdl`` with ``module``'s attributes ``names`` at each tuple of ``values`` in
+        turn (labels ``tag`` + the values), then their defaults again."""
+        defaults = [getattr(module, name) for name in names]
+        for i, value in enumerate(values):
+            for name, v in zip(names, value):
+                setattr(module, name, v)
+            timed(f"{tag}{'x'.join(map(str, value))}_{i}", "pdl", mid_image=mid_image)
+        for name, v in zip(names, defaults):
+            setattr(module, name, v)
+
+    attention_shape = ("SPLIT", "BLOCK_N")
     if "bf16" in groups:
         for i, (tag, mode) in enumerate([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]):
             timed(f"bf16_{tag}_{i}", mode)
+    if "attn" in groups:
+        shapes = ATTENTION_SHAPES[:2] * rounds + ATTENTION_SHAPES[:1]
+        settings(decode_attention, attention_shape, shapes, "bf16_attn", mid_image=True)
     if "w8a8" in groups or "split" in groups or "attn" in groups:
         A.quantize_fp8_(model.visual_token_linears())
-    def w8a8_settings(module, name: str, values: tuple[int, ...], tag: str, mid_image: bool = False) -> None:
-        """W8A8 batch 1 under ``pdl`` with ``module.name`` at each of ``values`` in turn, then its default again."""
-        default = getattr(module, name)
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
-        for i, value in enumerate(values):
-            setattr(module, name, value)
-            timed(f"w8a8_{tag}{value}_{i}", "pdl", mid_image=mid_image)
-        setattr(module, name, default)
-
     if "attn" in groups:
-        w8a8_settings(decode_attention, "SPLIT", (128, 64, 256, 128), "attn_split", mid_image=True)
+        shapes = ATTENTION_SHAPES * rounds + ATTENTION_SHAPES[:1]
+        settings(decode_attention, attention_shape, shapes, "w8a8_attn", mid_image=True)
     if "split" in groups:
-        w8a8_settings(gemv_configs, "W8A8_SPLIT_K", (4, 1, 4, 1), "split")
+        settings(gemv_configs, ("W8A8_SPLIT_K",), ((4,), (1,)) * 2, "w8a8_split")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

@@ -49,9 +49,28 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
 
-#: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys).
+#: Key positions per tile (one ``tl.dot``) and per split (one program's share of a row's keys; a
+#: multiple of `BLOCK_N`, `tiles_per_split`). The split sets a row's reduction order (its bits), so it
+#: is a rule, not a timing pick. 64 since 2026-12-06 (was 128): on the H100, W8A8 batch 1 in one
+#: process (`benchmarks/ar_inprocess_ab.py OUT 1 attn`), ms per step at image start / mid-image: 128
+#: 3.075 / 3.141, 64 **3.005 / 3.076**, 256 3.100 / 3.250, 128 again 3.082 / 3.137 — twice the
+#: programs per row keep more of the KV stream in flight at the lengths a 1024² image decodes.
 BLOCK_N = 64
-SPLIT = 128
+SPLIT = 64
+
+
+def tiles_per_split() -> int:
+    """`SPLIT` / `BLOCK_N`, the tiles one split program walks.
+
+    Raises:
+        ValueError: `SPLIT` is not a positive multiple of `BLOCK_N`, or `BLOCK_N` is not a power of
+            two of at least 16 (``tl.dot``'s smallest K): the split kernels would walk no tile, or
+            leave keys out, and the combine would read partials nobody wrote.
+    """
+    if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1) or SPLIT < BLOCK_N or SPLIT % BLOCK_N:
+        raise ValueError(f"decode_attention.SPLIT ({SPLIT}) must be a positive multiple of BLOCK_N ({BLOCK_N}), "
+                         "a power of two >= 16")
+    return SPLIT // BLOCK_N
 
 
 def available(device: torch.device) -> bool:
@@ -366,7 +385,7 @@ def decode_attention(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=tiles_per_split(),
         PDL=pdl, LIVE=live is not None, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
@@ -446,7 +465,7 @@ def window_attention(
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale), window, q_blocks,
-        GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=SPLIT // BLOCK_N,
+        GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=tiles_per_split(),
     )
     _window_combine_kernel[(r, kv_heads, rows)](
         part_acc, part_ml, out, pos, key_start, n_splits, m_total, window, out.stride(0), out.stride(1),

@@ -133,6 +133,19 @@ def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
     assert_only_used_splits_written(handed, splits_of(da, start, pos))
 
 
+@pytest.mark.parametrize("split, block", [(32, 64), (96, 64), (64, 24)])
+def test_rejects_a_split_that_is_not_whole_tiles(da, monkeypatch, split, block):
+    """`SPLIT` must be whole `BLOCK_N` tiles (and the tile a power of two of at least 16): a split of
+    32 keys over 64-key tiles walked zero tiles, and on the H100 (2026-12-06) the step died with
+    "unspecified launch failure" instead of an error naming the setting."""
+    monkeypatch.setattr(da, "SPLIT", split)
+    monkeypatch.setattr(da, "BLOCK_N", block)
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32)
+    pos, start = ids(1, 2, 3), ids(0, 0, 0)
+    with pytest.raises(ValueError, match="SPLIT .* multiple of BLOCK_N"):
+        da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 64, 1.0)
+
+
 def test_rejects_mismatched_shapes(da):
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32)
     pos, start = ids(1, 2, 3), ids(0, 0, 0)
