@@ -131,7 +131,7 @@ def _length_buckets(capacity: int, length_bucket: int, *, padded: bool, exact_ro
     so a row decodes alike in every bucket; few buckets, so capture stays short (12,288 positions,
     512: six lengths, twelve graphs). Without bucketing there, the split kernel ran a program per
     split of the whole pool width for every row and step (16 slots x 12,288 positions: 96 splits
-    each, nearly all of them empty; H200, 2026-12-02: 4.30 ms/step against 4.19 at 8 x 4,224).
+    each at the 128 keys per split of then, nearly all of them empty; H200, 2026-12-02: 4.30 ms/step against 4.19 at 8 x 4,224).
     The GEMM attention path's reductions do depend on the length, so padded mode without the
     fused kernel keeps one length: the pool width. ``length_bucket <= 0`` or ``exact_rows``: one length.
     """

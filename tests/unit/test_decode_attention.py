@@ -118,13 +118,13 @@ def assert_only_used_splits_written(handed: list, used_by_row: tuple[set[int], .
 
 
 def test_splits_outside_a_row_are_neither_written_nor_read(da, monkeypatch):
-    """Padded mode attends over the whole pool width (12,288 positions served: 96 splits per row
-    and KV head), so the split kernel's partials and the combine's reads must follow each row's key
+    """Padded mode attends over the whole pool width (12,288 positions served: 192 splits of 64
+    keys per row and KV head), so the split kernel's partials and the combine's reads must follow each row's key
     range, not the grid: on the H200 writing and merging every split cost about 0.5 ms per served
     step. Splits outside ``[start, pos]`` stay untouched, and the output is still exact."""
     handed = poisoned_partials(da, monkeypatch)
     q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=3)
-    pos, start = ids(5, 300, 200), ids(0, 140, 0)  # splits of 128 keys: {0}, {1, 2}, {0, 1} of 0..4
+    pos, start = ids(5, 300, 200), ids(0, 140, 0)  # ranges inside the 640-key pool (splits_of names their splits)
     want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, pos, start, 128**-0.5)
     got = da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 640, 128**-0.5)
     tol = 1e-5 if da.INTERPRETED else 5e-3
