@@ -53,8 +53,8 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: multiple of `BLOCK_N`, `tiles_per_split`). The split sets a row's reduction order (its bits), so it
 #: is a rule, not a timing pick. 64 since 2026-12-06 (was 128): on the H100, W8A8 batch 1 in one
 #: process (`benchmarks/ar_inprocess_ab.py OUT 1 attn`), ms per step at image start / mid-image: 128
-#: 3.075 / 3.141, 64 **3.005 / 3.076**, 256 3.100 / 3.250, 128 again 3.082 / 3.137 — twice the
-#: programs per row keep more of the KV stream in flight at the lengths a 1024² image decodes.
+#: 3.075 / 3.141, 64 **3.005 / 3.076**, 256 3.100 / 3.250, 128 again 3.082 / 3.137: at short lengths
+#: each program walks half the tiles (a latency-bound chain), mid-image twice the programs fill a wave.
 BLOCK_N = 64
 SPLIT = 64
 
