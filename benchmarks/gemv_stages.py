@@ -111,6 +111,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - record and go on
                 rows[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 print(key, rows[key], flush=True)
+        G.TMA_WEIGHTS = False
         del sets
         torch.cuda.empty_cache()
         res["elapsed_s"] = time.time() - t0

@@ -67,7 +67,9 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
 from stage_ar.fp8 import FP8_MAX
 from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
-from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag, preload_weights  # noqa: F401 - INTERPRETED re-exported
+from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
+    INTERPRETED, hopper_or_newer, launch_options, pdl_flag, preload_weights,
+)
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
@@ -113,7 +115,7 @@ def tma_weights(weight: torch.Tensor, paired: bool) -> bool:
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
     if not aligned or weight.stride(1) != 1:
         return False
-    return INTERPRETED or (weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device)[0] >= 9)
+    return INTERPRETED or hopper_or_newer(weight.device)
 
 
 def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
@@ -629,8 +631,8 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     c = config or INTERPRETER_CONFIG
     w_desc = _weight_descriptor(weight, _MAX_BLOCK_N if autotuned else c.block_n, block_k) if tma else weight
     args = (
-        x, weight, w_desc, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin, out,
-        _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
+        x, weight, w_desc, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
+        out, _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
         out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
     )
@@ -685,8 +687,8 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     (compilation is serial inside one process); the process that then calls `gemv` loads the
     binaries. Matches calls whose activations, residual and output rows are contiguous (strides
     ``K`` and ``N``) and whose pointers are 16-byte aligned, as `gemv`'s outputs and row slices of
-    such tensors are. The pointer-load form (`TMA_WEIGHTS` off). Arguments as `gemv`'s (``rows`` = weight rows; ``rope_head_dim`` > 0: the RoPE
-    epilogue with ``cos``/``sin`` of that width).
+    such tensors are; the pointer-load form (`TMA_WEIGHTS` off). Arguments as `gemv`'s (``rows`` =
+    weight rows; ``rope_head_dim`` > 0: the RoPE epilogue with ``cos``/``sin`` of that width).
 
     Raises:
         RuntimeError: triton cannot compile for a CUDA device here.
@@ -703,8 +705,8 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     split = config.split_k or split_k_for(n, k, weight_dtype, fp8_compute)
     pdl = pdl_flag(torch.device("cuda", torch.cuda.current_device()))
     return _kernel.warmup(
-        FP8_DTYPE if w8a8 else x_dtype, weight_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype, x_dtype, x_dtype,
-        x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
+        FP8_DTYPE if w8a8 else x_dtype, weight_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype,
+        x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, torch.int32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
         n if residual else 0, rope_head_dim, n, 1e-6, MIN_ROW_SCALE,

@@ -60,8 +60,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def _supports_pdl(device_index: int) -> bool:
+def _hopper_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """Whether CUDA ``device`` has compute capability 9.0 or higher: PDL (`pdl_enabled`) and the bulk
+    tensor copies of `stage_ar.gemv.tma_weights` need it. False off CUDA."""
+    if device.type != "cuda":
+        return False
+    return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -69,7 +77,7 @@ def pdl_enabled(device: torch.device) -> bool:
     has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
     if MODE == "off" or device.type != "cuda" or triton is None or INTERPRETED:
         return False
-    return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return hopper_or_newer(device)
 
 
 def pdl_flag(device: torch.device) -> int:
