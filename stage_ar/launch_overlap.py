@@ -75,7 +75,7 @@ def hopper_or_newer(device: torch.device) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL under `MODE`: False off CUDA (the interpreter
     has no grid dependency control), below compute capability 9.0, or with ``"off"``."""
-    if MODE == "off" or device.type != "cuda" or triton is None or INTERPRETED:
+    if MODE == "off" or triton is None or INTERPRETED:
         return False
     return hopper_or_newer(device)
 

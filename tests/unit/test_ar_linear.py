@@ -125,9 +125,9 @@ def test_tma_weight_tiles_give_the_forward_of_pointer_loads(gemv_model, referenc
     ids = reference["ar_input_ids"]
     monkeypatch.setattr(gemv_kernels, "TMA_WEIGHTS", False)
     rows, logits = _decode_all(gemv_model, ids, 16)
-    made = []
-    make = gemv_kernels._weight_descriptor
-    monkeypatch.setattr(gemv_kernels, "_weight_descriptor", lambda *a: made.append(a[0].shape) or make(*a))
+    from test_gemv import record_descriptors
+
+    made = record_descriptors(gemv_kernels, monkeypatch)
     monkeypatch.setattr(gemv_kernels, "TMA_WEIGHTS", True)
     tma_rows, tma_logits = _decode_all(gemv_model, ids, 16)
     hidden = gemv_model.config.hidden_size

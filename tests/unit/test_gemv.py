@@ -789,6 +789,15 @@ def test_w8a8_candidates_give_the_same_bits(gemv, variant):
     assert split_k_for(256, 3584, gemv.FP8_DTYPE, "fp8") >= 1
 
 
+def record_descriptors(module, monkeypatch) -> list:
+    """The shapes of the weights `stage_ar.gemv` (``module``) makes tensor descriptors over, one per
+    launch that loads its tiles by TMA, appended as they are made (the descriptors still work)."""
+    made = []
+    make = module._weight_descriptor
+    monkeypatch.setattr(module, "_weight_descriptor", lambda weight, *a: made.append(weight.shape) or make(weight, *a))
+    return made
+
+
 @pytest.mark.parametrize("mode", ["pdl", "early"])
 @pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("form", ["w16", "fp8", "w8a8"])
@@ -797,16 +806,13 @@ def test_tma_weight_tiles_give_the_bits_of_pointer_loads(gemv, monkeypatch, vari
     """With `TMA_WEIGHTS` on, an unpaired launch (o, down) takes its weight tiles from a tensor
     descriptor and gives the bits of the per-thread loads, partial column blocks and K tiles (N = 40,
     K = 608: the descriptor's zero fill past the edges stands in for the masks; FP8 rows of 608 bytes
-    keep the bulk copy's 16-byte stride), split ranges (3 over
-    three tiles) and the first tile loaded before the wait (``early``) included; a paired launch
-    (SwiGLU) keeps the per-thread loads. Counts the descriptors made, so a path that silently stays
-    off fails."""
+    keep the bulk copy's 16-byte stride), split ranges (3 over three tiles) and the first tile loaded
+    before the wait (``early``) included; a paired launch (SwiGLU) keeps the per-thread loads. Counts
+    the descriptors made, so a path that silently stays off fails."""
     import stage_ar.launch_overlap as launch_overlap
 
     monkeypatch.setattr(launch_overlap, "MODE", mode)
-    made = []
-    make = gemv._weight_descriptor
-    monkeypatch.setattr(gemv, "_weight_descriptor", lambda *a: made.append(a) or make(*a))
+    made = record_descriptors(gemv, monkeypatch)
     x, weight, kwargs = make_inputs(variant, torch.float16 if gemv.INTERPRETED else torch.bfloat16,
                                     fp8=form != "w16", k=608, seed=21)
     compute = {"w16": None, "fp8": "float16", "w8a8": "fp8"}[form]
