@@ -15,7 +15,10 @@ into 4 K ranges and unsplit (`stage_ar.gemv_configs.W8A8_SPLIT_K`), in turn, twi
 with the split-KV attention's keys per split and per tile (`stage_ar.decode_attention.SPLIT`,
 ``BLOCK_N``) at each of `ATTENTION_SHAPES` (bf16: the first two), the first again at the end. Group
 ``tma`` (not in the default): bf16, then W8A8, batch 1 with `stage_ar.gemv.TMA_WEIGHTS` off and on in
-turn, ``rounds + 1`` times each (o, down and the head's weight tiles by bulk tensor copies).
+turn, ``rounds + 1`` times each (o, down and the head's weight tiles by bulk tensor copies). Group
+``kvload`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
+with `stage_ar.decode_attention.EARLY_LOADS` off and on in turn, ``rounds + 1`` times each (the
+attention's key range and first cached tile loaded before its PDL wait).
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -42,7 +45,8 @@ ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``) ``rounds`` times over into the JSON at ``out``."""
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``, ``kvload``) ``rounds``
+    times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -81,10 +85,12 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     if "attn" in groups:
         shapes = ATTENTION_SHAPES[:2] * rounds + ATTENTION_SHAPES[:1]
         settings(decode_attention, attention_shape, shapes, "bf16_attn", mid_image=True)
-    tma = ((False,), (True,)) * (rounds + 1)
+    off_on = ((False,), (True,)) * (rounds + 1)  # the tma and kvload groups
     if "tma" in groups:
-        settings(gemv, ("TMA_WEIGHTS",), tma, "bf16_tma")
-    if "w8a8" in groups or "split" in groups or "attn" in groups or "tma" in groups:
+        settings(gemv, ("TMA_WEIGHTS",), off_on, "bf16_tma")
+    if "kvload" in groups:
+        settings(decode_attention, ("EARLY_LOADS",), off_on, "bf16_kvload", mid_image=True)
+    if {"w8a8", "split", "attn", "tma", "kvload"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -93,7 +99,9 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     if "split" in groups:
         settings(gemv_configs, ("W8A8_SPLIT_K",), ((4,), (1,)) * 2, "w8a8_split")
     if "tma" in groups:
-        settings(gemv, ("TMA_WEIGHTS",), tma, "w8a8_tma")
+        settings(gemv, ("TMA_WEIGHTS",), off_on, "w8a8_tma")
+    if "kvload" in groups:
+        settings(decode_attention, ("EARLY_LOADS",), off_on, "w8a8_kvload", mid_image=True)
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

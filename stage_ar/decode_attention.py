@@ -73,6 +73,28 @@ def tiles_per_split() -> int:
     return SPLIT // BLOCK_N
 
 
+#: Load what no earlier kernel of the step writes (each row's key range and live flag, the split's
+#: first tile of cached keys and values) before the PDL wait, so those loads overlap the qkv GEMV's
+#: stream instead of starting the attention's dependent chain after it (`early_loads`). The same
+#: values, so the same bits. Opt-in until measured in the step (`benchmarks/ar_inprocess_ab.py OUT 1
+#: kvload`); read at each launch.
+EARLY_LOADS = False
+
+
+def early_loads(pdl: int) -> bool:
+    """Whether the attention kernels load the rows' ranges and cached keys/values before their PDL
+    wait: `EARLY_LOADS`, and not under ``"early"`` launches (``pdl`` 2, `stage_ar.launch_overlap.pdl_flag`).
+
+    Why that is safe under ``"pdl"`` (1) and serial launches (0): a kernel launched with PDL starts
+    only once every program of the kernel before it has passed that kernel's own wait, i.e. once the
+    kernel before *that* one has completed, and so on back: everything of the step up to the qkv
+    GEMV has completed, which includes whatever wrote the positions and live flags, and every step
+    before this one (whose attention wrote positions ``< pos``). Under ``"early"`` a kernel lets the
+    next launch before its own wait, so that chain no longer holds and the loads stay after the wait.
+    """
+    return EARLY_LOADS and pdl != 2
+
+
 def available(device: torch.device) -> bool:
     """True when the fused kernel can run on ``device``: CUDA with triton, or any device under the
     interpreter."""
@@ -91,6 +113,37 @@ if triton is not None:
         return alive
 
     @triton.jit
+    def _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, lo, pos, start, alive, offs_b, offs_d, stride_cn):
+        """The cached keys and values of key positions ``lo + offs_b`` that lie in ``[start, pos)``
+        (zeros elsewhere, and for an idle row: no load), ``(BLOCK, HEAD_DIM)`` each. Position ``pos``
+        itself is this step's and comes from registers, so no load depends on this step's writes."""
+        offs_n = lo + offs_b
+        valid = (offs_n >= start) & (offs_n < tl.where(alive, pos, start))  # (a scalar flag in a block mask
+        # trips Triton's interpreter: an empty range instead)
+        tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
+        k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, k_new, v_new, lo, pos, start, offs_b, m, l_sum, acc, scale):
+        """One tile's keys ``lo + offs_b`` (``k``, ``v`` from `_kv_tile`; the new position's from
+        ``k_new`` / ``v_new``) folded into the online softmax ``(m, l_sum, acc)``."""
+        offs_n = lo + offs_b
+        is_new = offs_n == pos
+        attended = ((offs_n >= start) & (offs_n < pos)) | is_new
+        k = tl.where(is_new[:, None], k_new[None, :], k)
+        v = tl.where(is_new[:, None], v_new[None, :], v)
+        s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
+        s = tl.where(attended[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, start_ptr, live_ptr,
         part_acc_ptr, part_ml_ptr,
@@ -100,22 +153,32 @@ if triton is not None:
         n_splits, scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         TILES: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
+        EARLY_LOADS: tl.constexpr = False,
     ):
         """Program (row, KV head, split): the split's keys attended (online softmax), the partials
-        stored; the tile holding ``pos`` writes the new key/value."""
-        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
+        stored; the tile holding ``pos`` writes the new key/value. ``EARLY_LOADS`` (`early_loads`): the
+        row's range and the split's first cached tile are loaded before the PDL wait."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        pos = tl.load(pos_ptr + row)
-        start = tl.load(start_ptr + row)
-        alive = _row_live(live_ptr, row, LIVE)  # an idle row: no KV write, no work (its combine writes zeros)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_b = tl.arange(0, BLOCK)
+        cache_off = row * stride_cs + kvh * stride_ch
+        first_lo = split * TILES * BLOCK
+        if EARLY_LOADS:  # nothing the step's earlier kernels write: the range and old keys/values
+            pos = tl.load(pos_ptr + row)
+            start = tl.load(start_ptr + row)
+            alive = _row_live(live_ptr, row, LIVE)
+            k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, first_lo, pos, start, alive, offs_b,
+                                        offs_d, stride_cn)
+        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
+        if not EARLY_LOADS:
+            pos = tl.load(pos_ptr + row)
+            start = tl.load(start_ptr + row)
+            alive = _row_live(live_ptr, row, LIVE)  # an idle row: no KV write, no work (its combine writes zeros)
         # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
         if alive & (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
-            offs_d = tl.arange(0, HEAD_DIM)
             offs_g = tl.arange(0, GROUP_PAD)
-            offs_b = tl.arange(0, BLOCK)
-            cache_off = row * stride_cs + kvh * stride_ch
             k_new = tl.load(k_new_ptr + row * stride_nb + kvh * stride_nh + offs_d)
             v_new = tl.load(v_new_ptr + row * stride_vnb + kvh * stride_vnh + offs_d)
             q = tl.load(q_ptr + row * stride_qb + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
@@ -124,27 +187,21 @@ if triton is not None:
             l_sum = tl.zeros((GROUP_PAD,), tl.float32)
             acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
             for t in range(TILES):  # fixed tile order; tiles outside [start, pos] are skipped
-                lo = (split * TILES + t) * BLOCK
+                lo = first_lo + t * BLOCK
                 if (lo <= pos) & (lo + BLOCK > start):
-                    offs_n = lo + offs_b
                     if (pos >= lo) & (pos < lo + BLOCK):  # the KV-cache write of this step, fused
                         tl.store(k_cache_ptr + cache_off + pos * stride_cn + offs_d, k_new)
                         tl.store(v_cache_ptr + cache_off + pos * stride_cn + offs_d, v_new)
-                    valid = (offs_n >= start) & (offs_n < pos)  # the new position comes from registers
-                    is_new = offs_n == pos
-                    tile = cache_off + offs_n[:, None] * stride_cn + offs_d[None, :]
-                    k = tl.load(k_cache_ptr + tile, mask=valid[:, None], other=0.0)
-                    k = tl.where(is_new[:, None], k_new[None, :], k)
-                    s = tl.dot(q, tl.trans(k)) * scale  # (GROUP_PAD, BLOCK) float32
-                    s = tl.where((valid | is_new)[None, :], s, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, 1))
-                    alpha = tl.exp(m - m_new)
-                    p = tl.exp(s - m_new[:, None])
-                    v = tl.load(v_cache_ptr + tile, mask=valid[:, None], other=0.0)
-                    v = tl.where(is_new[:, None], v_new[None, :], v)
-                    l_sum = l_sum * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                    m = m_new
+                    if EARLY_LOADS:
+                        if t == 0:
+                            k, v = k_first, v_first
+                        else:
+                            k, v = _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, lo, pos, start, alive, offs_b,
+                                            offs_d, stride_cn)
+                    else:
+                        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, lo, pos, start, alive, offs_b, offs_d,
+                                        stride_cn)
+                    m, l_sum, acc = _attend_tile(q, k, v, k_new, v_new, lo, pos, start, offs_b, m, l_sum, acc, scale)
             part = (row * tl.num_programs(1) + kvh) * n_splits + split
             tl.store(part_ml_ptr + part * 2 * GROUP_PAD + offs_g, m)
             tl.store(part_ml_ptr + part * 2 * GROUP_PAD + GROUP_PAD + offs_g, l_sum)
@@ -181,20 +238,27 @@ if triton is not None:
         part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
-        AMAX_OUT: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
     ):
         """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
         ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
-        bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`)."""
-        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
+        bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`).
+        ``EARLY_LOADS`` (`early_loads`): the row's range is loaded before the PDL wait."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
-        offs_d = tl.arange(0, HEAD_DIM)
-        at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
-        if _row_live(live_ptr, row, LIVE):
+        if EARLY_LOADS:
+            alive = _row_live(live_ptr, row, LIVE)
             first = tl.load(start_ptr + row) // SPLIT_KEYS
             last = tl.load(pos_ptr + row) // SPLIT_KEYS
+        wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
+        if not EARLY_LOADS:
+            alive = _row_live(live_ptr, row, LIVE)
+            first = tl.load(start_ptr + row) // SPLIT_KEYS
+            last = tl.load(pos_ptr + row) // SPLIT_KEYS
+        offs_d = tl.arange(0, HEAD_DIM)
+        at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
+        if alive:
             out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
             stored = out.to(out_ptr.dtype.element_ty)
             tl.store(at, stored)
@@ -379,6 +443,7 @@ def decode_attention(
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     pdl = pdl_flag(q.device)
+    early = early_loads(pdl)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
         q.stride(0), q.stride(1),
@@ -386,13 +451,13 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=tiles_per_split(),
-        PDL=pdl, LIVE=live is not None, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, EARLY_LOADS=early, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
         amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
-        PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=early, **launch_options(pdl),
     )
     return out
 

@@ -289,3 +289,28 @@ def test_amax_out_gathers_each_rows_largest_magnitude(da):
     assert torch.equal(amax.view(torch.float32), expect) and expect[0] > 0
     with pytest.raises(ValueError, match="amax_out"):
         da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, amax_out=amax[:8])
+
+
+@pytest.mark.parametrize("split", [64, 128])
+def test_early_loads_give_the_bits_of_loads_after_the_wait(da, monkeypatch, split):
+    """`EARLY_LOADS` (opt-in) loads each row's key range and live flag and each split's first tile of
+    cached keys/values before the PDL wait. The values are the same, so the output and the cache must
+    be the same bits as with every load after the wait: for a split of one tile (the default) and of
+    two (the second tile loaded in the loop), rows whose new position sits in a split's first or second
+    tile, a range starting past zero, an idle row; and the reference within tolerance. Under
+    ``"early"`` launches (`stage_ar.launch_overlap`'s flag 2) `early_loads` keeps the loads after the wait."""
+    monkeypatch.setattr(da, "SPLIT", split)
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=5, capacity=320, seed=7)
+    pos, start = ids(5, 63, 200, 300, 150), ids(0, 10, 64, 130, 0)
+    live = torch.tensor([True, True, True, True, False], device=DEVICE)
+    got = {}
+    for early in (False, True):
+        monkeypatch.setattr(da, "EARLY_LOADS", early)
+        assert da.early_loads(0) == early and da.early_loads(1) == early and not da.early_loads(2)
+        k, v = k_cache.clone(), v_cache.clone()
+        got[early] = (da.decode_attention(q, k_new, v_new, k, v, pos, start, 320, 0.1, live=live), k, v)
+    for late, early in zip(got[False], got[True]):
+        assert torch.equal(late, early)
+    want, _, _ = reference(q[:4], k_new[:4], v_new[:4], k_cache[:4], v_cache[:4], pos[:4], start[:4], 0.1)
+    torch.testing.assert_close(got[True][0][:4].float().cpu(), want.float(), atol=2e-3, rtol=2e-3)
+    assert not got[True][0][4].any()

@@ -89,10 +89,17 @@ def _forms():
         yield f"gemv_{name}", lambda p=pointers, c=constexprs: _compile(gemv._gemv_kernel, bf16 | p, GEMV_BASE | c)
     for live in (True, False):
         yield f"split_kv_live_{live}", lambda live=live: _compile(attention._split_kernel, ATTENTION_TYPES, dict(
-            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live))
+            GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live, EARLY_LOADS=False))
         yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live,
-            AMAX_OUT=live))  # the served pool (live rows) with W8A8's amax for o_proj
+            AMAX_OUT=live, EARLY_LOADS=False))  # the served pool (live rows) with W8A8's amax for o_proj
+    for tiles in (1, 2):  # `decode_attention.EARLY_LOADS` (opt-in): one tile per split (the default), and two
+        yield f"split_kv_early_loads_tiles_{tiles}", lambda tiles=tiles: _compile(
+            attention._split_kernel, ATTENTION_TYPES, dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=tiles,
+                                                           PDL=1, LIVE=True, EARLY_LOADS=True))
+    yield "combine_early_loads", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
+        GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
+        EARLY_LOADS=True))
     for norm, residual in QUANTIZER_FORMS:
         yield f"w8a8_quantizer_norm_{norm}_residual_{residual}", lambda norm=norm, residual=residual: _compile(
             activations._quantize_rows_kernel, {
@@ -100,6 +107,16 @@ def _forms():
                 "sum_ptr": "*bf16", "min_scale": "fp32", "eps": "fp32"},
             dict(FP8_MAX_=448.0, ROW_BLOCK=4096, CHUNK=1024, NORM=norm, RESIDUAL=residual, NORM_BLOCK_=1024,
                  LOG2_NORM_BLOCK=10, PDL=True, ONE_PASS=norm))  # a hidden-size row: the one-pass form
+
+
+def _loads_before_wait(ptx: str) -> int:
+    """Global loads (``ld.global``, ``cp.async``) the PTX issues before its first ``griddepcontrol.wait``
+    (-1 without a wait)."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if wait is None:
+        return -1
+    return sum(("ld.global" in line or "cp.async" in line) for line in lines[:wait])
 
 
 def _main() -> None:
@@ -110,6 +127,7 @@ def _main() -> None:
                               and "griddepcontrol.launch_dependents" in ptx, "wgmma": "wgmma" in ptx,
                               "e4m3_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
                               "tma": "cp.async.bulk.tensor" in ptx,
+                              "loads_before_wait": _loads_before_wait(ptx),
                               # `_round_e4m3`'s 1.5 * 2^23 (the interpreter's emulated rounding)
                               "e4m3_emulated": "0f4B400000" in ptx}), flush=True)
         except FileNotFoundError as exc:  # a triton without its NVIDIA toolchain
@@ -132,6 +150,7 @@ def compiled() -> dict:
 def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
+    names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads"]
     return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 
@@ -146,6 +165,8 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
         assert result["wgmma"] == (GEMV_FORMS[form[5:]][1].get("BLOCK_N", 16) >= 64), form
     if form.startswith("gemv_"):  # the weight tiles by bulk tensor copies exactly where TMA is on
         assert result["tma"] == GEMV_FORMS[form[5:]][1].get("TMA", False), form
+    if form.startswith(("split_kv", "combine")):  # `decode_attention.EARLY_LOADS`: its loads before the wait
+        assert (result["loads_before_wait"] > 0) == ("early_loads" in form), result
     quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
     if quantizes:  # E4M3 codes by the GPU's conversion, not the interpreter's float32 emulation
         assert result["e4m3_cvt"] and not result["e4m3_emulated"], result
