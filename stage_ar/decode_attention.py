@@ -76,9 +76,11 @@ def tiles_per_split() -> int:
 #: Load what no earlier kernel of the step writes (each row's key range and live flag, the split's
 #: first tile of cached keys and values) before the PDL wait, so those loads overlap the qkv GEMV's
 #: stream instead of starting the attention's dependent chain after it (`early_loads`). The same
-#: values, so the same bits. Opt-in until measured in the step (`benchmarks/ar_inprocess_ab.py OUT 1
-#: kvload`); read at each launch.
-EARLY_LOADS = False
+#: values, so the same bits. Read at each launch. On since 2026-12-06: on the H200, one process
+#: (`benchmarks/ar_inprocess_ab.py OUT 1 kvload`, batch 1, ms per step off / on / off / on, image
+#: start): W8A8 2.403 / **2.362** / 2.401 / **2.361** (mid-image 2.474 / 2.451 / 2.474 / 2.450), bf16
+#: 3.715 / **3.680** / 3.719 / **3.681** (mid-image 3.779 / 3.754 / 3.785 / 3.753).
+EARLY_LOADS = True
 
 
 def early_loads(pdl: int) -> bool:

@@ -293,7 +293,7 @@ def test_amax_out_gathers_each_rows_largest_magnitude(da):
 
 @pytest.mark.parametrize("split", [64, 128])
 def test_early_loads_give_the_bits_of_loads_after_the_wait(da, monkeypatch, split):
-    """`EARLY_LOADS` (opt-in) loads each row's key range and live flag and each split's first tile of
+    """`EARLY_LOADS` (on by default) loads each row's key range and live flag and each split's first tile of
     cached keys/values before the PDL wait. The values are the same, so the output and the cache must
     be the same bits as with every load after the wait: for a split of one tile (the default) and of
     two (the second tile loaded in the loop), rows whose new position sits in a split's first or second
