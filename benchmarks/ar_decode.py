@@ -203,6 +203,17 @@ def _replay_ms(graph) -> float:
     return sorted(times)[1]
 
 
+def retune_gemv() -> None:
+    """Let the next GEMV launch of each shape tune again, at its own row count
+    (`stage_ar.gemv.forget_tuning`; a no-op for a tree without it): a padded shape timed after batch 1
+    in one process then runs with the picks a served process, which tunes at its padded M, makes."""
+    from stage_ar import gemv
+
+    forget = getattr(gemv, "forget_tuning", None)
+    if forget is not None:
+        forget()
+
+
 def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, ...], steps: int,
                  slots: int = 8, mid_image: bool = False, profile: bool = False, save=None,
                  capacity: int | None = None) -> None:
@@ -281,10 +292,12 @@ def timings(model, res: dict, steps: int, save=None, eager: bool = False, padded
     res["linear_backend"] = served_backend.name
     if not padded_only:
         time_variant(model, res, "compiled", {}, (1, 2, 4, 8), steps, mid_image=True, profile=True, save=save)
+    retune_gemv()  # each padded shape with the GEMV picks its own process would tune (at its M)
     time_variant(model, res, "compiled_pad8", {"pad_to_max_bucket": True}, (1,), steps, mid_image=True,
                  save=save)
     # the served engine's shape (`stage_ar.server.new_engine` with the default settings): 8 running
     # sequences on 16 KV slots of `max_sequence_length` positions, padded (batch-invariant) mode
+    retune_gemv()
     time_variant(model, res, "compiled_served_shape", {"pad_to_max_bucket": True}, (1,), steps, slots=16,
                  capacity=min(DEFAULTS.max_sequence_length, model.config.max_position_embeddings), save=save,
                  mid_image=True, profile=True)

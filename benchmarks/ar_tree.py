@@ -7,8 +7,9 @@ tree checked out elsewhere can be timed by this same script in the same device c
 
 Sections: ``bf16``: batch 1 with the default runner (`compiled`, at image start and mid-image) and
 the served engine's padded shape (`compiled_served_shape`: 16 slots of the served pool width, 8
-sequences); ``fp8``: `ar_decode.fp8_timings` (W8A16 and W8A8, batch 1 and 8, deviation from bf16;
-the model stays FP8 after it, so it runs last); ``w8a8``: instead of ``fp8``, only W8A8 at batch 1
+sequences; the GEMV tuned again first, at that shape's M, as the served process tunes it); ``fp8``:
+`ar_decode.fp8_timings` (W8A16 and W8A8, batch 1 and 8, deviation from bf16; the model stays FP8
+after it, so it runs last); ``w8a8``: instead of ``fp8``, only W8A8 at batch 1
 (weights converted, no deviation). The tree's launch-overlap mode (`stage_ar.launch_overlap`, where
 it has one) is recorded. Every timed batch-1 variant gets a `torch.profiler`
 table. Writes the JSON and prints ms/step per variant. About 60 s (bf16) and 150 s (fp8) on the H200.
@@ -54,6 +55,8 @@ def main(out: str, sections: list[str]) -> None:
 
     if "bf16" in sections:
         A.time_variant(model, res, "compiled", {}, (1,), 100, mid_image=True, save=save)
+        if hasattr(A, "retune_gemv"):  # older trees' ar_decode.py lacks it
+            A.retune_gemv()
         A.time_variant(model, res, "compiled_served_shape", {"pad_to_max_bucket": True}, (1,), 100, slots=16,
                        capacity=min(A.DEFAULTS.max_sequence_length, model.config.max_position_embeddings),
                        mid_image=True, save=save)

@@ -730,6 +730,21 @@ def last_tuned_config() -> GemvConfig | None:
     return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages, split_k=_LAST_TUNED[1])
 
 
+def forget_tuning() -> int:
+    """Drop every autotuned pick of this process, so that the next launch of each shape tunes again,
+    at the row count it then has. The autotuning key leaves the row count M out (every candidate
+    gives the same bits at every M), so a process tunes each shape once, at its first M: a served
+    process at its padded M = 16 (`stage_ar.runner.ARModelRunner.capture`'s warm-up steps), a
+    batch-1 benchmark at M = 1. A benchmark that times both shapes in one process calls this between
+    them, so each runs with the picks its own process would have made. Returns the picks dropped."""
+    dropped = 0
+    if triton is not None and not INTERPRETED:
+        for tuner in _TUNERS.values():
+            dropped += len(tuner.cache)
+            tuner.cache.clear()
+    return dropped
+
+
 def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A pointer argument the kernel will not read when its flag is off."""
     return dummy if tensor is None else tensor

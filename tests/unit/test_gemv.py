@@ -839,3 +839,20 @@ def test_tma_weights_needs_an_aligned_unpaired_weight(gemv, monkeypatch):
     assert not gemv.tma_weights(torch.zeros(40, 601, dtype=torch.float16, device=DEVICE)[:, :600], paired=False)
     monkeypatch.setattr(gemv, "TMA_WEIGHTS", False)
     assert not gemv.tma_weights(weight, paired=False)
+
+
+def test_forget_tuning_makes_the_next_launch_tune_at_its_own_row_count(gemv):
+    """`forget_tuning` (benchmarks that time batch 1 and the padded served shape in one process):
+    every pick is dropped and the next launch of the shape tunes again, at its own M, with the same
+    bits as before (every candidate gives the same). GPU only (the interpreter does not autotune:
+    there the call is a no-op and says so)."""
+    if gemv.INTERPRETED:
+        assert gemv.forget_tuning() == 0
+        pytest.skip("needs CUDA: the interpreter launches one fixed configuration, nothing is tuned")
+    x, weight, kwargs = candidate_inputs("residual", fp8=False, seed=17)
+    first = gemv.gemv(x, weight, **kwargs)
+    tuner = gemv._TUNERS[gemv.tuned_configs(weight.dtype, None)]
+    assert len(tuner.cache) >= 1
+    assert gemv.forget_tuning() >= 1 and not any(t.cache for t in gemv._TUNERS.values())
+    again = gemv.gemv(x[:1], weight, **(kwargs | {"residual": kwargs["residual"][:1]}))
+    assert len(tuner.cache) == 1 and torch.equal(again[0], first[0])
