@@ -73,28 +73,21 @@ def tiles_per_split() -> int:
     return SPLIT // BLOCK_N
 
 
-#: Load what no earlier kernel of the step writes (each row's key range and live flag, the split's
-#: first tile of cached keys and values) before the PDL wait, so those loads overlap the qkv GEMV's
-#: stream instead of starting the attention's dependent chain after it (`early_loads`). The same
-#: values, so the same bits. Read at each launch. On since 2026-12-06: on the H200, one process
-#: (`benchmarks/ar_inprocess_ab.py OUT 1 kvload`, batch 1, ms per step off / on / off / on, image
-#: start): W8A8 2.403 / **2.362** / 2.401 / **2.361** (mid-image 2.474 / 2.451 / 2.474 / 2.450), bf16
-#: 3.715 / **3.680** / 3.719 / **3.681** (mid-image 3.779 / 3.754 / 3.785 / 3.753).
+#: Load what no kernel of the current decode step writes before the PDL wait (each row's key range
+#: and live flag, the split's first tile of cached keys and values), so those loads overlap the qkv
+#: GEMV's stream instead of starting the attention's dependent chain after it. Why that is safe under
+#: every `stage_ar.launch_overlap` mode: positions, key starts and live flags are written before a step
+#: starts (the host's copies when a sequence is admitted or leaves, and the previous step's own
+#: ``cache_pos += 1`` after its sampler), and cached positions ``< pos`` by earlier steps or the
+#: prefill; and no kernel of a step starts before the previous step has completed (a CUDA graph's
+#: launch waits for the stream's earlier work; eagerly, a step begins and ends with kernels launched
+#: without PDL). This step's key and value come from registers (`_kv_tile` never loads ``pos``), so no
+#: early load can see this step's KV write. The same values, so the same bits. Read at each launch.
+#: On since 2026-12-06: on the H200, one process (`benchmarks/ar_inprocess_ab.py OUT 1 kvload`, batch
+#: 1, ms per step off / on / off / on, image start): W8A8 2.403 / **2.362** / 2.401 / **2.361**
+#: (mid-image 2.474 / 2.451 / 2.474 / 2.450), bf16 3.715 / **3.680** / 3.719 / **3.681** (mid-image
+#: 3.779 / 3.754 / 3.785 / 3.753).
 EARLY_LOADS = True
-
-
-def early_loads(pdl: int) -> bool:
-    """Whether the attention kernels load the rows' ranges and cached keys/values before their PDL
-    wait: `EARLY_LOADS`, and not under ``"early"`` launches (``pdl`` 2, `stage_ar.launch_overlap.pdl_flag`).
-
-    Why that is safe under ``"pdl"`` (1) and serial launches (0): a kernel launched with PDL starts
-    only once every program of the kernel before it has passed that kernel's own wait, i.e. once the
-    kernel before *that* one has completed, and so on back: everything of the step up to the qkv
-    GEMV has completed, which includes whatever wrote the positions and live flags, and every step
-    before this one (whose attention wrote positions ``< pos``). Under ``"early"`` a kernel lets the
-    next launch before its own wait, so that chain no longer holds and the loads stay after the wait.
-    """
-    return EARLY_LOADS and pdl != 2
 
 
 def available(device: torch.device) -> bool:
@@ -158,8 +151,8 @@ if triton is not None:
         EARLY_LOADS: tl.constexpr = False,
     ):
         """Program (row, KV head, split): the split's keys attended (online softmax), the partials
-        stored; the tile holding ``pos`` writes the new key/value. ``EARLY_LOADS`` (`early_loads`): the
-        row's range and the split's first cached tile are loaded before the PDL wait."""
+        stored; the tile holding ``pos`` writes the new key/value. ``EARLY_LOADS`` (the module's
+        `EARLY_LOADS`): the row's range and the split's first cached tile are loaded before the PDL wait."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -167,7 +160,7 @@ if triton is not None:
         offs_b = tl.arange(0, BLOCK)
         cache_off = row * stride_cs + kvh * stride_ch
         first_lo = split * TILES * BLOCK
-        if EARLY_LOADS:  # nothing the step's earlier kernels write: the range and old keys/values
+        if EARLY_LOADS:  # nothing this step writes: the range and the old keys/values (see `EARLY_LOADS`)
             pos = tl.load(pos_ptr + row)
             start = tl.load(start_ptr + row)
             alive = _row_live(live_ptr, row, LIVE)
@@ -245,7 +238,7 @@ if triton is not None:
         """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
         ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
         bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`).
-        ``EARLY_LOADS`` (`early_loads`): the row's range is loaded before the PDL wait."""
+        ``EARLY_LOADS`` (the module's `EARLY_LOADS`): the row's range is loaded before the PDL wait."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
@@ -445,7 +438,6 @@ def decode_attention(
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     pdl = pdl_flag(q.device)
-    early = early_loads(pdl)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
         q.stride(0), q.stride(1),
@@ -453,13 +445,14 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         n_splits, float(scale),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=tiles_per_split(),
-        PDL=pdl, LIVE=live is not None, EARLY_LOADS=early, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, EARLY_LOADS=EARLY_LOADS, **launch_options(pdl),
     )
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
         amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
-        PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=early, **launch_options(pdl),
+        PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=EARLY_LOADS,
+        **launch_options(pdl),
     )
     return out
 

@@ -92,8 +92,8 @@ def _forms():
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=2, PDL=True, LIVE=live, EARLY_LOADS=False))
         yield f"combine_live_{live}", lambda live=live: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
             GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=128, PDL=True, LIVE=live,
-            AMAX_OUT=live, EARLY_LOADS=False))  # the pool (live rows) with W8A8's amax; loads after the wait ("early")
-    for tiles in (1, 2):  # `decode_attention.EARLY_LOADS` (served under "pdl"): one tile per split (the default), and two
+            AMAX_OUT=live, EARLY_LOADS=False))  # the pool (live rows) with W8A8's amax; EARLY_LOADS off
+    for tiles in (1, 2):  # `decode_attention.EARLY_LOADS` (on): one tile per split (the default), and two
         yield f"split_kv_early_loads_tiles_{tiles}", lambda tiles=tiles: _compile(
             attention._split_kernel, ATTENTION_TYPES, dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK=64, TILES=tiles,
                                                            PDL=1, LIVE=True, EARLY_LOADS=True))
