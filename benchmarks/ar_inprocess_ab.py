@@ -18,7 +18,10 @@ with the split-KV attention's keys per split and per tile (`stage_ar.decode_atte
 turn, ``rounds + 1`` times each (o, down and the head's weight tiles by bulk tensor copies). Group
 ``kvload`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
 with `stage_ar.decode_attention.EARLY_LOADS` off and on in turn, ``rounds + 1`` times each (the
-attention's key range and first cached tile loaded before its PDL wait).
+attention's key range and first cached tile loaded before its PDL wait). Group ``merge`` (not in the
+default): `stage_ar.decode_attention.MERGE_CHUNK` 0 and `MERGE_CHUNK` in turn, ``rounds + 1`` times
+each: bf16 batch 1, bf16 in the served engine's padded shape (16 slots of the served pool width, the
+GEMV tuned again at its M first), then W8A8 batch 1, each at image start and mid-image.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -40,13 +43,15 @@ import ar_decode as A  # noqa: E402
 from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
+#: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
+MERGE_CHUNK = 16
 #: (SPLIT, BLOCK_N) of the split-KV attention the ``attn`` group times: the default first.
 ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``, ``kvload``) ``rounds``
-    times over into the JSON at ``out``."""
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``, ``kvload``,
+    ``merge``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -58,23 +63,27 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     model.eval().requires_grad_(False)
     A.set_linear_backend(model, A.select_backend("auto", "cuda"))
 
-    def timed(label: str, mode: str, profile: bool = False, mid_image: bool = False) -> None:
+    served = dict(slots=16, capacity=min(A.DEFAULTS.max_sequence_length, model.config.max_position_embeddings))
+
+    def timed(label: str, mode: str, profile: bool = False, mid_image: bool = False, padded: bool = False) -> None:
         launch_overlap.MODE = mode
-        A.time_variant(model, res, label, {}, (1,), 100, save=save, profile=profile, mid_image=mid_image)
+        A.time_variant(model, res, label, {"pad_to_max_bucket": True} if padded else {}, (1,), 100, save=save,
+                       profile=profile, mid_image=mid_image, **(served if padded else {}))
         mid = res["timings"].get(f"{label}_B1_mid", {}).get("ms_per_step")
         print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4),
               *(["mid-image", round(mid, 4)] if mid_image and mid else []), flush=True)
 
     # each group's first variant runs again at the group's end: the difference is the drift
     def settings(module, names: tuple[str, ...], values: tuple[tuple[int, ...], ...], tag: str,
-                 mid_image: bool = False) -> None:
+                 mid_image: bool = False, padded: bool = False) -> None:
         """Batch 1 under ``pdl`` with ``module``'s attributes ``names`` at each tuple of ``values`` in
-        turn (labels ``tag`` + the values), then their defaults again."""
+        turn (labels ``tag`` + the values), then their defaults again. ``padded``: in the served
+        engine's shape instead (padded, 16 slots of the served pool width)."""
         defaults = [getattr(module, name) for name in names]
         for i, value in enumerate(values):
             for name, v in zip(names, value):
                 setattr(module, name, v)
-            timed(f"{tag}{'x'.join(map(str, value))}_{i}", "pdl", mid_image=mid_image)
+            timed(f"{tag}{'x'.join(map(str, value))}_{i}", "pdl", mid_image=mid_image, padded=padded)
         for name, v in zip(names, defaults):
             setattr(module, name, v)
 
@@ -90,7 +99,13 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(gemv, ("TMA_WEIGHTS",), off_on, "bf16_tma")
     if "kvload" in groups:
         settings(decode_attention, ("EARLY_LOADS",), off_on, "bf16_kvload", mid_image=True)
-    if {"w8a8", "split", "attn", "tma", "kvload"} & set(groups):
+    merge = ((0,), (MERGE_CHUNK,)) * (rounds + 1)
+    if "merge" in groups:
+        settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_merge", mid_image=True)
+        A.retune_gemv()  # the served shape with the GEMV picks of its own M
+        settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
+        A.retune_gemv()
+    if {"w8a8", "split", "attn", "tma", "kvload", "merge"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -102,6 +117,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(gemv, ("TMA_WEIGHTS",), off_on, "w8a8_tma")
     if "kvload" in groups:
         settings(decode_attention, ("EARLY_LOADS",), off_on, "w8a8_kvload", mid_image=True)
+    if "merge" in groups:
+        settings(decode_attention, ("MERGE_CHUNK",), merge, "w8a8_merge", mid_image=True)
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

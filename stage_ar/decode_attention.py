@@ -90,6 +90,26 @@ def tiles_per_split() -> int:
 EARLY_LOADS = True
 
 
+#: Splits the combine merges per step of its loop (`_merge_splits`' ``CHUNK``): 0, one tile of all
+#: the pool's split slots (``MAX_SPLITS``: 256 for the served 12,288-position pool at 64 keys per
+#: split, a ``(256, 128)`` float32 tile per program), or a power of two, that many at a time over the
+#: row's own splits only. It sets the order in which a row's splits are summed (its bits), so it is a
+#: rule like `SPLIT`; 0 keeps the bits every measurement so far was made with. Opt-in until measured
+#: (`benchmarks/ar_inprocess_ab.py OUT 1 merge`); read at each launch.
+MERGE_CHUNK = 0
+
+
+def merge_chunk(max_splits: int) -> int:
+    """`MERGE_CHUNK` for a combine over ``max_splits`` split slots: 0, or ``min(MERGE_CHUNK, max_splits)``.
+
+    Raises:
+        ValueError: `MERGE_CHUNK` is neither 0 nor a power of two (``tl.arange`` needs one).
+    """
+    if MERGE_CHUNK < 0 or MERGE_CHUNK & (MERGE_CHUNK - 1):
+        raise ValueError(f"decode_attention.MERGE_CHUNK must be 0 or a power of two, got {MERGE_CHUNK}")
+    return min(MERGE_CHUNK, max_splits)
+
+
 def available(device: torch.device) -> bool:
     """True when the fused kernel can run on ``device``: CUDA with triton, or any device under the
     interpreter."""
@@ -204,7 +224,7 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, q_rows, q, first_split, last_split,
-                      HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr = 0):
         """Query row ``q`` of this (row, KV head) program: the split partials ``(max, sum, acc)``
         (``q_rows`` query rows per split) merged by log-sum-exp; ``(HEAD_DIM,)`` float32. The one
         merge of both kernels' combine passes.
@@ -213,19 +233,39 @@ if triton is not None:
         the split kernels store nothing for the others, which hold no key of the row, and the masked
         loads give exactly what such a split would have stored (max ``-inf``, sum 0, acc 0), so the
         reduction over the fixed ``MAX_SPLITS`` lanes sees the same values as if every split had been
-        written. Traffic follows the row's position, not the pool capacity."""
+        written. Traffic follows the row's position, not the pool capacity.
+
+        ``CHUNK`` (`MERGE_CHUNK`): 0 sums the weighted partial outputs as one ``(MAX_SPLITS, HEAD_DIM)``
+        tile; otherwise ``CHUNK`` splits at a time, in split order, over the chunks that overlap the
+        row's splits only (the others would add exact zeros), so the tile held is ``(CHUNK,
+        HEAD_DIM)`` and the work follows the row's position, not the pool. The maximum and the
+        normaliser are one ``MAX_SPLITS``-lane reduction either way; ``CHUNK == MAX_SPLITS`` gives the
+        bits of 0."""
         offs_s = tl.arange(0, MAX_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
         have = (offs_s < n_splits) & (offs_s >= first_split) & (offs_s <= last_split)
-        parts = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits + offs_s
+        base = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * n_splits
+        parts = base + offs_s
         m = tl.load(part_ml_ptr + parts * 2 * q_rows + q, mask=have, other=float("-inf"))
         l_sum = tl.load(part_ml_ptr + parts * 2 * q_rows + q_rows + q, mask=have, other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
         total = tl.sum(w * l_sum, 0)
-        part = tl.load(part_acc_ptr + (parts * q_rows + q)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=have[:, None], other=0.0)
-        acc = tl.sum(w[:, None] * part, 0)
+        if CHUNK == 0:
+            part = tl.load(part_acc_ptr + (parts * q_rows + q)[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=have[:, None], other=0.0)
+            acc = tl.sum(w[:, None] * part, 0)
+        else:
+            offs_c = tl.arange(0, CHUNK)
+            acc = tl.zeros((HEAD_DIM,), tl.float32)
+            for c0 in range(first_split // CHUNK * CHUNK, last_split + 1, CHUNK):
+                lanes = c0 + offs_c
+                have_c = (lanes < n_splits) & (lanes >= first_split) & (lanes <= last_split)
+                m_c = tl.load(part_ml_ptr + (base + lanes) * 2 * q_rows + q, mask=have_c, other=float("-inf"))
+                w_c = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m_max))
+                part = tl.load(part_acc_ptr + ((base + lanes) * q_rows + q)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=have_c[:, None], other=0.0)
+                acc += tl.sum(w_c[:, None] * part, 0)
         return acc / tl.where(total == 0.0, 1.0, total)
 
     @triton.jit
@@ -233,7 +273,7 @@ if triton is not None:
         part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
-        AMAX_OUT: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False, CHUNK: tl.constexpr = 0,
     ):
         """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
         ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
@@ -254,7 +294,8 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
         if alive:
-            out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS)
+            out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS,
+                                CHUNK)
             stored = out.to(out_ptr.dtype.element_ty)
             tl.store(at, stored)
             if AMAX_OUT:
@@ -338,13 +379,14 @@ if triton is not None:
     def _window_combine_kernel(
         part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, n_splits, m_total, window, stride_or, stride_ot,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+        CHUNK: tl.constexpr = 0,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         mq = tl.program_id(2)  # query row: window position mq // GROUP, query head mq % GROUP
         first = tl.load(start_ptr + row) // SPLIT_KEYS
         last = (tl.load(pos_ptr + row) + window - 1) // SPLIT_KEYS  # the split kernels' stored range
-        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, m_total, mq, first, last, HEAD_DIM, MAX_SPLITS)
+        out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, m_total, mq, first, last, HEAD_DIM, MAX_SPLITS, CHUNK)
         offs_d = tl.arange(0, HEAD_DIM)
         head = kvh * GROUP + mq % GROUP
         tl.store(out_ptr + row * stride_or + (mq // GROUP) * stride_ot + head * HEAD_DIM + offs_d,
@@ -451,6 +493,7 @@ def decode_attention(
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
         amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
+        CHUNK=merge_chunk(max_splits),
         PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=EARLY_LOADS,
         **launch_options(pdl),
     )
@@ -529,6 +572,6 @@ def window_attention(
     )
     _window_combine_kernel[(r, kv_heads, rows)](
         part_acc, part_ml, out, pos, key_start, n_splits, m_total, window, out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
+        GROUP=group, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT, CHUNK=merge_chunk(max_splits),
     )
     return out

@@ -312,3 +312,38 @@ def test_early_loads_give_the_bits_of_loads_after_the_wait(da, monkeypatch, spli
     want, _, _ = reference(q[:4], k_new[:4], v_new[:4], k_cache[:4], v_cache[:4], pos[:4], start[:4], 0.1)
     torch.testing.assert_close(got[True][0][:4].float().cpu(), want.float(), atol=2e-3, rtol=2e-3)
     assert not got[True][0][4].any()
+
+
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_merge_in_chunks_reads_only_a_rows_splits_and_is_batch_invariant(da, monkeypatch, chunk):
+    """`MERGE_CHUNK` (opt-in): the combine sums a row's splits ``chunk`` at a time, over the chunks
+    that overlap the row's splits only. With every split slot the kernels do not write poisoned (a
+    chunk that read one would turn the row NaN) it matches the reference; a row alone has the bits it
+    has in a batch and in a longer length bucket; and a chunk as wide as the pool's split slots (here
+    16: 640 positions at 64 keys) gives the bits of the one-tile merge."""
+    monkeypatch.setattr(da, "SPLIT", 64)
+    monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, capacity=640, seed=3)
+    pos, start = ids(5, 300, 200), ids(0, 140, 0)
+    want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, pos, start, 128**-0.5)
+    handed = poisoned_partials(da, monkeypatch)
+    got = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 640, 128**-0.5)
+    tol = 1e-5 if da.INTERPRETED else 5e-3
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)  # NaN never passes
+    assert_only_used_splits_written(handed, splits_of(da, start, pos))
+    monkeypatch.undo()
+    monkeypatch.setattr(da, "SPLIT", 64)
+    monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
+    for i in range(3):
+        one = slice(i, i + 1)
+        alone = da.decode_attention(q[one], k_new[one], v_new[one], k_cache[one].clone(), v_cache[one].clone(),
+                                    pos[one], start[one], int(pos[i]) + 1, 128**-0.5)
+        assert torch.equal(alone[0], got[i]), f"row {i}"
+    bits = {}
+    for merge in (0, 16):
+        monkeypatch.setattr(da, "MERGE_CHUNK", merge)
+        bits[merge] = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 640, 0.1)
+    assert torch.equal(bits[0], bits[16])
+    monkeypatch.setattr(da, "MERGE_CHUNK", 3)
+    with pytest.raises(ValueError, match="MERGE_CHUNK"):
+        da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 640, 0.1)

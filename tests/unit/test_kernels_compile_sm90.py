@@ -66,11 +66,14 @@ QUANTIZER_FORMS = ((False, False), (True, False), (True, True))
 
 
 def _compile(fn, types: dict[str, str], constexprs: dict) -> str:
-    """PTX of ``fn`` for sm_90, served with PDL; ``types`` of the runtime arguments (the rest ``i32``)."""
+    """PTX of ``fn`` for sm_90, served with PDL; ``types`` of the runtime arguments (the rest ``i32``),
+    ``constexprs`` over the kernel's defaults."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # a constexpr the form leaves out takes its default, as at a launch that does not pass it
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32),
@@ -100,6 +103,10 @@ def _forms():
     yield "combine_early_loads", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
         EARLY_LOADS=True))
+    # `decode_attention.MERGE_CHUNK` (opt-in): the served pool's 256 split slots merged 16 at a time
+    yield "combine_early_loads_merge_chunk_16", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
+        GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
+        EARLY_LOADS=True, CHUNK=16))
     for norm, residual in QUANTIZER_FORMS:
         yield f"w8a8_quantizer_norm_{norm}_residual_{residual}", lambda norm=norm, residual=residual: _compile(
             activations._quantize_rows_kernel, {
@@ -150,7 +157,8 @@ def compiled() -> dict:
 def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
-    names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads"]
+    names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads",
+              "combine_early_loads_merge_chunk_16"]
     return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 

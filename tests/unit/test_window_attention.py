@@ -118,3 +118,15 @@ def test_rejects_mismatched_shapes(da):
         da.window_attention(q, k_new, v_new, k_cache, v_cache, slots[:1], pos, start, 64, 1.0)
     with pytest.raises(ValueError, match="beyond the cache"):
         da.window_attention(q, k_new, v_new, k_cache, v_cache, slots, pos, start, 512, 1.0)
+
+
+def test_merge_in_chunks_matches_the_reference(da, monkeypatch):
+    """`MERGE_CHUNK` (opt-in) in the window combine: two splits at a time over a row's own splits,
+    rows whose windows cross split boundaries, against the float64 reference."""
+    monkeypatch.setattr(da, "MERGE_CHUNK", 2)
+    tol = 1e-5 if da.INTERPRETED else 5e-3
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float32, 3, 3, capacity=512, seed=4)
+    slots, pos, start = ids(2, 0, 3), ids(5, 250, 130), ids(0, 3, 70)
+    want, _, _ = reference(q, k_new, v_new, k_cache, v_cache, slots, pos, start, SCALE)
+    got = da.window_attention(q, k_new, v_new, k_cache, v_cache, slots, pos, start, 384, SCALE)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)
