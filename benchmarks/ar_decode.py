@@ -205,13 +205,11 @@ def _replay_ms(graph) -> float:
 
 def retune_gemv() -> None:
     """Let the next GEMV launch of each shape tune again, at its own row count
-    (`stage_ar.gemv.forget_tuning`; a no-op for a tree without it): a padded shape timed after batch 1
-    in one process then runs with the picks a served process, which tunes at its padded M, makes."""
+    (`stage_ar.gemv.forget_tuning`): a padded shape timed after batch 1 in one process then runs with
+    the picks a served process, which tunes at its padded M, makes."""
     from stage_ar import gemv
 
-    forget = getattr(gemv, "forget_tuning", None)
-    if forget is not None:
-        forget()
+    gemv.forget_tuning()
 
 
 def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, ...], steps: int,

@@ -89,9 +89,11 @@ except ImportError:  # pragma: no cover - depends on the installation
 #: Unpaired launches (o_proj, down_proj, the head: not the SwiGLU or RoPE pairs) load their weight tiles
 #: with Hopper's tensor memory accelerator, one bulk copy per tile from a tensor descriptor
 #: (`tma_weights`), instead of per-thread loads. Read at each launch. Same bits either way (the same
-#: values, summed in the same order). Opt-in (False) until measured on the GPU: the question is whether
-#: the 56 programs of an unsplit o or down launch (about 44 GB/s each on the H100 with per-thread
-#: loads, 2026-12-06: 2.48 TB/s for down) stream closer to the copy bandwidth with bulk copies.
+#: values, summed in the same order). Off: the question was whether the 56 programs of an unsplit o or
+#: down launch (about 44 GB/s each on the H100 with per-thread loads: 2.48 TB/s for down) stream closer
+#: to the copy bandwidth with bulk copies, and in the step they do not (H200, 2026-12-06,
+#: `benchmarks/ar_inprocess_ab.py OUT 1 tma`, ms per step off / on / off / on: bf16 3.716 / 3.767 /
+#: 3.716 / 3.773, W8A8 2.406 / 2.407 / 2.404 / 2.408).
 TMA_WEIGHTS = False
 
 #: The kernel's ``FP8_MODE`` for each of `FP8_COMPUTES` (`gemv`'s ``fp8_compute``).

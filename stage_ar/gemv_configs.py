@@ -109,7 +109,8 @@ W8A8_SPLIT_MAX_COLUMNS = 4096
 #: form, M = 1, us) o 9.27 (4 ranges, 3 stages, the old pick) -> **7.61** (unsplit, 8 stages), down
 #: 29.00 -> **27.22**; every unsplit 64/128-column candidate gave the same bits. In the decode step
 #: (H100, 2026-12-06, `benchmarks/ar_inprocess_ab.py OUT 1 split`, one process, W8A8 batch 1, ms per
-#: step): 4 ranges 3.186, unsplit **3.086**, 4 ranges 3.192, unsplit **3.089**. Not yet measured on the H200.
+#: step): 4 ranges 3.186, unsplit **3.086**, 4 ranges 3.192, unsplit **3.089**; on the H200 (2026-12-06, the
+#: same command with ``split,attn``): 4 ranges 2.425 / 2.425, unsplit **2.362 / 2.362**.
 W8A8_SPLIT_K = 1
 #: The interpreter's fixed launch (it has no timing to tune on).
 INTERPRETER_CONFIG = GemvConfig(16, 4, 1)

@@ -331,10 +331,7 @@ def test_merge_in_chunks_reads_only_a_rows_splits_and_is_batch_invariant(da, mon
     tol = 1e-5 if da.INTERPRETED else 5e-3
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=tol, rtol=tol)  # NaN never passes
     assert_only_used_splits_written(handed, splits_of(da, start, pos))
-    monkeypatch.undo()
-    monkeypatch.setattr(da, "SPLIT", 64)
-    monkeypatch.setattr(da, "MERGE_CHUNK", chunk)
-    for i in range(3):
+    for i in range(3):  # (the workspaces stay poisoned: a merge that read a stray slot would show)
         one = slice(i, i + 1)
         alone = da.decode_attention(q[one], k_new[one], v_new[one], k_cache[one].clone(), v_cache[one].clone(),
                                     pos[one], start[one], int(pos[i]) + 1, 128**-0.5)
