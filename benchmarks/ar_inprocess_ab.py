@@ -21,7 +21,10 @@ with `stage_ar.decode_attention.EARLY_LOADS` off and on in turn, ``rounds + 1`` 
 attention's key range and first cached tile loaded before its PDL wait). Group ``merge`` (not in the
 default): `stage_ar.decode_attention.MERGE_CHUNK` 0 and `MERGE_CHUNK` in turn, ``rounds + 1`` times
 each: bf16 batch 1, bf16 in the served engine's padded shape (16 slots of the served pool width, the
-GEMV tuned again at its M first), then W8A8 batch 1, each at image start and mid-image.
+GEMV tuned again at its M first), then W8A8 batch 1, each at image start and mid-image. Group
+``preload`` (not in the default): `stage_ar.launch_overlap.PRELOAD_TILES` (weight tiles each GEMV
+program loads before its PDL wait, under ``pdl``) at each of `PRELOAD_TILES` in turn, ``rounds`` times,
+then 0 again: bf16 batch 1, then W8A8 batch 1.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -45,13 +48,15 @@ from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap  # noq
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 #: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
 MERGE_CHUNK = 16
+#: The weight tiles preloaded before the wait that the ``preload`` group times (0: none, today's default).
+PRELOAD_TILES = (0, 1, 2, 3)
 #: (SPLIT, BLOCK_N) of the split-KV attention the ``attn`` group times: the default first.
 ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``, ``kvload``,
-    ``merge``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -105,7 +110,10 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         A.retune_gemv()  # the served shape with the GEMV picks of its own M
         settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
         A.retune_gemv()
-    if {"w8a8", "split", "attn", "tma", "kvload", "merge"} & set(groups):
+    preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
+    if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
+        settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
+    if {"w8a8", "split", "attn", "tma", "kvload", "merge", "preload"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -119,6 +127,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(decode_attention, ("EARLY_LOADS",), off_on, "w8a8_kvload", mid_image=True)
     if "merge" in groups:
         settings(decode_attention, ("MERGE_CHUNK",), merge, "w8a8_merge", mid_image=True)
+    if "preload" in groups:
+        settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

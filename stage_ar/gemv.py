@@ -68,7 +68,7 @@ from stage_ar.fp8 import FP8_MAX
 from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
-    INTERPRETED, hopper_or_newer, launch_options, pdl_flag, preload_weights,
+    INTERPRETED, hopper_or_newer, launch_options, pdl_flag, preload_tiles,
 )
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -207,6 +207,12 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _w_tile_below(w_ptr, rows, n_mask, k, K, k_end):
+        """`_w_tile` masked to the columns below ``k_end`` (<= ``K``, the row stride): a tile loaded
+        before the program knows it is in its K range."""
+        return tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+
+    @triton.jit
     def _w_dot(w_ptr, rows, n_mask, k, K, x_t, acc, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                IEEE: tl.constexpr, FP8_MODE: tl.constexpr = 0):
         """``acc + W[rows, k] @ x_t``: the weight tile widened to the activation dtype (``FP8_MODE`` 2:
@@ -303,7 +309,7 @@ if triton is not None:
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+        SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
         AMAX_OUT: tl.constexpr = False, TMA: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
@@ -322,7 +328,9 @@ if triton is not None:
 
         ``PDL`` (`stage_ar.launch_overlap.pdl_flag`): the program may start while the previous kernel
         finishes and waits for it before its first activation load. ``PRELOAD``
-        (`stage_ar.launch_overlap.preload_weights`): the first weight tile is loaded before that wait.
+        (`stage_ar.launch_overlap.preload_tiles`, 0 to 3): the range's first ``PRELOAD`` weight tiles
+        are loaded before that wait (those past the range masked, and their dots skipped), and
+        multiplied first, in order, after it.
 
         ``FP8_MODE`` 4 (W8A8 on `stage_ar.fp8_activations.RowsWithAmax`): ``x_ptr`` holds the rows in
         the activation dtype and ``amax_ptr`` their amax (int32 float bits); each activation tile is
@@ -357,15 +365,20 @@ if triton is not None:
             span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             k_lo = tl.program_id(1) * span
             k_hi = tl.minimum(K, k_lo + span)
-        # PRELOAD: the first K tile's weights load before the wait (no kernel writes weights); its dot
-        # comes first after the wait, so a row's sums keep their order. A split's range may be empty
-        # (k_lo >= K): that tile is masked to zeros by k < K, as the activations are.
+        # PRELOAD: the range's first K tiles' weights load before the wait (no kernel writes weights);
+        # their dots come first after the wait, in order, so a row's sums keep their order. A split's
+        # range may be empty (k_lo >= K): its first tile is masked to zeros by k < K, as the
+        # activations are. Later preloaded tiles past the range (k_hi) are masked, and their dots skipped.
         FIRST_EVEN: tl.constexpr = EVEN_K and SPLIT_K == 1
-        if PRELOAD:
+        if PRELOAD >= 1:
             if TMA:
                 w_first = w_desc.load([pid_n * BLOCK_N, k_lo])
             else:
                 w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
+        if PRELOAD >= 2:
+            w_second = _w_tile_below(w_ptr, rows, row_mask, k_lo + BLOCK_K + offs_k, K, k_hi)
+        if PRELOAD >= 3:
+            w_third = _w_tile_below(w_ptr, rows, row_mask, k_lo + 2 * BLOCK_K + offs_k, K, k_hi)
         wait_for_predecessor(PDL)
         x_scale = tl.zeros((16,), tl.float32)  # W8A8's activation row scales (unused otherwise)
         x_inv = x_scale  # FP8_MODE 4: their inverses, what the prologue multiplies by
@@ -380,12 +393,24 @@ if triton is not None:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
         k_start = k_lo
-        if PRELOAD:
+        if PRELOAD >= 1:
             k = k_lo + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, FIRST_EVEN))
             x_t = _activation_operand(x_t, x_inv, FP8_MODE)
             acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
             k_start = k_lo + BLOCK_K
+        if PRELOAD >= 2:
+            if k_start < k_hi:  # in the range: every column of the tile below K when EVEN_K
+                x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k_start + offs_k, K, norm_ptr, inv_rms,
+                                       NORM, EVEN_K))
+                acc = _tile_dot(w_second, _activation_operand(x_t, x_inv, FP8_MODE), acc, IEEE, FP8_MODE)
+            k_start += BLOCK_K
+        if PRELOAD >= 3:
+            if k_start < k_hi:
+                x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k_start + offs_k, K, norm_ptr, inv_rms,
+                                       NORM, EVEN_K))
+                acc = _tile_dot(w_third, _activation_operand(x_t, x_inv, FP8_MODE), acc, IEEE, FP8_MODE)
+            k_start += BLOCK_K
         for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
@@ -477,7 +502,7 @@ if triton is not None:
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages,
                                    pre_hook=_descriptor_block) for c in configs],
             key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-                 "SPLIT_K", "AMAX_OUT", "TMA"],  # not M
+                 "SPLIT_K", "AMAX_OUT", "TMA", "PRELOAD"],  # not M; PRELOAD: tiles held in registers
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
@@ -647,7 +672,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         TMA=tma,
     )
     pdl = pdl_flag(weight.device)
-    meta.update(PDL=pdl, PRELOAD=preload_weights(), **launch_options(pdl))
+    meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
     if autotuned:
         tuned = _LAST_TUNED[0] = _TUNERS[tuned_configs(weight.dtype, fp8_compute)]
         _LAST_TUNED[1] = split
@@ -717,7 +742,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
-        SPLIT_K=split, PDL=pdl, PRELOAD=preload_weights(), TMA=False, **launch_options(pdl),
+        SPLIT_K=split, PDL=pdl, PRELOAD=preload_tiles(), TMA=False, **launch_options(pdl),
     )
 
 

@@ -87,10 +87,33 @@ def pdl_flag(device: torch.device) -> int:
     return 2 if MODE == "early" else 1
 
 
-def preload_weights() -> bool:
-    """Whether the GEMV loads its first weight tile before its wait (``"early"``; on any device, as
-    it changes only when that load is issued, not a result)."""
-    return MODE == "early"
+#: The most weight tiles a GEMV program may load before its wait (`preload_tiles`): each is held in
+#: registers until the wait (a 64 x 256 FP8 tile is 32 registers per thread of 4 warps).
+MAX_PRELOAD_TILES = 3
+#: Environment variable that sets `PRELOAD_TILES` at import (side-by-side benchmarks).
+PRELOAD_ENV = "MAMMOTH_AR_PRELOAD_TILES"
+#: Weight tiles each GEMV program loads before its wait, under any mode: None means the mode's own
+#: (1 under ``"early"``, 0 otherwise); 0 to `MAX_PRELOAD_TILES` overrides it (issue 17, opt-in until
+#: measured: under ``"pdl"`` a GEMV's programs are resident while the kernel before them runs, so its
+#: first tiles can stream while a latency-bound quantizer or attention leaves HBM idle).
+PRELOAD_TILES: int | None = int(os.environ[PRELOAD_ENV]) if os.environ.get(PRELOAD_ENV) else None
+if PRELOAD_TILES is not None and not 0 <= PRELOAD_TILES <= MAX_PRELOAD_TILES:
+    raise ValueError(f"{PRELOAD_ENV} must be 0 to {MAX_PRELOAD_TILES}, got {PRELOAD_TILES}")
+
+
+def preload_tiles() -> int:
+    """How many weight tiles a GEMV program loads before its wait (`PRELOAD_TILES`, else 1 under
+    ``"early"`` and 0 otherwise). On any device: it changes only when those loads are issued, not a
+    result (each tile is multiplied in its turn after the wait, so a row's sums keep their order).
+
+    Raises:
+        ValueError: `PRELOAD_TILES` outside 0 to `MAX_PRELOAD_TILES`.
+    """
+    if PRELOAD_TILES is None:
+        return 1 if MODE == "early" else 0
+    if not 0 <= PRELOAD_TILES <= MAX_PRELOAD_TILES:
+        raise ValueError(f"PRELOAD_TILES must be 0 to {MAX_PRELOAD_TILES}, got {PRELOAD_TILES}")
+    return PRELOAD_TILES
 
 
 def launch_options(pdl: bool) -> dict:

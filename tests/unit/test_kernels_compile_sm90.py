@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, PRELOAD=False, AMAX_OUT=False, TMA=False)
+                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False, TMA=False)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -33,9 +33,9 @@ GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
     "bf16_gate_up_swiglu": ({}, dict(SWIGLU=True)),
     "bf16_down": ({}, {}),
-    "bf16_gate_up_swiglu_early": ({}, dict(SWIGLU=True, PDL=2, PRELOAD=True)),  # `launch_overlap`'s "early"
+    "bf16_gate_up_swiglu_early": ({}, dict(SWIGLU=True, PDL=2, PRELOAD=1)),  # `launch_overlap`'s "early"
     "w8a8_qkv_split_rope_early": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
-                                                          HEAD_DIM=128, PDL=2, PRELOAD=True)),
+                                                          HEAD_DIM=128, PDL=2, PRELOAD=1)),
     "bf16_head_block64": ({}, dict(BLOCK_N=64)),
     "w8a16_o_split": (_FP8_IN | _SPLIT, dict(FP8=True, FP8_MODE=1, SPLIT_K=7)),
     "w8a8_gate_up_swiglu": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, SWIGLU=True, BLOCK_N=64)),  # W8A8_TUNED_CONFIGS
@@ -51,7 +51,12 @@ GEMV_FORMS = {
                       dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, TMA=True)),
     "w8a8_o_tma_early_split": (_W8A8_IN | _SPLIT | {"w_desc": "tensordesc<fp8e4nv[64, 256]>"},
                                dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, SPLIT_K=4, TMA=True, PDL=2,
-                                    PRELOAD=True)),
+                                    PRELOAD=1)),
+    # `stage_ar.launch_overlap.PRELOAD_TILES` (opt-in): three weight tiles before the wait under "pdl"
+    "w8a8_o_preload3": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, PRELOAD=3)),
+    "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
+                                                             ROPE=True, HEAD_DIM=128, BLOCK_N=64, PRELOAD=2)),
+    "bf16_down_preload3": ({}, dict(RESIDUAL=True, PRELOAD=3)),
     "bf16_down_tma": ({"w_desc": "tensordesc<bf16[16, 256]>"}, dict(RESIDUAL=True, TMA=True)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",

@@ -155,6 +155,45 @@ def test_the_preloaded_first_weight_tile_keeps_every_bit(monkeypatch, variant, f
         outs = {}
         for mode in ("off", "early"):
             monkeypatch.setattr(launch_overlap, "MODE", mode)
-            assert launch_overlap.preload_weights() is (mode == "early")
+            assert launch_overlap.preload_tiles() == (1 if mode == "early" else 0)
             outs[mode] = gemv.gemv(x, weight, config=config, **kwargs)
         assert torch.equal(outs["off"], outs["early"]), config
+
+
+@pytest.mark.parametrize("fp8_compute", [None, "fp8"], ids=["w16", "w8a8"])
+@pytest.mark.parametrize("variant", ["norm_bias", "residual", "bias_rope"])
+def test_weight_tiles_preloaded_before_the_wait_keep_every_bit(monkeypatch, variant, fp8_compute):
+    """`launch_overlap.PRELOAD_TILES` 1 to 3 (under ``"pdl"``, whatever the mode) load a program's first
+    tiles before its wait and multiply them first, in order, after it: the bits of 0, for a whole K
+    range (K = 600: three tiles, the last partial) and for split-K ranges shorter than the preload
+    (2 ranges of 2 and 1 tiles; 4 ranges of one, the last empty), where a tile past the range must
+    be neither added nor read past K. On the interpreter and compiled."""
+    from stage_ar import gemv
+    from test_gemv import make_inputs
+
+    if fp8_compute is None:
+        x, weight, kwargs = make_inputs(variant, torch.float16, seed=13)
+    else:
+        x, weight, kwargs = make_inputs(variant, torch.float16, True, seed=13)
+        kwargs["fp8_compute"] = fp8_compute
+    monkeypatch.setattr(launch_overlap, "MODE", "pdl")
+    for config in (gemv.GemvConfig(16, 4, 3), gemv.GemvConfig(16, 4, 3, split_k=2),
+                   gemv.GemvConfig(16, 4, 3, split_k=4)):
+        outs = {}
+        for tiles in range(launch_overlap.MAX_PRELOAD_TILES + 1):
+            monkeypatch.setattr(launch_overlap, "PRELOAD_TILES", tiles)
+            assert launch_overlap.preload_tiles() == tiles
+            outs[tiles] = gemv.gemv(x, weight, config=config, **kwargs)
+        for tiles in range(1, launch_overlap.MAX_PRELOAD_TILES + 1):
+            assert torch.equal(outs[0], outs[tiles]), (config, tiles)
+
+
+def test_preload_tiles_outside_the_range_are_refused(monkeypatch):
+    monkeypatch.setattr(launch_overlap, "PRELOAD_TILES", launch_overlap.MAX_PRELOAD_TILES + 1)
+    with pytest.raises(ValueError, match="PRELOAD_TILES must be 0 to 3"):
+        launch_overlap.preload_tiles()
+    done = subprocess.run([sys.executable, "-c", "import stage_ar.launch_overlap"], capture_output=True, text=True,
+                          env=os.environ | {launch_overlap.PRELOAD_ENV: "7"},
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode != 0
+    assert "MAMMOTH_AR_PRELOAD_TILES must be 0 to 3, got 7" in done.stderr
