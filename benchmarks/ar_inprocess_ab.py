@@ -13,9 +13,8 @@ Group ``split`` (not in the default): W8A8 batch 1 under ``pdl`` with o_proj and
 into 4 K ranges and unsplit (`stage_ar.gemv_configs.W8A8_SPLIT_K`), in turn, twice each. Group
 ``attn`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
 with the split-KV attention's keys per split and per tile (`stage_ar.decode_attention.SPLIT`,
-``BLOCK_N``) at each of `ATTENTION_SHAPES` (bf16: the first two), the first again at the end. Group
-``tma`` (not in the default): bf16, then W8A8, batch 1 with `stage_ar.gemv.TMA_WEIGHTS` off and on in
-turn, ``rounds + 1`` times each (o, down and the head's weight tiles by bulk tensor copies). Group
+``BLOCK_N``) at each of `ATTENTION_SHAPES` (bf16: the first two), the first again at the end. (Group
+``tma``, `stage_ar.gemv.TMA_WEIGHTS`, went with that switch: measured no faster on the H200, 2026-12-06.) Group
 ``kvload`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
 with `stage_ar.decode_attention.EARLY_LOADS` off and on in turn, ``rounds + 1`` times each (the
 attention's key range and first cached tile loaded before its PDL wait). Group ``merge`` (not in the
@@ -43,7 +42,7 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap  # noqa: E402
+from stage_ar import decode_attention, gemv_configs, launch_overlap  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 #: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
@@ -55,7 +54,7 @@ ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
-    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``tma``, ``kvload``,
+    """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
     ``merge``, ``preload``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
@@ -99,9 +98,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     if "attn" in groups:
         shapes = ATTENTION_SHAPES[:2] * rounds + ATTENTION_SHAPES[:1]
         settings(decode_attention, attention_shape, shapes, "bf16_attn", mid_image=True)
-    off_on = ((False,), (True,)) * (rounds + 1)  # the tma and kvload groups
-    if "tma" in groups:
-        settings(gemv, ("TMA_WEIGHTS",), off_on, "bf16_tma")
+    off_on = ((False,), (True,)) * (rounds + 1)  # the kvload group
     if "kvload" in groups:
         settings(decode_attention, ("EARLY_LOADS",), off_on, "bf16_kvload", mid_image=True)
     merge = ((0,), (MERGE_CHUNK,)) * (rounds + 1)
@@ -113,7 +110,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "tma", "kvload", "merge", "preload"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -121,8 +118,6 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(decode_attention, attention_shape, shapes, "w8a8_attn", mid_image=True)
     if "split" in groups:
         settings(gemv_configs, ("W8A8_SPLIT_K",), ((4,), (1,)) * 2, "w8a8_split")
-    if "tma" in groups:
-        settings(gemv, ("TMA_WEIGHTS",), off_on, "w8a8_tma")
     if "kvload" in groups:
         settings(decode_attention, ("EARLY_LOADS",), off_on, "w8a8_kvload", mid_image=True)
     if "merge" in groups:

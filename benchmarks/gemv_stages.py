@@ -3,11 +3,11 @@ named explicitly (no autotuning), so the table shows what every candidate does, 
 
 Run on the GPU machine from the source tree (torch + triton only, random weights, about 30 s):
 
-    PYTHONPATH=. python3 benchmarks/gemv_stages.py "$OUT" [--form w8a8|bf16] [--tma]
+    PYTHONPATH=. python3 benchmarks/gemv_stages.py "$OUT" [--form w8a8|bf16] [--preload 0,3]
 
-``--tma``: o and down, unsplit, each configuration with per-thread weight loads and then with its
-tiles by Hopper's bulk tensor copies (`stage_ar.gemv.TMA_WEIGHTS`): do the 56 programs stream faster
-with TMA's fewer instructions per byte in flight (the copies must give the same bits)?
+``--preload``: each configuration at each of these counts of weight tiles loaded before the PDL wait
+(`stage_ar.launch_overlap.PRELOAD_TILES`; keys end in ``/preloadN`` for N > 0). (``--tma``, the
+tiles by Hopper's bulk tensor copies, went with `TMA_WEIGHTS`: no faster in the H200's decode step.)
 
 The question (issue 17, 2026-12-06): an unsplit W8A8 o or down launch is 56 programs of 64 columns;
 with 3-4 stages each keeps 48-64 KB in flight, too little to keep HBM busy, so they were split into 4
@@ -39,6 +39,7 @@ import gemv as B  # noqa: E402 - benchmarks/gemv.py: shapes, weights, timing, co
 import gemv_split_k as S  # noqa: E402 - the decoder forms
 from mammoth_app.make_checkpoint import preview_config  # noqa: E402
 from stage_ar import gemv as G  # noqa: E402
+from stage_ar import launch_overlap  # noqa: E402
 from stage_ar.configuration_mammoth_ar import MammothARConfig  # noqa: E402
 
 _W8A8_SPLITTABLE = [(bn, w, st, sp) for bn, w in ((64, 4), (128, 8), (32, 4)) for st in (3, 4, 6, 8) for sp in (1, 2, 4)]
@@ -57,15 +58,14 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--form", choices=tuple(CONFIGS), default="w8a8")
     parser.add_argument("--compile-workers", type=int, default=14)
-    parser.add_argument("--tma", action="store_true",
-                        help="o and down only, unsplit: each configuration with per-thread weight loads and then "
-                             "with `stage_ar.gemv.TMA_WEIGHTS` (tiles by bulk tensor copies; keys end in /tma)")
+    parser.add_argument("--preload", default="0",
+                        help="comma-separated weight tiles preloaded before the PDL wait, each configuration at each "
+                             "(`stage_ar.launch_overlap.PRELOAD_TILES`; keys end in /preloadN for N > 0)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     form, table_cfg = args.form, CONFIGS[args.form]
-    if args.tma:
-        table_cfg = {name: [c for c in table_cfg[name] if c[3] == 1] for name in ("o", "down")}
+    preloads = tuple(int(p) for p in args.preload.split(","))
     w_dtype = G.FP8_DTYPE if form == "w8a8" else torch.bfloat16
     x_dtype = G.FP8_DTYPE if form == "w8a8" else torch.bfloat16  # W8A8 launches read E4M3 codes
     table = {k: v for k, v in B.shapes(MammothARConfig.from_dict(preview_config()[0]["llm_config"])).items()
@@ -79,7 +79,7 @@ def main() -> None:
                 jobs.append((f"{name}/{c}", torch.bfloat16, w_dtype, shape["rows"], shape["K"], c, flags))
     t0 = time.time()
     res: dict = {"command": f"PYTHONPATH=. python3 benchmarks/gemv_stages.py OUT --form {form}"
-                            + (" --tma" if args.tma else ""),
+                            + f" --preload {args.preload}",
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     res["precompile"] = B.run_compile_jobs(jobs, args.compile_workers, B._compile_job)
     res["copy_bandwidth_Bps"] = bandwidth = B.copy_bandwidth()
@@ -88,12 +88,12 @@ def main() -> None:
         sets = B.make_weights(shape, B.weight_copies(shape), seed=i)
         x, residual, cos, sin = S.decoder_inputs(shape, torch.bfloat16)
         first = None
-        for (bn, w, st, sp), tma in [(c, tma) for c in table_cfg[name] for tma in ((False, True) if args.tma else (False,))]:
+        for (bn, w, st, sp), preload in [(c, p) for c in table_cfg[name] for p in preloads]:
             c = G.GemvConfig(bn, w, st, None, sp)
             if not G.fits_shared_memory(c, x_dtype, w_dtype):
                 continue
-            key = f"{name}/{bn}x{w}w{st}s/split{sp}" + ("/tma" if tma else "")
-            G.TMA_WEIGHTS = tma
+            key = f"{name}/{bn}x{w}w{st}s/split{sp}" + (f"/preload{preload}" if preload else "")
+            launch_overlap.PRELOAD_TILES = preload
             try:
                 weight, kw = S._kwargs(name, shape, sets[0], 16, form, residual, cos, sin)
                 full = G.gemv(x, weight, config=c, **kw)
@@ -111,7 +111,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - record and go on
                 rows[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
                 print(key, rows[key], flush=True)
-        G.TMA_WEIGHTS = False
+        launch_overlap.PRELOAD_TILES = None
         del sets
         torch.cuda.empty_cache()
         res["elapsed_s"] = time.time() - t0

@@ -68,7 +68,7 @@ from stage_ar.fp8 import FP8_MAX
 from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
-    INTERPRETED, hopper_or_newer, launch_options, pdl_flag, preload_tiles,
+    INTERPRETED, launch_options, pdl_flag, preload_tiles,
 )
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
@@ -81,21 +81,6 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
-try:  # Triton's host-side tensor descriptors (Triton 3.4 and up)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the installation
-    TensorDescriptor = None
-
-#: Unpaired launches (o_proj, down_proj, the head: not the SwiGLU or RoPE pairs) load their weight tiles
-#: with Hopper's tensor memory accelerator, one bulk copy per tile from a tensor descriptor
-#: (`tma_weights`), instead of per-thread loads. Read at each launch. Same bits either way (the same
-#: values, summed in the same order). Off: the question was whether the 56 programs of an unsplit o or
-#: down launch (about 44 GB/s each on the H100 with per-thread loads: 2.48 TB/s for down) stream closer
-#: to the copy bandwidth with bulk copies, and in the step they do not (H200, 2026-12-06,
-#: `benchmarks/ar_inprocess_ab.py OUT 1 tma`, ms per step off / on / off / on: bf16 3.716 / 3.767 /
-#: 3.716 / 3.773, W8A8 2.406 / 2.407 / 2.404 / 2.408).
-TMA_WEIGHTS = False
-
 #: The kernel's ``FP8_MODE`` for each of `FP8_COMPUTES` (`gemv`'s ``fp8_compute``).
 _FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2, "fp8": 3}
 #: float16's largest finite magnitude: float16-compute activations saturate there.
@@ -105,32 +90,6 @@ F16_MAX = 65504.0
 def available(device: torch.device) -> bool:
     """True when the kernels can run on ``device``: CUDA with triton, or any device under the interpreter."""
     return triton is not None and (device.type == "cuda" or INTERPRETED)
-
-
-def tma_weights(weight: torch.Tensor, paired: bool) -> bool:
-    """Whether a launch over ``weight`` (``(R, K)``, rows contiguous) loads its tiles through a tensor
-    descriptor (`TMA_WEIGHTS`): on, an unpaired launch (a paired tile's rows are two strided halves),
-    Triton's `TensorDescriptor` present, compute capability 9.0 or higher (or the interpreter), and
-    the base address and row stride 16-byte aligned (the bulk copy's rule)."""
-    if not TMA_WEIGHTS or paired or TensorDescriptor is None:
-        return False
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    if not aligned or weight.stride(1) != 1:
-        return False
-    return INTERPRETED or hopper_or_newer(weight.device)
-
-
-def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
-    """``weight``'s tensor descriptor with ``(block_n, block_k)`` tiles (autotuning sets the block shape
-    of each candidate it times: `_descriptor_block`)."""
-    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k])
-
-
-def _descriptor_block(nargs: dict) -> None:
-    """Autotuning's pre-launch hook: the weight descriptor's tile is the candidate's ``BLOCK_N x BLOCK_K``."""
-    desc = nargs["w_desc"]
-    if TensorDescriptor is not None and isinstance(desc, TensorDescriptor):
-        desc.block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 if triton is not None:
@@ -303,14 +262,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
-        x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
         cnt_ptr, amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-        AMAX_OUT: tl.constexpr = False, TMA: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
         gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
@@ -337,15 +296,8 @@ if triton is not None:
         quantized as it is loaded (`stage_ar.fp8_activations.quantize_values` over `row_scale`:
         `quantize_rows`' codes and scales), and the last program to finish (a ticket from
         ``amax_cnt_ptr``, then reset) sets the amax back to zero for the next producer. ``AMAX_OUT``:
-        the output rows' amax into ``amax_ptr`` (`_epilogue`).
-
-        ``TMA`` (`tma_weights`; unpaired launches): each ``(BLOCK_N, BLOCK_K)`` weight tile comes from
-        the tensor descriptor ``w_desc`` over the weight (Hopper's bulk tensor copy, zeros past its
-        edges) instead of per-thread loads through ``w_ptr``: the same values in the same order, so
-        the same bits; fewer instructions per byte in flight."""
+        the output rows' amax into ``amax_ptr`` (`_epilogue`)."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
-        if TMA:
-            tl.static_assert(PAIRED == 0, "a paired tile's rows are two strided halves: no descriptor tile")
         pid_n = tl.program_id(0)
         if PAIRED:
             rows, row_mask, offs_n, partner, n_mask = _pair_rows(pid_n, N, BLOCK_N, ROPE, HEAD_DIM)
@@ -371,10 +323,7 @@ if triton is not None:
         # activations are. Later preloaded tiles past the range (k_hi) are masked, and their dots skipped.
         FIRST_EVEN: tl.constexpr = EVEN_K and SPLIT_K == 1
         if PRELOAD >= 1:
-            if TMA:
-                w_first = w_desc.load([pid_n * BLOCK_N, k_lo])
-            else:
-                w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
+            w_first = _w_tile(w_ptr, rows, row_mask, k_lo + offs_k, K, FIRST_EVEN, EVEN_N)
         if PRELOAD >= 2:
             w_second = _w_tile_below(w_ptr, rows, row_mask, k_lo + BLOCK_K + offs_k, K, k_hi)
         if PRELOAD >= 3:
@@ -415,10 +364,7 @@ if triton is not None:
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             x_t = _activation_operand(x_t, x_inv, FP8_MODE)
-            if TMA:
-                acc = _tile_dot(w_desc.load([pid_n * BLOCK_N, k0]), x_t, acc, IEEE, FP8_MODE)
-            else:
-                acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+            acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K > 1:
             # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
             ntile = tl.num_programs(0) * BLOCK_N
@@ -499,10 +445,10 @@ if triton is not None:
 
     def _autotuned(configs):
         return triton.autotune(
-            configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages,
-                                   pre_hook=_descriptor_block) for c in configs],
+            configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+                     for c in configs],
             key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-                 "SPLIT_K", "AMAX_OUT", "TMA", "PRELOAD"],  # not M; PRELOAD: tiles held in registers
+                 "SPLIT_K", "AMAX_OUT", "PRELOAD"],  # not M; PRELOAD: tiles held in registers
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
@@ -653,12 +599,10 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         raise ValueError(f"split_k must be >= 1, got {split}")
     ws, counters = split_workspace(weight, split, columns, paired) if split > 1 else (out, out)
     amax = amax_in.amax if amax_in is not None else amax_out
-    tma = tma_weights(weight, paired)
     autotuned = config is None and not INTERPRETED
     c = config or INTERPRETER_CONFIG
-    w_desc = _weight_descriptor(weight, _MAX_BLOCK_N if autotuned else c.block_n, block_k) if tma else weight
     args = (
-        x, weight, w_desc, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
+        x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
         out, _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
         out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
@@ -669,7 +613,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
-        TMA=tma,
     )
     pdl = pdl_flag(weight.device)
     meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
@@ -714,7 +657,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     (compilation is serial inside one process); the process that then calls `gemv` loads the
     binaries. Matches calls whose activations, residual and output rows are contiguous (strides
     ``K`` and ``N``) and whose pointers are 16-byte aligned, as `gemv`'s outputs and row slices of
-    such tensors are; the pointer-load form (`TMA_WEIGHTS` off). Arguments as `gemv`'s (``rows`` =
+    such tensors are. Arguments as `gemv`'s (``rows`` =
     weight rows; ``rope_head_dim`` > 0: the RoPE epilogue with ``cos``/``sin`` of that width).
 
     Raises:
@@ -732,7 +675,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
     split = config.split_k or split_k_for(n, k, weight_dtype, fp8_compute)
     pdl = pdl_flag(torch.device("cuda", torch.cuda.current_device()))
     return _kernel.warmup(
-        FP8_DTYPE if w8a8 else x_dtype, weight_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype,
+        FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, torch.int32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
@@ -742,7 +685,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
         FP8_MODE=_FP8_MODES[fp8_compute] if fp8 else 0, ROPE=rope_head_dim > 0, HEAD_DIM=rope_head_dim,
-        SPLIT_K=split, PDL=pdl, PRELOAD=preload_tiles(), TMA=False, **launch_options(pdl),
+        SPLIT_K=split, PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl),
     )
 
 

@@ -65,8 +65,8 @@ def _hopper_or_newer(device_index: int) -> bool:
 
 
 def hopper_or_newer(device: torch.device) -> bool:
-    """Whether CUDA ``device`` has compute capability 9.0 or higher: PDL (`pdl_enabled`) and the bulk
-    tensor copies of `stage_ar.gemv.tma_weights` need it. False off CUDA."""
+    """Whether CUDA ``device`` has compute capability 9.0 or higher (PDL, `pdl_enabled`, needs it).
+    False off CUDA."""
     if device.type != "cuda":
         return False
     return _hopper_or_newer(device.index if device.index is not None else torch.cuda.current_device())

@@ -118,23 +118,6 @@ def test_gemv_backend_forward_matches_the_reference_fixture(gemv_model, referenc
     _assert_fixture_and_torch(gemv_model, reference, rows, logits)
 
 
-def test_tma_weight_tiles_give_the_forward_of_pointer_loads(gemv_model, reference, monkeypatch):
-    """With `stage_ar.gemv.TMA_WEIGHTS` on, the fixture's decode (16-row prefill, 16 steps) takes the
-    unpaired launches' weight tiles (o_proj, down_proj, the heads) from tensor descriptors and gives
-    the logits and hidden states of the per-thread loads bit for bit."""
-    ids = reference["ar_input_ids"]
-    monkeypatch.setattr(gemv_kernels, "TMA_WEIGHTS", False)
-    rows, logits = _decode_all(gemv_model, ids, 16)
-    from test_gemv import record_descriptors
-
-    made = record_descriptors(gemv_kernels, monkeypatch)
-    monkeypatch.setattr(gemv_kernels, "TMA_WEIGHTS", True)
-    tma_rows, tma_logits = _decode_all(gemv_model, ids, 16)
-    hidden = gemv_model.config.hidden_size
-    assert sum(1 for shape in made if shape[0] == hidden) >= 17 * gemv_model.config.num_hidden_layers  # o and down
-    assert torch.equal(tma_rows, rows) and torch.equal(tma_logits, logits)
-
-
 def test_fused_epilogues_forward_matches_the_fixture_and_the_unfused_forward(gemv_model, reference, launches):
     """``fuse_epilogues``: every layer's qkv launch rotates q and k and its gate/up launch applies
     SwiGLU (one launch each, no eager op after them), in the 16-row prefill and every decode step;

@@ -789,58 +789,6 @@ def test_w8a8_candidates_give_the_same_bits(gemv, variant):
     assert split_k_for(256, 3584, gemv.FP8_DTYPE, "fp8") >= 1
 
 
-def record_descriptors(module, monkeypatch) -> list:
-    """The shapes of the weights `stage_ar.gemv` (``module``) makes tensor descriptors over, one per
-    launch that loads its tiles by TMA, appended as they are made (the descriptors still work)."""
-    made = []
-    make = module._weight_descriptor
-    monkeypatch.setattr(module, "_weight_descriptor", lambda weight, *a: made.append(weight.shape) or make(weight, *a))
-    return made
-
-
-@pytest.mark.parametrize("mode", ["pdl", "early"])
-@pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
-@pytest.mark.parametrize("form", ["w16", "fp8", "w8a8"])
-@pytest.mark.parametrize("variant", ["plain", "residual", "norm_swiglu"])
-def test_tma_weight_tiles_give_the_bits_of_pointer_loads(gemv, monkeypatch, variant, form, split, mode):
-    """With `TMA_WEIGHTS` on, an unpaired launch (o, down) takes its weight tiles from a tensor
-    descriptor and gives the bits of the per-thread loads, partial column blocks and K tiles (N = 40,
-    K = 608: the descriptor's zero fill past the edges stands in for the masks; FP8 rows of 608 bytes
-    keep the bulk copy's 16-byte stride), split ranges (3 over three tiles) and the first tile loaded
-    before the wait (``early``) included; a paired launch (SwiGLU) keeps the per-thread loads. Counts
-    the descriptors made, so a path that silently stays off fails."""
-    import stage_ar.launch_overlap as launch_overlap
-
-    monkeypatch.setattr(launch_overlap, "MODE", mode)
-    made = record_descriptors(gemv, monkeypatch)
-    x, weight, kwargs = make_inputs(variant, torch.float16 if gemv.INTERPRETED else torch.bfloat16,
-                                    fp8=form != "w16", k=608, seed=21)
-    compute = {"w16": None, "fp8": "float16", "w8a8": "fp8"}[form]
-    config = gemv.GemvConfig(64 if form == "w8a8" else 16, 4, 3, split_k=split)
-    monkeypatch.setattr(gemv, "TMA_WEIGHTS", False)
-    loads = gemv.gemv(x, weight, config=config, fp8_compute=compute, **kwargs)
-    assert not made
-    monkeypatch.setattr(gemv, "TMA_WEIGHTS", True)
-    tiles = gemv.gemv(x, weight, config=config, fp8_compute=compute, **kwargs)
-    assert len(made) == (0 if variant == "norm_swiglu" else 1), made
-    assert torch.equal(tiles, loads)
-    if split > 1:
-        _, counters = gemv.split_workspace(weight, split, N, variant == "norm_swiglu")
-        assert int(counters.abs().sum()) == 0
-
-
-def test_tma_weights_needs_an_aligned_unpaired_weight(gemv, monkeypatch):
-    """`tma_weights` says no for a paired launch, a row stride that is not a multiple of 16 bytes (the
-    bulk copy's rule) or with the flag off, and yes for an aligned unpaired weight here."""
-    monkeypatch.setattr(gemv, "TMA_WEIGHTS", True)
-    weight = torch.zeros(40, 600, dtype=torch.float16, device=DEVICE)
-    assert gemv.tma_weights(weight, paired=False) == (gemv.TensorDescriptor is not None)
-    assert not gemv.tma_weights(weight, paired=True)
-    assert not gemv.tma_weights(torch.zeros(40, 601, dtype=torch.float16, device=DEVICE)[:, :600], paired=False)
-    monkeypatch.setattr(gemv, "TMA_WEIGHTS", False)
-    assert not gemv.tma_weights(weight, paired=False)
-
-
 def test_forget_tuning_makes_the_next_launch_tune_at_its_own_row_count(gemv):
     """`forget_tuning` (benchmarks that time batch 1 and the padded served shape in one process):
     every pick is dropped and the next launch of the shape tunes again, at its own M, with the same

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False, TMA=False)
+                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -46,18 +46,11 @@ GEMV_FORMS = {
                                                                           RESIDUAL=True, BLOCK_N=64)),
     "w8a8_qkv_split_rope": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
                                                     HEAD_DIM=128, BLOCK_N=64)),
-    # `stage_ar.gemv.TMA_WEIGHTS` (opt-in): the unpaired launches' weight tiles by bulk tensor copies
-    "w8a8_down_tma": (_W8A8_IN | {"w_desc": "tensordesc<fp8e4nv[64, 256]>"},
-                      dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, TMA=True)),
-    "w8a8_o_tma_early_split": (_W8A8_IN | _SPLIT | {"w_desc": "tensordesc<fp8e4nv[64, 256]>"},
-                               dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, SPLIT_K=4, TMA=True, PDL=2,
-                                    PRELOAD=1)),
     # `stage_ar.launch_overlap.PRELOAD_TILES` (opt-in): three weight tiles before the wait under "pdl"
     "w8a8_o_preload3": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, PRELOAD=3)),
     "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
                                                              ROPE=True, HEAD_DIM=128, BLOCK_N=64, PRELOAD=2)),
     "bf16_down_preload3": ({}, dict(RESIDUAL=True, PRELOAD=3)),
-    "bf16_down_tma": ({"w_desc": "tensordesc<bf16[16, 256]>"}, dict(RESIDUAL=True, TMA=True)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
@@ -138,7 +131,6 @@ def _main() -> None:
             print(json.dumps({"form": name, "ok": True, "pdl": "griddepcontrol.wait" in ptx
                               and "griddepcontrol.launch_dependents" in ptx, "wgmma": "wgmma" in ptx,
                               "e4m3_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
-                              "tma": "cp.async.bulk.tensor" in ptx,
                               "loads_before_wait": _loads_before_wait(ptx),
                               # `_round_e4m3`'s 1.5 * 2^23 (the interpreter's emulated rounding)
                               "e4m3_emulated": "0f4B400000" in ptx}), flush=True)
@@ -176,8 +168,8 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
     assert result["pdl"], "griddepcontrol.wait / launch_dependents missing from the PTX"
     if form.startswith("gemv_w8a8"):  # W8A8_TUNED_CONFIGS: 64/128-column blocks, Hopper's wgmma
         assert result["wgmma"] == (GEMV_FORMS[form[5:]][1].get("BLOCK_N", 16) >= 64), form
-    if form.startswith("gemv_"):  # the weight tiles by bulk tensor copies exactly where TMA is on
-        assert result["tma"] == GEMV_FORMS[form[5:]][1].get("TMA", False), form
+    if form.startswith("gemv_"):  # weight loads before the PDL wait exactly where tiles are preloaded
+        assert (result["loads_before_wait"] > 0) == (GEMV_FORMS[form[5:]][1].get("PRELOAD", 0) > 0), result
     if form.startswith(("split_kv", "combine")):  # `decode_attention.EARLY_LOADS`: its loads before the wait
         assert (result["loads_before_wait"] > 0) == ("early_loads" in form), result
     quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
