@@ -9,8 +9,9 @@ effects in question; here one process builds the model once and times each varia
 
     PYTHONPATH=. python3 benchmarks/ar_inprocess_ab.py "$OUT/ab.json" [rounds, default 1] [groups, default bf16,w8a8]
 
-Group ``split`` (not in the default): W8A8 batch 1 under ``pdl`` with o_proj and down_proj split
-into 4 K ranges and unsplit (`stage_ar.gemv_configs.W8A8_SPLIT_K`), in turn, twice each. Group
+Group ``split`` (not in the default): W8A8 batch 1 under ``pdl`` at each of `W8A8_SPLITS` in turn
+(`stage_ar.gemv_configs.W8A8_SPLIT_K` K ranges for launches of at most `W8A8_SPLIT_MAX_COLUMNS` output
+columns: 4,096 splits o_proj and down_proj, 8,192 qkv too), ``rounds`` times, then unsplit again. Group
 ``attn`` (not in the default): bf16, then W8A8, batch 1 at image start and mid-image under ``pdl``
 with the split-KV attention's keys per split and per tile (`stage_ar.decode_attention.SPLIT`,
 ``BLOCK_N``) at each of `ATTENTION_SHAPES` (bf16: the first two), the first again at the end. (Group
@@ -49,6 +50,8 @@ FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGU
 MERGE_CHUNK = 16
 #: The weight tiles preloaded before the wait that the ``preload`` group times (0: none, today's default).
 PRELOAD_TILES = (0, 1, 2, 3)
+#: (W8A8_SPLIT_K, W8A8_SPLIT_MAX_COLUMNS) the ``split`` group times: today's (unsplit) first.
+W8A8_SPLITS = ((1, 4096), (2, 4096), (2, 8192), (4, 4096))
 #: (SPLIT, BLOCK_N) of the split-KV attention the ``attn`` group times: the default first.
 ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
@@ -117,7 +120,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         shapes = ATTENTION_SHAPES * rounds + ATTENTION_SHAPES[:1]
         settings(decode_attention, attention_shape, shapes, "w8a8_attn", mid_image=True)
     if "split" in groups:
-        settings(gemv_configs, ("W8A8_SPLIT_K",), ((4,), (1,)) * 2, "w8a8_split")
+        settings(gemv_configs, ("W8A8_SPLIT_K", "W8A8_SPLIT_MAX_COLUMNS"), W8A8_SPLITS * rounds + W8A8_SPLITS[:1],
+                 "w8a8_split")
     if "kvload" in groups:
         settings(decode_attention, ("EARLY_LOADS",), off_on, "w8a8_kvload", mid_image=True)
     if "merge" in groups:
