@@ -93,9 +93,12 @@ MAX_PRELOAD_TILES = 3
 #: Environment variable that sets `PRELOAD_TILES` at import (side-by-side benchmarks).
 PRELOAD_ENV = "MAMMOTH_AR_PRELOAD_TILES"
 #: Weight tiles each GEMV program loads before its wait, under any mode: None means the mode's own
-#: (1 under ``"early"``, 0 otherwise); 0 to `MAX_PRELOAD_TILES` overrides it (issue 17, opt-in until
-#: measured: under ``"pdl"`` a GEMV's programs are resident while the kernel before them runs, so its
-#: first tiles can stream while a latency-bound quantizer or attention leaves HBM idle).
+#: (1 under ``"early"``, 0 otherwise); 0 to `MAX_PRELOAD_TILES` overrides it. The idea (issue 17): under
+#: ``"pdl"`` a GEMV's programs are resident while the kernel before them runs, so their first tiles
+#: could stream while a latency-bound quantizer or attention leaves HBM idle. Measured slower, so
+#: opt-in (H100, 2026-12-07, `benchmarks/ar_inprocess_ab.py OUT 1 preload`, ms per step at 0 / 1 / 0 /
+#: 1 / 0 tiles: bf16 5.024 / 5.128 / 5.025 / 5.127 / 5.031, W8A8 3.005 / 3.078 / 3.008 / 3.084 / 3.003;
+#: 2 and 3 tiles slower still): the tiles held in registers across the wait cost the loop more.
 PRELOAD_TILES: int | None = int(os.environ[PRELOAD_ENV]) if os.environ.get(PRELOAD_ENV) else None
 if PRELOAD_TILES is not None and not 0 <= PRELOAD_TILES <= MAX_PRELOAD_TILES:
     raise ValueError(f"{PRELOAD_ENV} must be 0 to {MAX_PRELOAD_TILES}, got {PRELOAD_TILES}")
