@@ -349,16 +349,12 @@ if triton is not None:
             acc = _tile_dot(w_first, x_t, acc, IEEE, FP8_MODE)
             k_start = k_lo + BLOCK_K
         if PRELOAD >= 2:
-            if k_start < k_hi:  # in the range: every column of the tile below K when EVEN_K
-                x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k_start + offs_k, K, norm_ptr, inv_rms,
-                                       NORM, EVEN_K))
-                acc = _tile_dot(w_second, _activation_operand(x_t, x_inv, FP8_MODE), acc, IEEE, FP8_MODE)
+            acc = _preloaded_dot(w_second, x_ptr, stride_xm, offs_m, m_mask, k_start, k_hi, K, norm_ptr, inv_rms,
+                                 x_inv, acc, BLOCK_K, NORM, EVEN_K, IEEE, FP8_MODE)
             k_start += BLOCK_K
         if PRELOAD >= 3:
-            if k_start < k_hi:
-                x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k_start + offs_k, K, norm_ptr, inv_rms,
-                                       NORM, EVEN_K))
-                acc = _tile_dot(w_third, _activation_operand(x_t, x_inv, FP8_MODE), acc, IEEE, FP8_MODE)
+            acc = _preloaded_dot(w_third, x_ptr, stride_xm, offs_m, m_mask, k_start, k_hi, K, norm_ptr, inv_rms,
+                                 x_inv, acc, BLOCK_K, NORM, EVEN_K, IEEE, FP8_MODE)
             k_start += BLOCK_K
         for k0 in range(k_start, k_hi, BLOCK_K):
             k = k0 + offs_k
@@ -386,6 +382,19 @@ if triton is not None:
             if last_arrival(amax_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
                 tl.store(amax_ptr + offs_m, tl.zeros((16,), tl.int32))
                 reset_arrivals(amax_cnt_ptr)
+
+    @triton.jit
+    def _preloaded_dot(w, x_ptr, stride_xm, offs_m, m_mask, k0, k_hi, K, norm_ptr, inv_rms, x_inv, acc,
+                       BLOCK_K: tl.constexpr, NORM: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                       FP8_MODE: tl.constexpr):
+        """``acc`` plus the preloaded weight tile ``w`` (columns ``[k0, k0 + BLOCK_K)``) times its activation
+        tile where ``k0`` is inside the program's range (``k0 < k_hi``; then, with ``EVEN_K``, every column
+        is below K), else ``acc`` unchanged (a tile past the range is no part of this program's sum)."""
+        if k0 < k_hi:
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k0 + tl.arange(0, BLOCK_K), K, norm_ptr,
+                                   inv_rms, NORM, EVEN_K))
+            acc = _tile_dot(w, _activation_operand(x_t, x_inv, FP8_MODE), acc, IEEE, FP8_MODE)
+        return acc
 
     @triton.jit
     def _activation_operand(x_t, x_inv, FP8_MODE: tl.constexpr):
