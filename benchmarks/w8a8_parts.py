@@ -10,6 +10,8 @@ where the part streams weights) and reported as us per call, under `stage_ar.lau
 (each kernel's own time) and ``pdl``. Parts:
 
 - ``norm``: `stage_ar.row_norm.rms_norm_rows`; ``quantize``: `quantize_rows` of normalised rows;
+  ``quantize_wide``: of a SwiGLU output row (18,944 columns: down_proj's input, 19 programs that each
+  load the whole row for its amax);
   ``quantize_norm``: the norm inside the quantizer; ``quantize_add_norm``: residual add, norm and
   quantization in one launch (the served form since 2026-12-03).
 - ``o_codes`` / ``down_codes``: the W8A8 GEMV on rows quantized apart (`QuantizedRows`, + residual);
@@ -64,6 +66,7 @@ def main(out: str) -> None:
     parts = {
         "norm": [lambda: rms_norm_rows(x, nw, 1e-6)] * 16,
         "quantize": [lambda: quantize_rows(x)] * 16,
+        "quantize_wide": [lambda: quantize_rows(xi)] * 16,
         "quantize_norm": [lambda: quantize_rows(x, nw, 1e-6)] * 16,
         "quantize_add_norm": [lambda: quantize_rows(x, nw, 1e-6, residual=r)] * 16,
         "o_codes": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], residual=r) for w in o_w],
