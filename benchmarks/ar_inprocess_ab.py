@@ -24,7 +24,10 @@ each: bf16 batch 1, bf16 in the served engine's padded shape (16 slots of the se
 GEMV tuned again at its M first), then W8A8 batch 1, each at image start and mid-image. Group
 ``preload`` (not in the default): `stage_ar.launch_overlap.PRELOAD_TILES` (weight tiles each GEMV
 program loads before its PDL wait, under ``pdl``) at each of `PRELOAD_TILES` in turn, ``rounds`` times,
-then 0 again: bf16 batch 1, then W8A8 batch 1.
+then 0 again: bf16 batch 1, then W8A8 batch 1. Group ``launch`` (not in the default): the launch-overlap
+modes apart from the weight preload they used to come with: `LAUNCH_VARIANTS` (``pdl``; ``early``
+with no tile before the wait, so only the next launch is allowed before the wait; ``early`` as it is,
+one tile) in turn, ``rounds`` times, then ``pdl`` again: bf16 batch 1, then W8A8 batch 1.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -50,6 +53,8 @@ FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGU
 MERGE_CHUNK = 16
 #: The weight tiles preloaded before the wait that the ``preload`` group times (0: none, today's default).
 PRELOAD_TILES = (0, 1, 2, 3)
+#: (launch-overlap mode, `stage_ar.launch_overlap.PRELOAD_TILES`) the ``launch`` group times: today's first.
+LAUNCH_VARIANTS = (("pdl", None), ("early", 0), ("early", None))
 #: (W8A8_SPLIT_K, W8A8_SPLIT_MAX_COLUMNS) the ``split`` group times: today's (unsplit) first.
 W8A8_SPLITS = ((1, 4096), (2, 4096), (2, 8192), (4, 4096))
 #: (SPLIT, BLOCK_N) of the split-KV attention the ``attn`` group times: the default first.
@@ -58,7 +63,7 @@ ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -110,10 +115,19 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         A.retune_gemv()  # the served shape with the GEMV picks of its own M
         settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
         A.retune_gemv()
+    def launch_modes(tag: str) -> None:
+        """Batch 1 at each of `LAUNCH_VARIANTS` in turn, ``rounds`` times, then the first again."""
+        for i, (mode, tiles) in enumerate(LAUNCH_VARIANTS * rounds + LAUNCH_VARIANTS[:1]):
+            launch_overlap.PRELOAD_TILES = tiles
+            timed(f"{tag}_{mode}_preload{'default' if tiles is None else tiles}_{i}", mode)
+        launch_overlap.PRELOAD_TILES = None
+
+    if "launch" in groups:
+        launch_modes("bf16_launch")
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "kvload", "merge", "preload"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -128,6 +142,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(decode_attention, ("MERGE_CHUNK",), merge, "w8a8_merge", mid_image=True)
     if "preload" in groups:
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
+    if "launch" in groups:
+        launch_modes("w8a8_launch")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
