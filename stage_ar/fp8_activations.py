@@ -271,9 +271,10 @@ class AddNormQuantize:
                    torch.empty(residual.shape[0], dtype=torch.float32, device=residual.device),
                    torch.empty_like(residual), counters[:1])
 
-    def rows(self, dtype: torch.dtype) -> QuantizedRows:
-        """The written codes and scales as `QuantizedRows` standing for ``dtype`` rows."""
-        return QuantizedRows(self.codes, self.scales, dtype, self.codes.shape)
+    def rows(self, dtype: torch.dtype, shape: torch.Size | None = None) -> QuantizedRows:
+        """The written codes and scales as `QuantizedRows` standing for ``dtype`` rows of logical
+        ``shape`` (default the codes' ``(M, N)``)."""
+        return QuantizedRows(self.codes, self.scales, dtype, self.codes.shape if shape is None else shape)
 
 
 def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
