@@ -130,6 +130,12 @@ if triton is not None:
         return alive
 
     @triton.jit
+    def _row_range(pos_ptr, start_ptr, live_ptr, row, LIVE: tl.constexpr):
+        """Row ``row``'s new position, first key position and live flag (`_row_live`): written before a
+        step starts, so loadable before the PDL wait (`EARLY_LOADS`)."""
+        return tl.load(pos_ptr + row), tl.load(start_ptr + row), _row_live(live_ptr, row, LIVE)
+
+    @triton.jit
     def _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, lo, pos, start, alive, offs_b, offs_d, stride_cn):
         """The cached keys and values of key positions ``lo + offs_b`` that lie in ``[start, pos)``
         (zeros elsewhere, and for an idle row: no load), ``(BLOCK, HEAD_DIM)`` each. Position ``pos``
@@ -183,16 +189,12 @@ if triton is not None:
         cache_off = row * stride_cs + kvh * stride_ch
         first_lo = split * TILES * BLOCK
         if EARLY_LOADS:  # nothing this step writes: the range and the old keys/values (see `EARLY_LOADS`)
-            pos = tl.load(pos_ptr + row)
-            start = tl.load(start_ptr + row)
-            alive = _row_live(live_ptr, row, LIVE)
+            pos, start, alive = _row_range(pos_ptr, start_ptr, live_ptr, row, LIVE)
             k_first, v_first = _kv_tile(k_cache_ptr, v_cache_ptr, cache_off, first_lo, pos, start, alive, offs_b,
                                         offs_d, stride_cn)
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
-        if not EARLY_LOADS:
-            pos = tl.load(pos_ptr + row)
-            start = tl.load(start_ptr + row)
-            alive = _row_live(live_ptr, row, LIVE)  # an idle row: no KV write, no work (its combine writes zeros)
+        if not EARLY_LOADS:  # an idle row (not alive): no KV write, no work (its combine writes zeros)
+            pos, start, alive = _row_range(pos_ptr, start_ptr, live_ptr, row, LIVE)
         # a split outside the row's keys [start, pos] does nothing: no load, no store (the merge skips it)
         if alive & (split >= start // (TILES * BLOCK)) & (split <= pos // (TILES * BLOCK)):
             offs_g = tl.arange(0, GROUP_PAD)
@@ -285,14 +287,12 @@ if triton is not None:
         kvh = tl.program_id(1)
         g = tl.program_id(2)
         if EARLY_LOADS:
-            alive = _row_live(live_ptr, row, LIVE)
-            first = tl.load(start_ptr + row) // SPLIT_KEYS
-            last = tl.load(pos_ptr + row) // SPLIT_KEYS
+            pos, start, alive = _row_range(pos_ptr, start_ptr, live_ptr, row, LIVE)
         wait_for_predecessor(PDL)  # `stage_ar.launch_overlap`
         if not EARLY_LOADS:
-            alive = _row_live(live_ptr, row, LIVE)
-            first = tl.load(start_ptr + row) // SPLIT_KEYS
-            last = tl.load(pos_ptr + row) // SPLIT_KEYS
+            pos, start, alive = _row_range(pos_ptr, start_ptr, live_ptr, row, LIVE)
+        first = start // SPLIT_KEYS
+        last = pos // SPLIT_KEYS
         offs_d = tl.arange(0, HEAD_DIM)
         at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
         if alive:

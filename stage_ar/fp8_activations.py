@@ -86,6 +86,11 @@ if triton is not None:
         return q.to(tl.float8e4nv)
 
     @triton.jit
+    def _chunk(c, a0, a1, a2, a3):
+        """``a{c}`` of a row's four `one_pass_norm` chunks (``c`` in 0..3)."""
+        return tl.where(c == 0, a0, tl.where(c == 1, a1, tl.where(c == 2, a2, a3)))
+
+    @triton.jit
     def one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_: tl.constexpr, LOG2_NORM_BLOCK: tl.constexpr,
                       RESIDUAL: tl.constexpr, CG: tl.constexpr = False):
         """A row of ``K <= 4 * NORM_BLOCK_`` columns loaded once as four ``(NORM_BLOCK_,)`` chunks (its
@@ -128,10 +133,8 @@ if triton is not None:
         lane = tl.arange(0, NORM_BLOCK_)
         for c in tl.static_range(4):
             cols = c * NORM_BLOCK_ + lane
-            n = tl.where(c == 0, n0, tl.where(c == 1, n1, tl.where(c == 2, n2, n3)))
-            v = tl.where(c == 0, v0, tl.where(c == 1, v1, tl.where(c == 2, v2, v3)))
-            tl.store(q_ptr + cols, quantize_values(n, inv, FP8_MAX_), mask=cols < K)
-            tl.store(sum_ptr + cols, v, mask=cols < K)
+            tl.store(q_ptr + cols, quantize_values(_chunk(c, n0, n1, n2, n3), inv, FP8_MAX_), mask=cols < K)
+            tl.store(sum_ptr + cols, _chunk(c, v0, v1, v2, v3), mask=cols < K)
         tl.store(s_ptr, scale)
 
     @triton.jit
@@ -165,9 +168,9 @@ if triton is not None:
         if ONE_PASS:
             v0, v1, v2, v3, n0, n1, n2, n3, amax = one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_,
                                                                  LOG2_NORM_BLOCK, RESIDUAL)
-            xc = tl.where(chunk == 0, n0, tl.where(chunk == 1, n1, tl.where(chunk == 2, n2, n3)))
+            xc = _chunk(chunk, n0, n1, n2, n3)
             if RESIDUAL:
-                vc = tl.where(chunk == 0, v0, tl.where(chunk == 1, v1, tl.where(chunk == 2, v2, v3)))
+                vc = _chunk(chunk, v0, v1, v2, v3)
                 tl.store(sum_ptr + row * stride_sm + cols, vc, mask=cols < K)
         else:
             if RESIDUAL:

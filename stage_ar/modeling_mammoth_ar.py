@@ -186,11 +186,11 @@ class MammothAttention(nn.Module):
         return single_expert(self.qkv_proj, self.gen_qkv_proj, routing if self.has_experts else None)
 
     def forward(self, hidden_states: torch.Tensor | QuantizedRows, ctx: ForwardContext,
-                then: tuple | None = None) -> Any:
+                then: tuple) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """``hidden_states (B, T, hidden)`` (or, under W8A8, those rows quantized for `input_projection`:
-        `stage_ar.linear.norm_input`) -> ``(B, T, hidden)``. ``then``: ``(norm, residual, ops, consumer)`` of
-        the pre-norm after the attention: returns `stage_ar.linear.norm_input`'s pair for it instead,
-        o_proj and the norm through `stage_ar.linear.LinearBackend.project_norm_input` where one
+        `stage_ar.linear.norm_input`) and ``then``, ``(norm, residual, ops, consumer)`` of the pre-norm
+        after the attention -> `stage_ar.linear.norm_input`'s pair for the ``(B, T, hidden)`` attention
+        output: o_proj and the norm through `stage_ar.linear.LinearBackend.project_norm_input` where one
         projection takes every token."""
         routing = ctx.routing if self.has_experts else None
         heads, kv_heads = self.num_heads, self.num_key_value_heads
@@ -206,14 +206,11 @@ class MammothAttention(nn.Module):
             buffers = o_proj.backend.input_amax(o_proj, q.shape[0] * q.shape[1])
         if buffers is None:
             out = ctx.attention.forward(self.layer_idx, q, k, v)
-            if then is not None and o_proj is not None:
+            if o_proj is not None:
                 return o_proj.backend.project_norm_input(o_proj, out, *then)
-            out = route_experts(out, self.o_proj, self.gen_o_proj, routing)
-            return out if then is None else norm_input(then[0], out, *then[1:])
+            return norm_input(then[0], route_experts(out, self.o_proj, self.gen_o_proj, routing), *then[1:])
         out = ctx.attention.forward(self.layer_idx, q, k, v, amax_out=buffers[0])
-        if then is not None:
-            return o_proj.backend.project_norm_input(o_proj, RowsWithAmax(out, *buffers), *then)
-        return o_proj(RowsWithAmax(out, *buffers))
+        return o_proj.backend.project_norm_input(o_proj, RowsWithAmax(out, *buffers), *then)
 
 
 class MammothDecoderLayer(nn.Module):
