@@ -18,10 +18,6 @@ where the part streams weights) and reported as us per call, under `stage_ar.lau
   ``o_prologue`` / ``down_prologue``: on `RowsWithAmax` (quantized in the GEMV's prologue).
 - ``gate_up`` / ``gate_up_amax``: the SwiGLU GEMV without and with the output rows' amax gathered.
 - ``qkv``: bias + RoPE on `QuantizedRows`.
-- ``o_plain``: the W8A8 o_proj as the decoder launches it (no residual epilogue: the add + norm +
-  quantize launch after it adds the residual); ``o_add_norm_quantize``: the same launch whose last
-  program also adds, normalises and quantizes (`AddNormQuantize`): against ``o_plain`` +
-  ``quantize_add_norm``, what folding that launch into its producer saves.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ import gemv as B  # noqa: E402 - benchmarks/gemv.py: graph timing
 from gpu_state import snapshot  # noqa: E402
 from stage_ar import gemv as G  # noqa: E402
 from stage_ar import launch_overlap  # noqa: E402
-from stage_ar.fp8_activations import AddNormQuantize, QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows  # noqa: E402
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows  # noqa: E402
 from stage_ar.row_norm import rms_norm_rows  # noqa: E402
 
 H, I, QKV, HEAD_DIM = 3584, 18944, 4608, 128
@@ -67,7 +63,6 @@ def main(out: str) -> None:
         amax, counter = amax_buffers(weight)
         return RowsWithAmax(values, amax, counter)
 
-    o_folds = [AddNormQuantize.for_rows(r, nw, 1e-6, w[0]) for w in o_w]  # each launch's buffers, made once
     parts = {
         "norm": [lambda: rms_norm_rows(x, nw, 1e-6)] * 16,
         "quantize": [lambda: quantize_rows(x)] * 16,
@@ -82,9 +77,6 @@ def main(out: str) -> None:
         "gate_up": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], swiglu=True) for w in gu_w],
         "gate_up_amax": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], swiglu=True,
                                             amax_out=amax_buffers(down_w[0][0])[0]) for w in gu_w],
-        "o_plain": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1]) for w in o_w],
-        "o_add_norm_quantize": [lambda w=w, nq=nq: G.gemv(codes_h, w[0], weight_scale=w[1], add_norm_quantize=nq)
-                                for w, nq in zip(o_w, o_folds)],
         "qkv": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], bias=qkv_bias, cos=cos, sin=sin,
                                    rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
     }
@@ -96,7 +88,7 @@ def main(out: str) -> None:
             try:
                 ms, how = B.graph_ms_per_call(calls)
                 row[name] = round(ms * 1e3, 2)
-                if name.endswith(("codes", "prologue", "gate_up", "gate_up_amax", "qkv", "plain", "add_norm_quantize")):
+                if name.endswith(("codes", "prologue", "gate_up", "gate_up_amax", "qkv")):
                     row[name + "_config"] = str(G.last_tuned_config())
             except Exception as e:  # noqa: BLE001 - record and go on to the next part
                 row[name] = f"error: {type(e).__name__}: {e}"[:300]

@@ -92,17 +92,16 @@ if triton is not None:
 
     @triton.jit
     def one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_: tl.constexpr, LOG2_NORM_BLOCK: tl.constexpr,
-                      RESIDUAL: tl.constexpr, CG: tl.constexpr = False):
+                      RESIDUAL: tl.constexpr):
         """A row of ``K <= 4 * NORM_BLOCK_`` columns loaded once as four ``(NORM_BLOCK_,)`` chunks (its
-        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``; ``CG``: loaded
-        bypassing L1), and its Qwen2 RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`,
+        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``), and its Qwen2 RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`,
         `normalized`: `rms_norm_rows`' bits). Returns ``v0..v3`` (the row's dtype, 0 past K), the
         normalised ``n0..n3`` (float32) and their amax (float32)."""
         lane = tl.arange(0, NORM_BLOCK_)
-        v0 = row_values(x_ptr, r_ptr, lane, K, RESIDUAL, CG)
-        v1 = row_values(x_ptr, r_ptr, NORM_BLOCK_ + lane, K, RESIDUAL, CG)
-        v2 = row_values(x_ptr, r_ptr, 2 * NORM_BLOCK_ + lane, K, RESIDUAL, CG)
-        v3 = row_values(x_ptr, r_ptr, 3 * NORM_BLOCK_ + lane, K, RESIDUAL, CG)
+        v0 = row_values(x_ptr, r_ptr, lane, K, RESIDUAL)
+        v1 = row_values(x_ptr, r_ptr, NORM_BLOCK_ + lane, K, RESIDUAL)
+        v2 = row_values(x_ptr, r_ptr, 2 * NORM_BLOCK_ + lane, K, RESIDUAL)
+        v3 = row_values(x_ptr, r_ptr, 3 * NORM_BLOCK_ + lane, K, RESIDUAL)
         w0 = tl.load(w_ptr + lane, mask=lane < K, other=0.0)
         w1 = tl.load(w_ptr + NORM_BLOCK_ + lane, mask=NORM_BLOCK_ + lane < K, other=0.0)
         w2 = tl.load(w_ptr + 2 * NORM_BLOCK_ + lane, mask=2 * NORM_BLOCK_ + lane < K, other=0.0)
@@ -117,25 +116,6 @@ if triton is not None:
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(n0), axis=0), tl.max(tl.abs(n1), axis=0)),
                           tl.maximum(tl.max(tl.abs(n2), axis=0), tl.max(tl.abs(n3), axis=0)))
         return v0, v1, v2, v3, n0, n1, n2, n3, amax
-
-    @triton.jit
-    def add_norm_quantize_row(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, K, eps, min_scale,
-                              FP8_MAX_: tl.constexpr, NORM_BLOCK_: tl.constexpr, LOG2_NORM_BLOCK: tl.constexpr):
-        """One program's whole add + norm + quantize of a row of ``K <= 4 * NORM_BLOCK_`` columns that other
-        programs of its launch wrote (loaded bypassing L1): ``round(x + r)`` to ``sum_ptr``, its E4M3
-        codes to ``q_ptr`` and scale to ``s_ptr`` (`one_pass_norm`, `row_scale`, `quantize_values`: the
-        bits of `quantize_rows` with ``norm_weight`` and ``residual``, whose launch spreads the
-        chunks over programs)."""
-        v0, v1, v2, v3, n0, n1, n2, n3, amax = one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_,
-                                                             LOG2_NORM_BLOCK, True, True)
-        scale = row_scale(amax, min_scale, FP8_MAX_)
-        inv = inverse_scale(scale)
-        lane = tl.arange(0, NORM_BLOCK_)
-        for c in tl.static_range(4):
-            cols = c * NORM_BLOCK_ + lane
-            tl.store(q_ptr + cols, quantize_values(_chunk(c, n0, n1, n2, n3), inv, FP8_MAX_), mask=cols < K)
-            tl.store(sum_ptr + cols, _chunk(c, v0, v1, v2, v3), mask=cols < K)
-        tl.store(s_ptr, scale)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, stride_rm, stride_qm,
@@ -234,50 +214,6 @@ class RowsWithAmax:
     def shape(self) -> torch.Size:
         """The rows' shape ``(M, K)``."""
         return self.values.shape
-
-
-@dataclasses.dataclass(frozen=True)
-class AddNormQuantize:
-    """What the last program of a W8A8 `stage_ar.gemv.gemv` launch does with the launch's output rows
-    (its ``add_norm_quantize``), instead of a `quantize_rows` launch after it: add the residual,
-    RMS-normalise, quantize, with the bits of ``quantize_rows(out, norm_weight, eps, residual=residual)``
-    (the decoder's add + norm + quantize after o_proj and down_proj: one kernel boundary less). Make it
-    with `for_rows`.
-
-    Attributes:
-        residual: ``(M, N)`` the residual stream in the output dtype, rows contiguous.
-        norm_weight: ``(N,)`` the norm's weight, output dtype.
-        eps: the norm's epsilon.
-        codes: ``(M, N)`` ``torch.float8_e4m3fn``, written: the normalised rows' codes.
-        scales: ``(M,)`` float32, written: their row scales.
-        summed: ``(M, N)`` output dtype, written: ``round(out + residual)``, the new residual stream.
-        counter: ``(1,)`` int32 arrival counter of the launch's programs (zero between launches).
-    """
-
-    residual: torch.Tensor
-    norm_weight: torch.Tensor
-    eps: float
-    codes: torch.Tensor
-    scales: torch.Tensor
-    summed: torch.Tensor
-    counter: torch.Tensor
-
-    @classmethod
-    def for_rows(cls, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                 weight: torch.Tensor) -> AddNormQuantize:
-        """Outputs for ``residual``'s rows and the counter kept for the launch over ``weight``
-        (`stage_ar.arrival.persistent_buffers`, so a captured CUDA graph keeps a valid address)."""
-        from stage_ar.arrival import persistent_buffers
-
-        _, counters = persistent_buffers(weight, "add_norm_quantize", 1, 1)
-        return cls(residual, norm_weight, float(eps), torch.empty(residual.shape, dtype=FP8_DTYPE, device=residual.device),
-                   torch.empty(residual.shape[0], dtype=torch.float32, device=residual.device),
-                   torch.empty_like(residual), counters[:1])
-
-    def rows(self, dtype: torch.dtype, shape: torch.Size | None = None) -> QuantizedRows:
-        """The written codes and scales as `QuantizedRows` standing for ``dtype`` rows of logical
-        ``shape`` (default the codes' ``(M, N)``)."""
-        return QuantizedRows(self.codes, self.scales, dtype, self.codes.shape if shape is None else shape)
 
 
 def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

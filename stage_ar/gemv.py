@@ -65,8 +65,8 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8 import FP8_MAX
-from stage_ar.fp8_activations import MIN_ROW_SCALE, AddNormQuantize, QuantizedRows, RowsWithAmax, quantize_rows
-from stage_ar.row_norm import NORM_BLOCK, rms_norm_rows
+from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
+from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
     INTERPRETED, launch_options, pdl_flag, preload_tiles,
 )
@@ -76,7 +76,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
-    from stage_ar.fp8_activations import add_norm_quantize_row, inverse_scale, quantize_values, row_scale
+    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -95,9 +95,6 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     #: E4M3's largest finite value (`stage_ar.fp8.FP8_MAX`) as the kernels' compile-time constant.
     E4M3_MAX = tl.constexpr(FP8_MAX)
-    #: `stage_ar.row_norm.NORM_BLOCK` and its log2, as the kernels' compile-time constants (``NORM_QUANT``).
-    NQ_BLOCK = tl.constexpr(NORM_BLOCK)
-    NQ_LOG2_BLOCK = tl.constexpr(NORM_BLOCK.bit_length() - 1)
 
     @triton.jit
     def _squares(x_ptr, stride_xm, offs_m, m_mask, k, K):
@@ -266,14 +263,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
-        cnt_ptr, amax_ptr, amax_cnt_ptr, nq_r_ptr, nq_w_ptr, nq_q_ptr, nq_s_ptr, nq_sum_ptr, nq_cnt_ptr,
-        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
+        cnt_ptr, amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-        AMAX_OUT: tl.constexpr = False, NORM_QUANT: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
         gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
@@ -300,13 +296,7 @@ if triton is not None:
         quantized as it is loaded (`stage_ar.fp8_activations.quantize_values` over `row_scale`:
         `quantize_rows`' codes and scales), and the last program to finish (a ticket from
         ``amax_cnt_ptr``, then reset) sets the amax back to zero for the next producer. ``AMAX_OUT``:
-        the output rows' amax into ``amax_ptr`` (`_epilogue`).
-
-        ``NORM_QUANT`` (`stage_ar.fp8_activations.AddNormQuantize`; ``N <= 4 * NORM_BLOCK``): the last
-        program of the launch to finish (a ticket from ``nq_cnt_ptr``, then reset) adds the residual
-        rows at ``nq_r_ptr`` to the output rows, RMS-normalises them with ``nq_w_ptr`` and ``eps`` and
-        quantizes them (`add_norm_quantize_row`): codes to ``nq_q_ptr``, scales to ``nq_s_ptr``, the sums
-        to ``nq_sum_ptr`` (rows of N, contiguous)."""
+        the output rows' amax into ``amax_ptr`` (`_epilogue`)."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
         if PAIRED:
@@ -392,14 +382,6 @@ if triton is not None:
             if last_arrival(amax_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
                 tl.store(amax_ptr + offs_m, tl.zeros((16,), tl.int32))
                 reset_arrivals(amax_cnt_ptr)
-        if NORM_QUANT:  # every output row is stored once every program has arrived (a split's last one
-            # stores its block before it arrives): the last program adds, normalises and quantizes them
-            if last_arrival(nq_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
-                for m in range(M):
-                    add_norm_quantize_row(out_ptr + m * stride_om, nq_r_ptr + m * N, nq_w_ptr, nq_q_ptr + m * N,
-                                          nq_s_ptr + m, nq_sum_ptr + m * N, N, eps, min_scale, E4M3_MAX,
-                                          NQ_BLOCK, NQ_LOG2_BLOCK)
-                reset_arrivals(nq_cnt_ptr)
 
     @triton.jit
     def _preloaded_dot(w, x_ptr, stride_xm, offs_m, m_mask, k0, k_hi, K, norm_ptr, inv_rms, x_inv, acc,
@@ -475,7 +457,7 @@ if triton is not None:
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
             key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-                 "SPLIT_K", "AMAX_OUT", "PRELOAD", "NORM_QUANT"],  # not M; PRELOAD: tiles held in registers
+                 "SPLIT_K", "AMAX_OUT", "PRELOAD"],  # not M; PRELOAD: tiles held in registers
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
@@ -503,7 +485,6 @@ def gemv(
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
     amax_out: torch.Tensor | None = None,
-    add_norm_quantize: AddNormQuantize | None = None,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -557,11 +538,6 @@ def gemv(
         amax_out: ``(16,)`` int32 zeros, or the ``amax`` of `stage_ar.fp8_activations.amax_buffers`:
             each output row's largest magnitude is max-ed into it (float32 bits) for the W8A8 launch
             that reads the output as `stage_ar.fp8_activations.RowsWithAmax`; not with RoPE.
-        add_norm_quantize: W8A8 only (``fp8_compute="fp8"``), a plain output (no ``residual``,
-            ``swiglu``, RoPE or ``amax_out``) of ``N <= 4 * NORM_BLOCK`` columns: the launch's last program
-            also writes the output rows' residual add, RMSNorm and E4M3 quantization into its buffers
-            (`stage_ar.fp8_activations.AddNormQuantize`: the bits of a `quantize_rows` launch after this
-            one).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -591,9 +567,6 @@ def gemv(
             raise ValueError("amax_out does not combine with the RoPE epilogue")
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
                         x_scales, dtype)
-    if add_norm_quantize is not None:
-        _check_add_norm_quantize(add_norm_quantize, x.shape[0], n, dtype, x.device, fp8_compute, weight.dtype,
-                                 residual is not None or swiglu or cos is not None or amax_out is not None)
     fp8_compute = fp8_compute or default_fp8_compute(dtype)
     check_fp8_compute(fp8_compute, dtype)
     if not available(x.device):
@@ -607,31 +580,8 @@ def gemv(
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales, amax_in, amax_out, add_norm_quantize)
+            x_scales, amax_in, amax_out)
     return out
-
-
-def _check_add_norm_quantize(spec: AddNormQuantize, m: int, n: int, dtype: torch.dtype, device: torch.device,
-                             fp8_compute: str | None, weight_dtype: torch.dtype, other_epilogue: bool) -> None:
-    """`gemv`'s ``add_norm_quantize`` checks (see there).
-
-    Raises:
-        ValueError / TypeError: a launch or buffers it does not fit."""
-    if fp8_compute != "fp8" or weight_dtype != FP8_DTYPE:
-        raise ValueError("add_norm_quantize takes W8A8 launches (E4M3 weights, fp8_compute='fp8')")
-    if other_epilogue:
-        raise ValueError("add_norm_quantize takes a plain output: no residual, swiglu, RoPE or amax_out")
-    if n > 4 * NORM_BLOCK:
-        raise ValueError(f"add_norm_quantize takes outputs of at most {4 * NORM_BLOCK} columns, got {n}")
-    expect_tensor("add_norm_quantize.residual", spec.residual, (m, n), dtype, device)
-    expect_tensor("add_norm_quantize.norm_weight", spec.norm_weight, (n,), dtype, device)
-    expect_tensor("add_norm_quantize.codes", spec.codes, (m, n), FP8_DTYPE, device)
-    expect_tensor("add_norm_quantize.scales", spec.scales, (m,), torch.float32, device)
-    expect_tensor("add_norm_quantize.summed", spec.summed, (m, n), dtype, device)
-    expect_tensor("add_norm_quantize.counter", spec.counter, (1,), torch.int32, device)
-    for name in ("residual", "codes", "summed"):
-        if not getattr(spec, name).is_contiguous():
-            raise ValueError(f"add_norm_quantize.{name} must be contiguous")
 
 
 def default_fp8_compute(x_dtype: torch.dtype) -> str:
@@ -641,16 +591,12 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None, x_scales=None, amax_in=None, amax_out=None, add_norm_quantize=None) -> None:
+            rope=None, x_scales=None, amax_in=None, amax_out=None) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
     ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8);
     ``amax_in``: the `RowsWithAmax` ``x`` came from (W8A8 quantized in the prologue); ``amax_out``:
-    the ``(16,)`` int32 buffer the output rows' amax goes into; ``add_norm_quantize``: the
-    `AddNormQuantize` of the launch's last program."""
+    the ``(16,)`` int32 buffer the output rows' amax goes into."""
     (m, k), n = x.shape, out.shape[1]
-    nq = add_norm_quantize
-    if nq is not None:  # the kernel's eps is the norm's it applies (W8A8 has no norm in its prologue)
-        norm_eps = nq.eps
     cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
     if block_k & (block_k - 1) or block_k < 16:
@@ -667,7 +613,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
         out, _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
-        *((nq.residual, nq.norm_weight, nq.codes, nq.scales, nq.summed, nq.counter) if nq is not None else (out,) * 6),
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
         out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
     )
@@ -677,7 +622,6 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
-        NORM_QUANT=nq is not None,
     )
     pdl = pdl_flag(weight.device)
     meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
@@ -743,7 +687,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         FP8_DTYPE if w8a8 else x_dtype, weight_dtype, torch.float32 if fp8 else x_dtype, x_dtype,
         x_dtype, x_dtype, x_dtype, x_dtype, x_dtype, torch.float32 if w8a8 else x_dtype, torch.float32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, torch.int32 if split > 1 else x_dtype,
-        torch.int32 if split > 1 else x_dtype, *(x_dtype,) * 6, MAX_ROWS, n, k, k,
+        torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
         n if residual else 0, rope_head_dim, n, 1e-6, MIN_ROW_SCALE,
         rope_head_dim and n // 2,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,

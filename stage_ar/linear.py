@@ -25,10 +25,7 @@ the norm module's kernels, except `GemvLinear` under W8A8, whose quantizer launc
 residual and normalises (`QuantizedRows`), one launch where there were two. The MLP is one backend
 call too (`LinearBackend.mlp`): under W8A8 with ``"amax"`` fused (opt-in: measured slower) `GemvLinear`
 hands the SwiGLU output to ``down_proj`` with its row amax gathered (`RowsWithAmax`), so ``down_proj``
-quantizes it without a launch of its own (and ``o_proj`` the attention's output likewise). An output
-projection and the pre-norm after it are one backend call as well (`LinearBackend.project_norm_input`:
-``o_proj`` and the post-attention norm, ``down_proj`` and the next layer's input norm): under W8A8 with
-``"add_norm"`` fused (opt-in) `GemvLinear` has that GEMV's last program add, normalise and quantize.
+quantizes it without a launch of its own (and ``o_proj`` the attention's output likewise).
 
 Batch invariance by construction: with `GemvLinear`, a call of at most 16 rows (every decode step of
 up to 16 pool slots, and the B=1 reference's steps) computes each row with a fixed reduction order
@@ -53,8 +50,7 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from stage_ar.fp8_activations import AddNormQuantize, QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows
-from stage_ar.row_norm import NORM_BLOCK
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows
 from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
@@ -97,21 +93,11 @@ class LinearBackend:
         return None
 
     def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
-            act: Callable = silu_and_mul, then: tuple | None = None) -> Any:
+            act: Callable = silu_and_mul) -> torch.Tensor:
         """A SwiGLU MLP: ``down(act(gate_up(x)))`` for ``x (..., K)`` -> ``(..., down.out_features)`` in the
         activation dtype (`MammothLinear.forward_swiglu`, then ``down``; ``act``:
-        `stage_ar.layers.silu_and_mul` or its compiled version). ``then``: ``(norm, residual, ops,
-        consumer)`` of the pre-norm after the MLP (the next layer's): ``down`` through
-        `project_norm_input`, which returns its pair."""
-        hidden = gate_up.forward_swiglu(x, act)
-        return down(hidden) if then is None else down.backend.project_norm_input(down, hidden, *then)
-
-    def project_norm_input(self, linear: MammothLinear, x: Any, norm: nn.Module, residual: torch.Tensor | None,
-                           ops: Any, consumer: MammothLinear | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
-        """An output projection (o_proj, down_proj) and the pre-norm after it in one call, so a backend
-        may fuse them: ``norm_input(norm, linear(x), residual, ops, consumer)`` (`norm_input`'s pair).
-        Here the two in turn (``linear`` called as a module: its hooks run)."""
-        return norm_input(norm, linear(x), residual, ops, consumer)
+        `stage_ar.layers.silu_and_mul` or its compiled version)."""
+        return down(gate_up.forward_swiglu(x, act))
 
     def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -167,16 +153,14 @@ class GemvLinear(LinearBackend):
             (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
             4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, and from 3.27 to
             3.39 ms once the prologue multiplied by the row's inverse scale, 2026-12-06:
-            docs/PERFORMANCE.md); ``"add_norm"`` (W8A8 only, opt-in, not yet measured): the add +
-            norm + quantize after o_proj and down_proj done by their GEMV's last program
-            (`project_norm_input`) instead of a quantizer launch.
+            docs/PERFORMANCE.md).
 
     Raises:
         ValueError: an unknown epilogue name.
     """
 
     #: The epilogues ``fuse_epilogues`` may name.
-    EPILOGUES = ("rope", "swiglu", "amax", "add_norm")
+    EPILOGUES = ("rope", "swiglu", "amax")
     #: Those fused unless a caller says otherwise (``amax`` measured slower: see ``fuse_epilogues``).
     DEFAULT_EPILOGUES = ("rope", "swiglu")
 
@@ -230,7 +214,7 @@ class GemvLinear(LinearBackend):
             return None
         return amax_buffers(consumer.weight)
 
-    def mlp(self, x, gate_up, down, act=silu_and_mul, then=None):
+    def mlp(self, x, gate_up, down, act=silu_and_mul):
         """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
         calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
         (``amax_out``) and ``down`` quantizes those rows in its GEMV's prologue
@@ -241,29 +225,9 @@ class GemvLinear(LinearBackend):
         buffers = self.input_amax(down, rows) if fusable else None
         flat = self._kernel_rows(x, gate_up.weight) if buffers is not None else None
         if flat is None:
-            return super().mlp(x, gate_up, down, act, then)
+            return super().mlp(x, gate_up, down, act)
         hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=buffers[0])
-        rows = RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers)
-        return down(rows) if then is None else self.project_norm_input(down, rows, *then)
-
-    def project_norm_input(self, linear, x, norm, residual, ops, consumer):
-        """`LinearBackend.project_norm_input`; with ``"add_norm"`` fused, under W8A8, for an E4M3 ``linear``
-        without hooks (tensor parallelism's all-reduce must run between the two) of at most `NORM_BLOCK`
-        x 4 outputs, a residual, and a ``consumer`` `norm_input` would quantize for: one launch, whose
-        last program adds, normalises and quantizes (`stage_ar.fp8_activations.AddNormQuantize`: the
-        bits of the two launches)."""
-        fold = ("add_norm" in self.fuse_epilogues and self.fp8_compute == "fp8" and residual is not None
-                and linear.is_fp8 and linear.backend is self and not linear._forward_hooks
-                and not linear._forward_pre_hooks and linear.out_features <= 4 * NORM_BLOCK
-                and consumer is not None and consumer.is_fp8 and consumer.weight.is_contiguous())
-        flat = self._kernel_rows(x, linear.weight) if fold else None
-        rows = flat.shape[0] if flat is not None else 0  # (QuantizedRows and RowsWithAmax: their rows too)
-        if flat is None or residual.numel() != rows * linear.out_features:
-            return super().project_norm_input(linear, x, norm, residual, ops, consumer)
-        spec = AddNormQuantize.for_rows(residual.reshape(rows, -1).contiguous(), norm.weight, norm.variance_epsilon,
-                                        linear.weight)
-        out = self._gemv(flat, linear.weight, linear.bias, linear.weight_scale, add_norm_quantize=spec)
-        return spec.rows(out.dtype, residual.shape), spec.summed.view(residual.shape)
+        return down(RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers))
 
     def norm_input(self, norm, x, residual, ops, consumer):
         """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3

@@ -28,15 +28,11 @@ NORM_BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def row_values(x_ptr, r_ptr, k, K, RESIDUAL: tl.constexpr, CG: tl.constexpr = False):
+    def row_values(x_ptr, r_ptr, k, K, RESIDUAL: tl.constexpr):
         """The row's values at columns ``k`` (0 past K) in its dtype: ``x[k]``, or with ``RESIDUAL``
         ``round(x[k] + r[k])`` (the sum in float32, rounded once to the dtype, as torch adds two
-        bfloat16 tensors and as `mammoth_core.norms.add_rms_norm` forms the residual stream). ``CG``:
-        ``x`` loaded bypassing L1 (other programs of the launch wrote it: `stage_ar.arrival`)."""
-        if CG:
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        bfloat16 tensors and as `mammoth_core.norms.add_rms_norm` forms the residual stream)."""
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
         if RESIDUAL:
             r = tl.load(r_ptr + k, mask=k < K, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)

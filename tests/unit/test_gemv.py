@@ -685,53 +685,6 @@ def test_w8a8_autotuned_launches_read_the_amax_their_producer_left(gemv):
     assert not amax.any() and not counter.any()
 
 
-@pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
-@pytest.mark.parametrize("rows", [1, 3])
-def test_w8a8_last_program_adds_normalises_and_quantizes_the_output(gemv, rows, split):
-    """``add_norm_quantize`` (the decoder's add + norm + quantize after o_proj / down_proj, done by the
-    launch's last program instead of a `quantize_rows` launch): the output is the plain launch's, and
-    the codes, scales and new residual are `quantize_rows(out, norm_weight, eps, residual=...)`'s bit
-    for bit, for one and several rows, unsplit and over K ranges (whose last programs store their
-    blocks before arriving); the counter is back at zero, so the next launch (or replay) works too."""
-    from stage_ar.fp8 import quantize_fp8_per_channel
-    from stage_ar.fp8_activations import AddNormQuantize, quantize_rows
-
-    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
-    g = torch.Generator().manual_seed(29 + rows)
-    n = 72  # o_proj's shape, small: partial column blocks, one norm chunk
-    x = torch.randn(rows, K, generator=g).to(dtype).to(DEVICE)
-    w, scale = (t.to(DEVICE) for t in quantize_fp8_per_channel((torch.randn(n, K, generator=g) / K**0.5).to(dtype)))
-    residual = (4 * torch.randn(rows, n, generator=g)).to(dtype).to(DEVICE)
-    norm_weight = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
-    config = gemv.GemvConfig(64, 4, 3, split_k=split) if not gemv.INTERPRETED else gemv.GemvConfig(16, 4, 1, split_k=split)
-    plain = gemv.gemv(x, w, weight_scale=scale, fp8_compute="fp8", config=config)
-    codes, scales, summed = quantize_rows(plain, norm_weight, 1e-6, residual=residual)
-    for _ in range(2):  # the second launch finds the counter reset
-        spec = AddNormQuantize.for_rows(residual, norm_weight, 1e-6, w)
-        out = gemv.gemv(x, w, weight_scale=scale, fp8_compute="fp8", config=config, add_norm_quantize=spec)
-        assert torch.equal(out, plain)
-        assert torch.equal(spec.codes.view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(spec.scales, scales) and torch.equal(spec.summed, summed)
-        assert not spec.counter.any()
-
-
-def test_w8a8_add_norm_quantize_refuses_what_it_cannot_do(gemv):
-    from stage_ar.fp8 import quantize_fp8_per_channel
-    from stage_ar.fp8_activations import AddNormQuantize
-
-    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
-    x = torch.randn(2, K).to(dtype).to(DEVICE)
-    w, scale = (t.to(DEVICE) for t in quantize_fp8_per_channel((torch.randn(8, K) / K**0.5).to(dtype)))
-    spec = AddNormQuantize.for_rows(torch.zeros(2, 8, dtype=dtype, device=DEVICE),
-                                    torch.ones(8, dtype=dtype, device=DEVICE), 1e-6, w)
-    with pytest.raises(ValueError, match="takes W8A8 launches"):
-        gemv.gemv(x, w, weight_scale=scale, fp8_compute="float16", add_norm_quantize=spec)
-    with pytest.raises(ValueError, match="plain output"):
-        gemv.gemv(x, w, weight_scale=scale, fp8_compute="fp8", residual=spec.residual, add_norm_quantize=spec)
-    with pytest.raises(ValueError, match="add_norm_quantize.residual"):
-        gemv.gemv(x[:1], w, weight_scale=scale, fp8_compute="fp8", add_norm_quantize=spec)
-
-
 def test_w8a8_normalised_projection_runs_no_separate_norm(gemv, monkeypatch):
     """A W8A8 GEMV with ``norm_weight`` folds the norm into its quantizer: `rms_norm_rows` is not
     called (its launch was the third of such a projection), and the result is the one of the norm

@@ -46,9 +46,6 @@ GEMV_FORMS = {
                                                                           RESIDUAL=True, BLOCK_N=64)),
     "w8a8_qkv_split_rope": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True, ROPE=True,
                                                     HEAD_DIM=128, BLOCK_N=64)),
-    # `stage_ar.fp8_activations.AddNormQuantize`: o_proj's last program adds, normalises and quantizes
-    "w8a8_o_add_norm_quantize": (_W8A8_IN | {"nq_q_ptr": "*fp8e4nv", "nq_s_ptr": "*fp32", "nq_cnt_ptr": "*i32"},
-                                 dict(FP8=True, FP8_MODE=3, BLOCK_N=64, NORM_QUANT=True)),
     # `stage_ar.launch_overlap.PRELOAD_TILES` (opt-in): three weight tiles before the wait under "pdl"
     "w8a8_o_preload3": (_W8A8_IN, dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64, PRELOAD=3)),
     "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
@@ -175,7 +172,7 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
         assert (result["loads_before_wait"] > 0) == (GEMV_FORMS[form[5:]][1].get("PRELOAD", 0) > 0), result
     if form.startswith(("split_kv", "combine")):  # `decode_attention.EARLY_LOADS`: its loads before the wait
         assert (result["loads_before_wait"] > 0) == ("early_loads" in form), result
-    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form or "add_norm_quantize" in form
+    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
     if quantizes:  # E4M3 codes by the GPU's conversion, not the interpreter's float32 emulation
         assert result["e4m3_cvt"] and not result["e4m3_emulated"], result
 
