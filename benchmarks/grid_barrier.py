@@ -16,7 +16,8 @@ its own weight (the chain streams more than L2 holds), captured in one CUDA grap
 - ``persistent``: one launch of ``min(blocks, SMs)`` programs that walk the column blocks of each
   phase in turn, a grid barrier between phases;
 - ``persistent_preload``: the same, each program loading its next block's first weight tile before
-  the barrier (weights are no phase's output).
+  the barrier (weights are no phase's output);
+- ``persistent_poll_loads``: the barrier polled by volatile loads instead of atomics.
 
 Shapes: ``tiny`` (256 x 256: the boundary alone), ``o_fp8_bytes`` (1,792 x 3,584 bf16 = 12.8 MB, the
 bytes of W8A8's o_proj) and ``o_bf16`` (3,584 x 3,584, 25.7 MB). Per phase: µs, the µs its bytes take
@@ -82,23 +83,30 @@ def _launch_kernel(x_ptr, w_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _grid_barrier(cnt_ptr, target):
+def _grid_barrier(cnt_ptr, target, POLL: tl.constexpr):
     """Wait until ``target`` arrivals are counted at ``cnt_ptr`` (this program's included): every
-    thread's stores ordered before the ticket (a CTA barrier, a release atomic at GPU scope), the
-    polling atomic an acquire."""
+    thread's stores ordered before the ticket (a CTA barrier, a release atomic at GPU scope). ``POLL``
+    0: polled by acquire atomics; 1: by volatile loads (no read-modify-write at the counter's L2
+    slice), then one acquire atomic once the count is seen."""
     tl.debug_barrier()
     tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    if POLL == 0:
         seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        seen = tl.load(cnt_ptr, volatile=True)
+        while seen < target:
+            seen = tl.load(cnt_ptr, volatile=True)
+        tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
 def _persistent_kernel(x_ptr, w_ptr, outs_ptr, cnt_ptr, K, N, phases, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
-    """The whole chain: phase ``i`` reads row ``i - 1`` of ``outs`` (``x`` for phase 0) and writes row
-    ``i``, over weight ``w_ptr + i * N * K``; programs take column blocks ``pid, pid + G, ...``; a grid
+                       BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, POLL: tl.constexpr = 0):
+    """The whole chain: phase ``i`` reads row ``i - 1`` of ``outs`` (``(phases, K)``; ``x`` for phase 0)
+    and writes the first ``N`` columns of row ``i``, over weight ``w_ptr + i * N * K``; programs take column blocks ``pid, pid + G, ...``; a grid
     barrier between phases (the counter grows by G per phase; the last program to leave resets it)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -106,19 +114,19 @@ def _persistent_kernel(x_ptr, w_ptr, outs_ptr, cnt_ptr, K, N, phases, BLOCK_N: t
     offs_k = tl.arange(0, BLOCK_K)
     w_first = tl.zeros((BLOCK_N, BLOCK_K), w_ptr.dtype.element_ty)
     for i in range(phases):
-        src = x_ptr if i == 0 else outs_ptr + (i - 1) * N
+        src = x_ptr if i == 0 else outs_ptr + (i - 1) * K
         w_i = w_ptr + i * N * K
         for blk in range(pid, blocks, progs):
             first = PRELOAD and (i > 0) and (blk == pid)
             if first:
-                _block(src, w_i, outs_ptr + i * N, blk, K, BLOCK_N, BLOCK_K, w_first, True)
+                _block(src, w_i, outs_ptr + i * K, blk, K, BLOCK_N, BLOCK_K, w_first, True)
             else:
-                _block(src, w_i, outs_ptr + i * N, blk, K, BLOCK_N, BLOCK_K, w_first, False)
+                _block(src, w_i, outs_ptr + i * K, blk, K, BLOCK_N, BLOCK_K, w_first, False)
         if i + 1 < phases:
             if PRELOAD:
                 w_first = tl.load(w_ptr + (i + 1) * N * K + (pid * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * K
                                   + offs_k[None, :])
-            _grid_barrier(cnt_ptr, (i + 1) * progs)
+            _grid_barrier(cnt_ptr, (i + 1) * progs, POLL)
     if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == progs - 1:  # the last one out
         tl.atomic_xchg(cnt_ptr, 0)
         tl.atomic_xchg(cnt_ptr + 1, 0)
@@ -151,7 +159,7 @@ def measure(name: str, n: int, k: int, sms: int, bandwidth: float) -> dict:
     if n != k:  # a chain needs square GEMVs: tile the output to K columns for the next phase's input
         assert k % n == 0
     x = torch.randn(k, device="cuda", generator=g).to(torch.bfloat16)
-    outs = torch.zeros(PHASES, max(n, k), device="cuda", dtype=torch.bfloat16)
+    outs = torch.zeros(PHASES, k, device="cuda", dtype=torch.bfloat16)
     cnt = torch.zeros(2, dtype=torch.int32, device="cuda")
     block_n = 16
     while n // block_n > sms:
@@ -170,16 +178,17 @@ def measure(name: str, n: int, k: int, sms: int, bandwidth: float) -> dict:
                                            num_warps=4, num_stages=4, **({"launch_pdl": True} if pdl else {}))
         return run
 
-    def persistent(preload: bool):
+    def persistent(preload: bool, poll: int = 0):
         def run():
             _persistent_kernel[(progs,)](x, w, outs, cnt, k, n, PHASES, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                         PRELOAD=preload, num_warps=4, num_stages=4)
+                                         PRELOAD=preload, POLL=poll, num_warps=4, num_stages=4)
         return run
 
     variants = {
         "launches_off": launches(0, block_n), "launches_pdl": launches(1, block_n),
         "launches_pdl_bn16": launches(1, 16),
         "persistent": persistent(False), "persistent_preload": persistent(True),
+        "persistent_poll_loads": persistent(False, 1),
     }
     reference = None
     for vname, fn in variants.items():

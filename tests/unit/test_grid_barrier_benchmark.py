@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 grid_barrier = pytest.importorskip("grid_barrier", reason="needs triton")
 
 
-@pytest.mark.parametrize("preload", [False, True])
-def test_persistent_chain_gives_the_bits_of_one_launch_per_phase(preload):
-    n = k = 256
+@pytest.mark.parametrize("preload,poll,n", [(False, 0, 256), (True, 0, 256), (False, 1, 256), (True, 1, 128)])
+def test_persistent_chain_gives_the_bits_of_one_launch_per_phase(preload, poll, n):
+    k = 256
     phases = 3
     g = torch.Generator().manual_seed(0)
     # float16: the interpreter's tl.dot reads bfloat16 operands as their integer bits
@@ -34,12 +34,14 @@ def test_persistent_chain_gives_the_bits_of_one_launch_per_phase(preload):
                                                 BLOCK_K=128, PDL=0)
     launched = outs.clone()
     expected = x.float()
-    for i in range(phases):  # each phase rounds its row to float16 before the next reads it
-        expected = (w[i].float() @ expected).to(torch.float16).float()
+    for i in range(phases):  # each phase rounds its row to float16 before the next reads it; a phase of
+        # n < k outputs writes its row's first n columns, the rest stay zero
+        expected = torch.cat([(w[i].float() @ expected).to(torch.float16).float(), torch.zeros(k - n)])
     torch.testing.assert_close(launched[-1].float(), expected, rtol=2e-3, atol=2e-3)
 
     outs.zero_()
     cnt = torch.zeros(2, dtype=torch.int32)
-    grid_barrier._persistent_kernel[(1,)](x, w, outs, cnt, k, n, phases, BLOCK_N=32, BLOCK_K=128, PRELOAD=preload)
+    grid_barrier._persistent_kernel[(1,)](x, w, outs, cnt, k, n, phases, BLOCK_N=32, BLOCK_K=128, PRELOAD=preload,
+                                          POLL=poll)
     assert torch.equal(outs, launched)
     assert cnt.tolist() == [0, 0]  # the last program out resets both counters for the next launch
