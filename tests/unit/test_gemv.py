@@ -804,3 +804,78 @@ def test_forget_tuning_makes_the_next_launch_tune_at_its_own_row_count(gemv):
     assert gemv.forget_tuning() >= 1 and not any(t.cache for t in gemv._TUNERS.values())
     again = gemv.gemv(x[:1], weight, **(kwargs | {"residual": kwargs["residual"][:1]}))
     assert len(tuner.cache) == 1 and torch.equal(again[0], first[0])
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a8_grouped_rows_from_the_producers_epilogue(gemv, m):
+    """The grouped W8A8 form (`GroupedRows`, opt-in): a producer with ``grouped_out`` stores the bits it
+    stores without and writes each 64-column group's codes and scale as `quantize_groups_reference`
+    does from its output (times the next norm's weight where given, whose inverse RMS cancels out of the
+    codes), with the groups' sums of squares; the consumer on `GroupedRows` (one group per K tile, each
+    dot times its scale, the output times the rows' inverse RMS) gives the reference linear on
+    `GroupedRows.dequantize` (the o_proj -> qkv seam with its norm, and the SwiGLU -> down one without);
+    a row alone gets its bits inside a batch. Refused: a K that is not whole groups, a norm weight on
+    grouped rows, RoPE on a producer, a split launch."""
+    from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
+    from stage_ar.fp8_activations import GroupedOut, GroupedRows, QuantizedRows, quantize_rows
+    from stage_ar.gemv_reference import quantize_groups_reference
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(31)
+    hidden, inner, qkv = 192, 128, 80  # 3 groups of 64; SwiGLU columns: 2 groups; qkv: not whole groups
+
+    def weight(rows, k):
+        w8, scale = quantize_fp8_per_channel((torch.randn(rows, k, generator=g) / k**0.5).to(dtype))
+        return w8.to(DEVICE), scale.to(DEVICE)
+
+    w_o, s_o = weight(hidden, 256)
+    w_qkv, s_qkv = weight(qkv, hidden)
+    w_gu, s_gu = weight(2 * inner, hidden)
+    w_down, s_down = weight(hidden, inner)
+    attn = torch.randn(m, 256, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(m, hidden, generator=g).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    bias = (0.1 * torch.randn(qkv, generator=g)).to(dtype).to(DEVICE)
+    codes, scales = quantize_rows(attn)
+    rows = QuantizedRows(codes, scales, dtype, attn.shape)
+
+    # o_proj (+ residual) -> grouped, normalised by the attention's post-norm
+    plain = gemv.gemv(rows, w_o, weight_scale=s_o, residual=residual)
+    summed, grouped = gemv.gemv(rows, w_o, weight_scale=s_o, residual=residual,
+                                grouped_out=GroupedOut(norm_w, 1e-6))
+    assert torch.equal(summed, plain)
+    want_codes, want_scales, want_sums = quantize_groups_reference(summed, norm_w)
+    assert torch.equal(grouped.codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(grouped.scales, want_scales)
+    torch.testing.assert_close(grouped.sum_squares, want_sums, rtol=1e-6, atol=0)
+    # ... -> qkv with its bias: the linear of the dequantized rows (normalised by r)
+    got = gemv.gemv(grouped, w_qkv, weight_scale=s_qkv, bias=bias)
+    x = grouped.dequantize()
+    want = x @ dequantize_fp8_per_channel(w_qkv, s_qkv, torch.float32).T + bias.float()
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    ref_rms = torch.rsqrt(summed.float().pow(2).mean(dim=1) + 1e-6)
+    torch.testing.assert_close(x, grouped.codes.float() * grouped.scales.repeat_interleave(64, 1) * ref_rms[:, None],
+                               rtol=1e-5, atol=0)
+
+    # gate_up (SwiGLU) -> grouped without a norm -> down (+ residual)
+    _, grouped_mid = gemv.gemv(grouped, w_gu, weight_scale=s_gu, swiglu=True, grouped_out=GroupedOut())
+    mid = gemv.gemv(grouped, w_gu, weight_scale=s_gu, swiglu=True)
+    assert grouped_mid.sum_squares is None
+    want_codes, want_scales, _ = quantize_groups_reference(mid)
+    assert torch.equal(grouped_mid.codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(grouped_mid.scales, want_scales)
+    down = gemv.gemv(grouped_mid, w_down, weight_scale=s_down, residual=summed)
+    want = (grouped_mid.dequantize() @ dequantize_fp8_per_channel(w_down, s_down, torch.float32).T
+            + summed.float())
+    torch.testing.assert_close(down.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+    one = GroupedRows(grouped.codes[-1:], grouped.scales[-1:], grouped.sum_squares[-1:], grouped.eps, dtype)
+    assert torch.equal(gemv.gemv(one, w_qkv, weight_scale=s_qkv, bias=bias)[0], got[-1])
+
+    w_80, s_80 = weight(qkv, 256)  # 80 output columns: not whole groups
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemv.gemv(rows, w_80, weight_scale=s_80, grouped_out=GroupedOut())
+    with pytest.raises(ValueError, match="no norm_weight"):
+        gemv.gemv(grouped, w_qkv, weight_scale=s_qkv, norm_weight=norm_w)
+    with pytest.raises(ValueError, match="split"):
+        gemv.gemv(grouped, w_qkv, weight_scale=s_qkv, config=gemv.GemvConfig(64, 4, 3, split_k=2))

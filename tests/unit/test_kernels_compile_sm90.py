@@ -23,11 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False)
+                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False, GROUP_NORM=False, GROUP_OUT=False,
+                 GROUP_OUT_NORM=False, LOG2_GROUPS=0)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 _AMAX = {"amax_ptr": "*i32", "amax_cnt_ptr": "*i32"}  # W8A8's RowsWithAmax (producer and consumer)
+_GROUPED_IN = {"gss_ptr": "*fp32"}  # GroupedRows: codes and scales in x_ptr / xs_ptr, the group sums here
+_GROUPED_OUT = {"go_q_ptr": "*fp8e4nv", "go_s_ptr": "*fp32", "go_ss_ptr": "*fp32"}
 #: name -> (pointer dtypes other than bf16, constexprs over GEMV_BASE): the served forms
 GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
@@ -51,6 +54,19 @@ GEMV_FORMS = {
     "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
                                                              ROPE=True, HEAD_DIM=128, BLOCK_N=64, PRELOAD=2)),
     "bf16_down_preload3": ({}, dict(RESIDUAL=True, PRELOAD=3)),
+    # the grouped W8A8 form (`stage_ar.fp8_activations.GroupedRows`, opt-in): o_proj writing the next norm's
+    # grouped codes, qkv reading them (one 64-column group per K tile, the inverse RMS from 56 group sums),
+    # gate_up reading them and writing its own, down reading those
+    "w8a8_o_grouped_out_norm": (_W8A8_IN | _GROUPED_OUT, dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64,
+                                                              GROUP_OUT=True, GROUP_OUT_NORM=True)),
+    "w8a8_qkv_grouped_norm_rope": (_W8A8_IN | _GROUPED_IN, dict(FP8=True, FP8_MODE=5, HAS_BIAS=True, ROPE=True,
+                                                                HEAD_DIM=128, BLOCK_N=64, BLOCK_K=64, LOG2_BLOCK_K=6,
+                                                                GROUP_NORM=True, LOG2_GROUPS=6)),
+    "w8a8_gate_up_grouped_in_out": (_W8A8_IN | _GROUPED_IN | _GROUPED_OUT, dict(
+        FP8=True, FP8_MODE=5, SWIGLU=True, BLOCK_N=128, BLOCK_K=64, LOG2_BLOCK_K=6, GROUP_NORM=True, LOG2_GROUPS=6,
+        GROUP_OUT=True)),
+    "w8a8_down_grouped": (_W8A8_IN | _GROUPED_IN, dict(FP8=True, FP8_MODE=5, RESIDUAL=True, BLOCK_N=64, BLOCK_K=64,
+                                                       LOG2_BLOCK_K=6)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
