@@ -99,24 +99,25 @@ if triton is not None:
 
     @triton.jit
     def quantize_groups(y, nw, min_scale, FP8_MAX_: tl.constexpr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr):
-        """The grouped W8A8 form (`GroupedRows`) of a program's output: ``y`` ``(C, 16)`` float32, C
-        consecutive output columns (a multiple of ``GROUP``) of 16 rows, transposed as the GEMV holds them
-        (0 where not stored), and ``nw`` ``(C,)`` float32 (the norm weight at those columns, or ones).
+        """The grouped W8A8 form (`GroupedRows`) of a program's output: ``y`` ``(C, R)`` float32, C
+        consecutive output columns (a multiple of ``GROUP``) of R rows, transposed as the GEMV holds them
+        (R = 16; 0 where not stored), and ``nw`` ``(C,)`` float32 (the norm weight at those columns, or ones).
         Per group ``g`` and row: ``a = amax(|y * nw|)`` (the product exact: both hold 8-bit mantissas),
         ``scale = max(a / FP8_MAX_, min_scale)``, codes ``e4m3(clamp(y * nw * (1 / scale)))``
         (`row_scale`, `inverse_scale`, `quantize_values`), and the sum of ``y²`` by `fold_pairs`.
-        Returns codes ``(C, 16)`` E4M3, scales and sums of squares ``(C / GROUP, 16)`` float32.
+        Returns codes ``(C, R)`` E4M3, scales and sums of squares ``(C / GROUP, R)`` float32.
 
         Why ``nw`` and not the norm: RMSNorm multiplies a row by one positive ``r = rsqrt(mean(y²) +
         eps)``, which cancels out of ``(y r nw) / (r a / FP8_MAX_)``; the consumer multiplies its output
         by ``r`` from the groups' sums (`grouped_inv_rms`), so no program needs the whole row."""
         C: tl.constexpr = y.shape[0]
+        R: tl.constexpr = y.shape[1]
         NG: tl.constexpr = C // GROUP
         v = y * nw[:, None]
-        amax = tl.max(tl.reshape(tl.abs(v), (NG, GROUP, 16)), axis=1)
+        amax = tl.max(tl.reshape(tl.abs(v), (NG, GROUP, R)), axis=1)
         scale = row_scale(amax, min_scale, FP8_MAX_)
-        inv = tl.reshape(tl.broadcast_to(tl.reshape(inverse_scale(scale), (NG, 1, 16)), (NG, GROUP, 16)), (C, 16))
-        sums = fold_pairs(tl.reshape(y * y, (NG, GROUP, 16)), LOG2_GROUP)
+        inv = tl.reshape(tl.broadcast_to(tl.reshape(inverse_scale(scale), (NG, 1, R)), (NG, GROUP, R)), (C, R))
+        sums = fold_pairs(tl.reshape(y * y, (NG, GROUP, R)), LOG2_GROUP)
         return quantize_values(v, inv, FP8_MAX_), scale, sums
 
     @triton.jit

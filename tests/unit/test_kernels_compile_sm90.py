@@ -71,7 +71,7 @@ GEMV_FORMS = {
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
                    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32",
-                   "amax_ptr": "*i32"}
+                   "amax_ptr": "*i32", "go_q_ptr": "*fp8e4nv", "go_s_ptr": "*fp32", "min_scale": "fp32"}
 
 
 #: ``(NORM, RESIDUAL)`` of the W8A8 quantizer's forms: alone (o and down inputs), with the first
@@ -117,6 +117,10 @@ def _forms():
     yield "combine_early_loads", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
         EARLY_LOADS=True))
+    # the grouped W8A8 form for o_proj (opt-in): each head's two 64-column groups quantized by its program
+    yield "combine_early_loads_grouped_out", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
+        GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, EARLY_LOADS=True,
+        GROUP_OUT=True))
     # `decode_attention.MERGE_CHUNK` (opt-in): the served pool's 256 split slots merged 16 at a time
     yield "combine_early_loads_merge_chunk_16", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
@@ -171,7 +175,7 @@ def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
     names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads",
-              "combine_early_loads_merge_chunk_16"]
+              "combine_early_loads_merge_chunk_16", "combine_early_loads_grouped_out"]
     return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 
@@ -188,7 +192,7 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
         assert (result["loads_before_wait"] > 0) == (GEMV_FORMS[form[5:]][1].get("PRELOAD", 0) > 0), result
     if form.startswith(("split_kv", "combine")):  # `decode_attention.EARLY_LOADS`: its loads before the wait
         assert (result["loads_before_wait"] > 0) == ("early_loads" in form), result
-    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
+    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form or "grouped_out" in form
     if quantizes:  # E4M3 codes by the GPU's conversion, not the interpreter's float32 emulation
         assert result["e4m3_cvt"] and not result["e4m3_emulated"], result
 
