@@ -2,7 +2,7 @@
 folds of 2026-12-03 (add + norm inside the quantizer; the MLP's and o_proj's quantization in the
 consumer GEMV's prologue) pays.
 
-    PYTHONPATH=. python3 benchmarks/w8a8_parts.py "$OUT/w8a8_parts.json"
+    PYTHONPATH=. python3 benchmarks/w8a8_parts.py "$OUT/w8a8_parts.json" [off,pdl]
 
 Preview shapes (hidden 3,584, intermediate 18,944, qkv 4,608), random weights, M = 1. Every part is
 captured ``copies`` times into one CUDA graph over distinct weights (more than 4 x L2 of weight bytes
@@ -54,7 +54,7 @@ def _weights(rows: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(ws["w8"], ws["scale"]) for ws in B.make_weights(shape, B.weight_copies(shape, weight_bytes=1), seed=rows)]
 
 
-def main(out: str) -> None:
+def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
     torch.manual_seed(0)
     x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
     r = torch.randn(1, H, device="cuda").to(torch.bfloat16)
@@ -102,7 +102,7 @@ def main(out: str) -> None:
                                            rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
     }
     res: dict = {"command": "benchmarks/w8a8_parts.py", "gpu_state": snapshot(), "us_per_call": {}}
-    for mode in ("off", "pdl"):
+    for mode in modes:
         launch_overlap.MODE = mode
         row = res["us_per_call"][mode] = {}
         for name, calls in parts.items():
@@ -122,4 +122,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "w8a8_parts.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "w8a8_parts.json",
+         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("off", "pdl"))
