@@ -632,20 +632,22 @@ def gemv(
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
     out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
+    rope = (cos, sin, rope_columns) if cos is not None else None
+    grouped = _grouped_outputs(grouped_out, out, w8a8, rope, amax_out)  # refused before any launch
     if w8a8 and x_scales is None and amax_in is None:  # the norm (if any) and the quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
         norm_weight = None
     elif norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
-    rope = (cos, sin, rope_columns) if cos is not None else None
-    grouped = _grouped_outputs(grouped_out, out, w8a8, rope, amax_out)
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
             x_scales, amax_in, amax_out, grouped_out=grouped)
     return out if grouped is None else (out, grouped[1])
 
 
 def _grouped_outputs(spec: GroupedOut | None, out: torch.Tensor, w8a8: bool, rope, amax_out) -> tuple | None:
-    """``(spec, GroupedRows)`` with the buffers a ``grouped_out`` launch writing ``out (M, N)`` fills, or None.
+    """``(spec, GroupedRows, sums)`` for a ``grouped_out`` launch writing ``out (M, N)``, or None: the
+    rows it fills, and the ``(M, N / GROUP_COLUMNS)`` float32 buffer its group sums of squares go to
+    (the rows' `GroupedRows.sum_squares` under a norm, else scratch).
 
     Raises:
         ValueError: not W8A8, with RoPE or ``amax_out``, N not a multiple of `GROUP_COLUMNS`, or a norm
