@@ -24,7 +24,9 @@ where the part streams weights) and reported as us per call, under `stage_ar.lau
   down write their consumer's groups from the epilogue (o and down with the next norm's weight). A
   layer in this form is those four launches where today's is ``quantize`` + ``o_codes`` +
   ``quantize_add_norm`` + ``gate_up`` + ``quantize_wide`` + ``down_codes`` + ``quantize_add_norm`` +
-  ``qkv`` (the attention's combine would write o's groups: not built yet).
+  ``qkv``. ``layer_served`` / ``layer_grouped``: those eight launches / the four grouped ones chained as a
+  layer runs them (each reads what the one before wrote; µs per layer), o's input as the attention
+  leaves it (quantized by its own launch today, grouped by the combine in the other form).
 """
 
 from __future__ import annotations
@@ -75,6 +77,31 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
         amax, counter = amax_buffers(weight)
         return RowsWithAmax(values, amax, counter)
 
+    def layer_served(i):
+        """A W8A8 layer's launches after the attention, as the decoder runs them today (8 launches)."""
+        o = G.gemv(QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape), o_w[i % len(o_w)][0],
+                   weight_scale=o_w[i % len(o_w)][1])
+        codes, scales, summed = quantize_rows(o, nw, 1e-6, residual=r)
+        mid = G.gemv(QuantizedRows(codes, scales, torch.bfloat16, o.shape), gu_w[i % len(gu_w)][0],
+                     weight_scale=gu_w[i % len(gu_w)][1], swiglu=True)
+        down = G.gemv(QuantizedRows(*quantize_rows(mid), torch.bfloat16, mid.shape), down_w[i % len(down_w)][0],
+                      weight_scale=down_w[i % len(down_w)][1])
+        codes, scales, _ = quantize_rows(down, nw, 1e-6, residual=summed)
+        return G.gemv(QuantizedRows(codes, scales, torch.bfloat16, down.shape), qkv_w[i % len(qkv_w)][0],
+                      weight_scale=qkv_w[i % len(qkv_w)][1], bias=qkv_bias, cos=cos, sin=sin,
+                      rope_columns=(28 + 4) * HEAD_DIM)
+
+    def layer_grouped(i):
+        """The same in the grouped form (4 launches; the combine would write o's groups)."""
+        summed, rows = G.gemv(grouped_h, o_w[i % len(o_w)][0], weight_scale=o_w[i % len(o_w)][1], residual=r,
+                              grouped_out=GroupedOut(nw))
+        _, rows = G.gemv(rows, gu_w[i % len(gu_w)][0], weight_scale=gu_w[i % len(gu_w)][1], swiglu=True,
+                         grouped_out=GroupedOut())
+        _, rows = G.gemv(rows, down_w[i % len(down_w)][0], weight_scale=down_w[i % len(down_w)][1], residual=summed,
+                         grouped_out=GroupedOut(nw))
+        return G.gemv(rows, qkv_w[i % len(qkv_w)][0], weight_scale=qkv_w[i % len(qkv_w)][1], bias=qkv_bias, cos=cos,
+                      sin=sin, rope_columns=(28 + 4) * HEAD_DIM)
+
     parts = {
         "norm": [lambda: rms_norm_rows(x, nw, 1e-6)] * 16,
         "quantize": [lambda: quantize_rows(x)] * 16,
@@ -100,6 +127,9 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
                          for w in down_w],
         "qkv_grouped": [lambda w=w: G.gemv(grouped_h_norm, w[0], weight_scale=w[1], bias=qkv_bias, cos=cos, sin=sin,
                                            rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
+        # a layer after its attention, chained (each launch reads what the one before wrote), per layer
+        "layer_served": [lambda i=i: layer_served(i) for i in range(8)],
+        "layer_grouped": [lambda i=i: layer_grouped(i) for i in range(8)],
     }
     res: dict = {"command": "benchmarks/w8a8_parts.py", "gpu_state": snapshot(), "us_per_call": {}}
     for mode in modes:
