@@ -4,7 +4,9 @@ the partials and writes the output, in the same launch (no second kernel, no red
 
 Used by `stage_ar.gemv` (split-K: the programs of one column block). Tried for the split-KV decode
 attention too and measured slower there (one program merging a GQA group serially,
-docs/PERFORMANCE.md, issue 17's fifth session). The combining program reads the partials in a fixed
+docs/PERFORMANCE.md, issue 17's fifth session), and for W8A8's add + norm + quantize after o_proj and
+down_proj (the GEMV's last program doing the row: +0.17 ms per step on the H100, seventeenth session,
+removed): a tail one program runs after its ticket is latency no PDL launch overlaps. The combining program reads the partials in a fixed
 order (split 0, 1, ...), whichever program arrives last, so the output's bits do not depend on
 scheduling. It resets the counter to zero, so the next launch (or CUDA graph replay) finds it so.
 
