@@ -293,6 +293,7 @@ class GroupedRows:
             ``r = rsqrt(sum / K + eps)``, the norm weight inside the codes).
         eps: the norm's epsilon.
         dtype: the activation dtype the rows stand for.
+        view_shape: the rows' logical shape ``(..., K)`` (leading dims multiply to M), or None: ``(M, K)``.
     """
 
     codes: torch.Tensor
@@ -300,19 +301,20 @@ class GroupedRows:
     sum_squares: torch.Tensor | None
     eps: float
     dtype: torch.dtype
+    view_shape: torch.Size | None = None
 
     @property
     def shape(self) -> torch.Size:
-        """The rows' shape ``(M, K)``."""
-        return self.codes.shape
+        """The rows' logical shape (`view_shape`, else the codes' ``(M, K)``)."""
+        return self.codes.shape if self.view_shape is None else torch.Size(self.view_shape)
 
     def dequantize(self) -> torch.Tensor:
         """The ``(M, K)`` float32 activations the consumer multiplies: codes times their group's scale,
         times the row's inverse RMS where `sum_squares` is given (its pairwise order: `grouped_inv_rms`)."""
         rows = self.codes.float() * self.scales.repeat_interleave(GROUP_COLUMNS, dim=1)
-        if self.sum_squares is None:
-            return rows
-        return rows * grouped_inv_rms_reference(self.sum_squares, self.codes.shape[1], self.eps)[:, None]
+        if self.sum_squares is not None:
+            rows = rows * grouped_inv_rms_reference(self.sum_squares, self.codes.shape[1], self.eps)[:, None]
+        return rows.view(self.shape)
 
 
 def grouped_inv_rms_reference(sum_squares: torch.Tensor, k: int, eps: float) -> torch.Tensor:

@@ -735,7 +735,7 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     amax = amax_in.amax if amax_in is not None else amax_out
     autotuned = config is None and not INTERPRETED
     c = config or INTERPRETER_CONFIG
-    if grouped_out is not None and config is None:  # a program's columns: whole groups
+    if grouped_out is not None and not autotuned:  # a program's columns: whole groups
         c = dataclasses.replace(c, block_n=max(c.block_n, GROUP_COLUMNS * (2 if paired else 1)))
     go_spec, go_rows, go_sums = grouped_out if grouped_out is not None else (None, None, None)
     args = (
