@@ -139,9 +139,10 @@ if triton is not None:
     def one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_: tl.constexpr, LOG2_NORM_BLOCK: tl.constexpr,
                       RESIDUAL: tl.constexpr):
         """A row of ``K <= 4 * NORM_BLOCK_`` columns loaded once as four ``(NORM_BLOCK_,)`` chunks (its
-        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``), and its Qwen2 RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`,
-        `normalized`: `rms_norm_rows`' bits). Returns ``v0..v3`` (the row's dtype, 0 past K), the
-        normalised ``n0..n3`` (float32) and their amax (float32)."""
+        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``), and its Qwen2
+        RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`, `normalized`: `rms_norm_rows`'
+        bits). Returns ``v0..v3`` (the row's dtype, 0 past K), the normalised ``n0..n3`` (float32) and
+        their amax (float32)."""
         lane = tl.arange(0, NORM_BLOCK_)
         v0 = row_values(x_ptr, r_ptr, lane, K, RESIDUAL)
         v1 = row_values(x_ptr, r_ptr, NORM_BLOCK_ + lane, K, RESIDUAL)
@@ -317,15 +318,19 @@ class GroupedRows:
         return rows.view(self.shape)
 
 
-def grouped_inv_rms_reference(sum_squares: torch.Tensor, k: int, eps: float) -> torch.Tensor:
-    """`grouped_inv_rms` in torch: ``(M, G)`` group sums -> ``(M,)`` float32 ``rsqrt(sum / k + eps)``,
-    the groups added by the same pairwise tree (padded with zeros to a power of two)."""
-    t = sum_squares.float()
-    width = 1 << max(0, (t.shape[1] - 1).bit_length())
-    t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
+def fold_pairs_reference(t: torch.Tensor) -> torch.Tensor:
+    """`fold_pairs` in torch: ``(M, W)`` float32 -> ``(M,)``, the last axis padded with zeros to a power of
+    two and summed by the same pairwise tree (lane ``b`` plus lane ``b + n / 2``, halving)."""
+    t = torch.nn.functional.pad(t, (0, (1 << max(0, (t.shape[1] - 1).bit_length())) - t.shape[1]))
     while t.shape[1] > 1:
         t = t[:, : t.shape[1] // 2] + t[:, t.shape[1] // 2:]
-    return torch.rsqrt(t[:, 0] / k + eps)
+    return t[:, 0]
+
+
+def grouped_inv_rms_reference(sum_squares: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """`grouped_inv_rms` in torch: ``(M, G)`` group sums -> ``(M,)`` float32 ``rsqrt(sum / k + eps)``,
+    the groups added by `fold_pairs_reference`."""
+    return torch.rsqrt(fold_pairs_reference(sum_squares.float()) / k + eps)
 
 
 def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -602,18 +602,18 @@ def gemv(
         TypeError: dtypes that do not fit the above.
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
-    grouped_in = x if isinstance(x, GroupedRows) else None
-    if grouped_in is not None:
-        return _grouped_gemv(grouped_in, weight, weight_scale, bias, norm_weight, residual, swiglu, config, fp8_compute,
-                             cos, sin, rope_columns, amax_out, grouped_out)
     x_scales, dtype, amax_in = None, x.dtype if not isinstance(x, RowsWithAmax) else x.values.dtype, None
-    if isinstance(x, (QuantizedRows, RowsWithAmax)):
+    grouped_in = x if isinstance(x, GroupedRows) else None
+    if isinstance(x, (QuantizedRows, RowsWithAmax, GroupedRows)):
         if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE:
             raise ValueError(f"{type(x).__name__} take E4M3 weights and fp8_compute='fp8' (W8A8), got "
                              f"{weight.dtype} weights and fp8_compute={fp8_compute!r}")
         fp8_compute = "fp8"
         if isinstance(x, QuantizedRows):
             x, x_scales = x.codes, x.scales
+        elif grouped_in is not None:
+            _check_grouped_rows(grouped_in, norm_weight, amax_out, config)
+            x, x_scales, norm_eps = x.codes, x.scales, x.eps
         else:
             if norm_weight is not None:
                 raise ValueError("RowsWithAmax are quantized as they are: no norm_weight")
@@ -625,7 +625,7 @@ def gemv(
         if cos is not None:
             raise ValueError("amax_out does not combine with the RoPE epilogue")
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
-                        x_scales, dtype)
+                        x_scales if grouped_in is None else x_scales.new_ones(x_scales.shape[0]), dtype)  # groups: above
     fp8_compute = fp8_compute or default_fp8_compute(dtype)
     check_fp8_compute(fp8_compute, dtype)
     if not available(x.device):
@@ -640,7 +640,7 @@ def gemv(
     elif norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales, amax_in, amax_out, grouped_out=grouped)
+            x_scales, amax_in, amax_out, grouped_in=grouped_in, grouped_out=grouped)
     return out if grouped is None else (out, grouped[1])
 
 
@@ -672,12 +672,13 @@ def _grouped_outputs(spec: GroupedOut | None, out: torch.Tensor, w8a8: bool, rop
     return spec, rows, rows.sum_squares if rows.sum_squares is not None else rows.scales.new_empty((m, groups))
 
 
-def _grouped_gemv(x: GroupedRows, weight, weight_scale, bias, norm_weight, residual, swiglu, config, fp8_compute,
-                  cos, sin, rope_columns, amax_out, grouped_out):
-    """`gemv` on `GroupedRows` (FP8_MODE 5): checks, then one launch."""
-    if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE:
-        raise ValueError(f"GroupedRows take E4M3 weights and fp8_compute='fp8' (W8A8), got {weight.dtype} weights "
-                         f"and fp8_compute={fp8_compute!r}")
+def _check_grouped_rows(x: GroupedRows, norm_weight, amax_out, config) -> None:
+    """What `gemv` takes on `GroupedRows` (FP8_MODE 5), beyond any W8A8 launch's checks.
+
+    Raises:
+        ValueError: a norm weight (the rows carry theirs), ``amax_out``, K not whole groups, scales or
+            sums of the wrong shape, a split-K config.
+    """
     if norm_weight is not None:
         raise ValueError("GroupedRows carry their norm (sum_squares): no norm_weight")
     if amax_out is not None:
@@ -691,16 +692,6 @@ def _grouped_gemv(x: GroupedRows, weight, weight_scale, bias, norm_weight, resid
                       x.codes.device)
     if config is not None and (config.split_k or 1) != 1:
         raise ValueError("GroupedRows take no split-K launch")
-    n = check_gemv_args(x.codes, weight, weight_scale, bias, None, residual, swiglu, cos, sin, rope_columns,
-                        torch.ones(m, dtype=torch.float32, device=x.codes.device), x.dtype)
-    if not available(x.codes.device):
-        raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.codes.device}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.codes.device)
-    rope = (cos, sin, rope_columns) if cos is not None else None
-    grouped = _grouped_outputs(grouped_out, out, True, rope, None)
-    _launch(x.codes, weight, weight_scale, bias, None, x.eps, residual, swiglu, config, "fp8", out, rope, x.scales,
-            grouped_in=x, grouped_out=grouped)
-    return out if grouped is None else (out, grouped[1])
 
 
 def default_fp8_compute(x_dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from stage_ar.gemv_checks import check_fp8_compute, check_gemv_args
 from stage_ar.fp8 import FP8_MAX
-from stage_ar.fp8_activations import GROUP_COLUMNS, MIN_ROW_SCALE
+from stage_ar.fp8_activations import GROUP_COLUMNS, MIN_ROW_SCALE, fold_pairs_reference
 from stage_ar.gemv_configs import FP8_DTYPE
 from stage_ar.layers import apply_rope, silu_and_mul
 
@@ -115,8 +115,6 @@ def quantize_groups_reference(y: torch.Tensor, norm_weight: torch.Tensor | None 
     m, n = y.shape
     v = y.float() * (norm_weight.float() if norm_weight is not None else 1.0)
     codes, scales = quantize_rows_reference(v.reshape(m * n // GROUP_COLUMNS, GROUP_COLUMNS))
-    sq = (y.float() ** 2).reshape(m * n // GROUP_COLUMNS, GROUP_COLUMNS)
-    while sq.shape[1] > 1:
-        sq = sq[:, : sq.shape[1] // 2] + sq[:, sq.shape[1] // 2:]
+    sq = fold_pairs_reference((y.float() ** 2).reshape(m * n // GROUP_COLUMNS, GROUP_COLUMNS))
     groups = n // GROUP_COLUMNS
     return codes.reshape(m, n), scales.reshape(m, groups), sq.reshape(m, groups)
