@@ -625,7 +625,7 @@ def gemv(
         if cos is not None:
             raise ValueError("amax_out does not combine with the RoPE epilogue")
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
-                        x_scales if grouped_in is None else x_scales.new_ones(x_scales.shape[0]), dtype)  # groups: above
+                        x_scales if grouped_in is None else x_scales.new_empty(x_scales.shape[0]), dtype)  # groups: above
     fp8_compute = fp8_compute or default_fp8_compute(dtype)
     check_fp8_compute(fp8_compute, dtype)
     if not available(x.device):
