@@ -879,3 +879,21 @@ def test_w8a8_grouped_rows_from_the_producers_epilogue(gemv, m):
         gemv.gemv(grouped, w_qkv, weight_scale=s_qkv, norm_weight=norm_w)
     with pytest.raises(ValueError, match="split"):
         gemv.gemv(grouped, w_qkv, weight_scale=s_qkv, config=gemv.GemvConfig(64, 4, 3, split_k=2))
+
+
+def test_w8a8_grouped_out_it_cannot_take_is_refused_before_any_launch(gemv, monkeypatch):
+    """A ``grouped_out`` the launch cannot take (80 output columns: not whole 64-column groups) is refused
+    before the W8A8 quantizer runs on the rows: nothing is launched for a call that fails."""
+    from stage_ar.fp8 import quantize_fp8_per_channel
+    from stage_ar.fp8_activations import GroupedOut
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(37)
+    w8, scale = (t.to(DEVICE) for t in quantize_fp8_per_channel((torch.randn(80, 256, generator=g) / 16).to(dtype)))
+    x = torch.randn(2, 256, generator=g).to(dtype).to(DEVICE)
+    launched = []
+    real = gemv.quantize_rows
+    monkeypatch.setattr(gemv, "quantize_rows", lambda *a, **k: launched.append(1) or real(*a, **k))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemv.gemv(x, w8, weight_scale=scale, fp8_compute="fp8", grouped_out=GroupedOut())
+    assert not launched
