@@ -117,6 +117,15 @@ def _py_spy(pid: int, seconds: int, out: pathlib.Path) -> None:
                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+def _logged_picks(log: str) -> dict | None:
+    """The GEMV picks the AR logged after its warm-up (`stage_ar.engine`), or None."""
+    marker = "GEMV picks ("
+    for line in log.splitlines():
+        if marker in line:
+            return json.loads(line[line.index("{", line.index(marker)):])
+    return None
+
+
 def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int = 32,
         extra: list[str] | None = None, profile_seconds: int = 0, profile_out: pathlib.Path | None = None) -> dict:
     """Start the AR, send ``requests`` requests of a ``grid`` x ``grid`` AR grid one at a time
@@ -148,6 +157,7 @@ def run(checkpoint: str, *, device: str = "cuda", requests: int = 10, grid: int 
                 "first_over_last": results[0]["wall_ms"] / results[-1]["wall_ms"],
                 "ms_per_token_median": statistics.median(r["ms_per_token"] for r in later),
                 "gpu_state_before": gpu_before, "gpu_state_after": gpu_after,
+                "gemv_picks": _logged_picks((workdir / "ar.log").read_text()),
                 "ar_log_tail": (workdir / "ar.log").read_text()[-3000:]}
 
     return asyncio.run(main())

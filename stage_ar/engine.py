@@ -25,6 +25,7 @@ roles are the server's business.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from stage_ar import gemv
 from stage_ar.engine_io import (  # noqa: F401 - re-exported: the engine's public interface
     CollectingSink, DecodeJob, EngineOutput, JobStats, Role, RowSink, RowsReady, SequenceDone,
 )
@@ -224,6 +226,10 @@ class DecodeEngine:
         logger.info("AR runner: %d slots x %d positions (%.2f GiB KV), exact_rows=%s, cuda_graphs=%s, "
                     "warm-up %s s (%.1f s in all)", r.num_slots, r.capacity, r.pool.nbytes / 2**30, r.exact_rows,
                     r.cuda_graphs, None if self.warmup_s is None else round(self.warmup_s, 2), time.perf_counter() - t0)
+        picks = gemv.tuned_picks()
+        if picks:  # what this process's GEMVs run with: the makings of a picks file (`stage_ar.gemv.pinned_picks`)
+            logger.info("GEMV picks (%d variants; %d pinned from a picks file): %s", len(picks),
+                        len(gemv.pinned_picks(self.runner.device)), json.dumps(picks, separators=(",", ":")))
         self.ready.set()
 
     def _loop(self) -> None:

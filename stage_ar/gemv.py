@@ -55,11 +55,14 @@ from __future__ import annotations
 
 
 import dataclasses
+import logging
+import os
 
 import torch
 
 from stage_ar.arrival import persistent_buffers
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
+    PICKS_ENV, load_picks, pick_key, shipped_picks_path,
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, W8A8_GROUPED_TUNED_CONFIGS, W8A8_TUNED_CONFIGS,
     GemvConfig, block_k_for,
     fits_shared_memory, split_k_for, tuned_configs,
@@ -89,6 +92,17 @@ except ImportError:  # pragma: no cover - depends on the installation
 _FP8_MODES = {"activation": 0, "float16": 1, "float16_bits": 2, "fp8": 3}
 #: float16's largest finite magnitude: float16-compute activations saturate there.
 F16_MAX = 65504.0
+
+
+logger = logging.getLogger(__name__)
+
+#: The autotuning key (`pick_key`'s names): N, K and the compile-time flags, not M; PRELOAD: tiles
+#: held in registers.
+_KEY_NAMES = ("N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
+              "SPLIT_K", "AMAX_OUT", "PRELOAD", "GROUP_OUT")
+#: ``[warm-up, repetitions]`` in ms of each candidate's timing (Triton's ``do_bench``);
+#: `benchmarks/gemv_pick.py` raises them to choose the picks it pins.
+TUNING_MS = [5, 20]
 
 
 def available(device: torch.device) -> bool:
@@ -489,27 +503,32 @@ if triton is not None:
 
     _kernel = triton.heuristics({"EVEN_N": _even_n})(_gemv_kernel)
 
-    def _prune(configs, named_args, **meta):
-        """Drop candidates that would not fit shared memory (or are wider than N)."""
-        n_cap = max(16, triton.next_power_of_2(named_args["N"]))
-        # a grouped producer's program covers whole groups (BLOCK_N / 2 columns when paired)
+    def _allowed(c: GemvConfig, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, meta: dict) -> bool:
+        """Whether candidate ``c`` may launch this variant: it fits shared memory, is no wider than N,
+        and a grouped producer's program covers whole groups (BLOCK_N / 2 columns when paired)."""
+        n_cap = max(16, triton.next_power_of_2(n))
         group_min = GROUP_COLUMNS * (2 if meta.get("SWIGLU") or meta.get("ROPE") else 1) if meta.get("GROUP_OUT") else 0
-        kept = [c for c in configs if group_min <= c.kwargs["BLOCK_N"] <= n_cap and fits_shared_memory(
-            GemvConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, meta["BLOCK_K"]),
-            named_args["x_ptr"].dtype, named_args["w_ptr"].dtype)]
+        return group_min <= c.block_n <= n_cap and fits_shared_memory(
+            dataclasses.replace(c, block_k=meta["BLOCK_K"]), x_dtype, w_dtype)
+
+    def _prune(configs, named_args, **meta):
+        """Drop candidates `_allowed` refuses."""
+        kept = [c for c in configs if _allowed(GemvConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages),
+                                               named_args["N"], named_args["x_ptr"].dtype,
+                                               named_args["w_ptr"].dtype, meta)]
         return kept or configs[:1]
 
     def _autotuned(configs):
         return triton.autotune(
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
-            key=["N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-                 "SPLIT_K", "AMAX_OUT", "PRELOAD", "GROUP_OUT"],  # not M; PRELOAD: tiles held in registers
+            key=list(_KEY_NAMES),
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
             restore_value=["amax_ptr"],
-            do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+            do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=TUNING_MS[0], rep=TUNING_MS[1],
+                                                                   quantiles=quantiles),
         )(_kernel)
 
     _TUNERS = {configs: _autotuned(configs)
@@ -753,12 +772,20 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     meta.update(PDL=pdl, PRELOAD=0 if grouped_in is not None else preload_tiles(), **launch_options(pdl))
     if autotuned:
         configs = W8A8_GROUPED_TUNED_CONFIGS if grouped else tuned_configs(weight.dtype, fp8_compute)
-        tuned = _LAST_TUNED[0] = _TUNERS[configs]
-        _LAST_TUNED[1] = split
-        tuned[lambda meta_: (triton.cdiv(columns, meta_["BLOCK_N"] // (2 if paired else 1)), split)](*args, **meta)
-    else:
-        grid = (triton.cdiv(columns, c.block_n // (2 if paired else 1)), split)
-        _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+        key = pick_key({**meta, "N": n, "K": k}, x.dtype, weight.dtype, out.dtype, _KEY_NAMES)
+        pinned = pinned_picks(weight.device).get(key)
+        if pinned is None or pinned not in configs or not _allowed(pinned, n, x.dtype, weight.dtype, meta):
+            # time the candidates (once per key and process)
+            tuned = _LAST_TUNED[0] = _TUNERS[configs]
+            _LAST_TUNED[1] = split
+            tuned[lambda meta_: (triton.cdiv(columns, meta_["BLOCK_N"] // (2 if paired else 1)), split)](*args, **meta)
+            best = tuned.best_config
+            _PICKED[key] = GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return
+        _LAST_TUNED[0], _LAST_TUNED[1] = pinned, split
+        c = _PICKED[key] = pinned
+    grid = (triton.cdiv(columns, c.block_n // (2 if paired else 1)), split)
+    _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
 
 
 #: Column padding of a split launch's partials: the widest ``BLOCK_N`` any launch may use.
@@ -830,7 +857,10 @@ def last_tuned_config() -> GemvConfig | None:
     shape's rule gave it (``None`` before any, or under the interpreter)."""
     best = None
     if triton is not None and not INTERPRETED:
-        best = _LAST_TUNED[0] and getattr(_LAST_TUNED[0], "best_config", None)
+        best = _LAST_TUNED[0]
+        if isinstance(best, GemvConfig):  # a pinned pick (`pinned_picks`)
+            return dataclasses.replace(best, split_k=_LAST_TUNED[1])
+        best = best and getattr(best, "best_config", None)
     if best is None:
         return None
     return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages, split_k=_LAST_TUNED[1])
@@ -848,7 +878,48 @@ def forget_tuning() -> int:
         for tuner in _TUNERS.values():
             dropped += len(tuner.cache)
             tuner.cache.clear()
+    _PICKED.clear()
     return dropped
+
+
+#: The config each autotuned launch key ran with in this process (timed or pinned), by `pick_key`.
+_PICKED: dict[str, GemvConfig] = {}
+#: Pinned picks per CUDA device index (`pinned_picks`), read once.
+_PINNED: dict[int, dict[str, GemvConfig]] = {}
+
+
+def pinned_picks(device: torch.device) -> dict[str, GemvConfig]:
+    """The picks pinned for ``device``'s GPU, by `pick_key`: the file `PICKS_ENV` names, else the
+    one shipped for this GPU's name (`shipped_picks_path`), else none (every shape is timed at its
+    first launch). A key missing from the file, or whose pick is not among the launch's candidates,
+    is timed as without a file. Read once per device and process.
+
+    Raises:
+        ValueError, OSError: the file `PICKS_ENV` names cannot be read as picks (`load_picks`); a
+            shipped file that does not parse is logged and ignored.
+    """
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PINNED:
+        path = os.environ.get(PICKS_ENV)
+        if path:
+            _PINNED[index] = load_picks(path)
+            logger.info("GEMV picks: %d pinned from %s (%s)", len(_PINNED[index]), path, PICKS_ENV)
+        else:
+            path = shipped_picks_path(torch.cuda.get_device_name(index))
+            try:
+                _PINNED[index] = load_picks(path) if os.path.exists(path) else {}
+            except (OSError, ValueError) as exc:
+                logger.warning("GEMV picks shipped for this GPU are unreadable, timing every shape: %s", exc)
+                _PINNED[index] = {}
+    return _PINNED[index]
+
+
+def tuned_picks() -> dict[str, list[int]]:
+    """What each autotuned GEMV variant of this process launched with, by `pick_key`:
+    ``[block_n, num_warps, num_stages]`` (the format of a picks file's ``picks``)."""
+    return {key: [c.block_n, c.num_warps, c.num_stages] for key, c in sorted(_PICKED.items())}
 
 
 def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:

@@ -140,3 +140,57 @@ def tuned_configs(weight_dtype: torch.dtype, fp8_compute: str | None = None) -> 
     if weight_dtype != FP8_DTYPE:
         return TUNED_CONFIGS
     return W8A8_TUNED_CONFIGS if fp8_compute == "fp8" else FP8_TUNED_CONFIGS
+
+
+# ---- pinned picks -------------------------------------------------------------------------------
+#: Environment variable naming a JSON file of pinned picks (`load_picks`); unset: the file shipped
+#: for this GPU in ``stage_ar/gemv_picks/`` (`shipped_picks_path`), if any.
+PICKS_ENV = "MAMMOTH_GEMV_PICKS"
+#: Schema version of a picks file.
+PICKS_VERSION = 1
+
+
+def pick_key(meta: dict, x_dtype: torch.dtype, weight_dtype: torch.dtype, out_dtype: torch.dtype,
+             key_names: tuple[str, ...]) -> str:
+    """The text key of one GEMV variant and shape in a picks file: ``name=value`` of each of
+    ``key_names`` (the autotuning key: N, K, the flags) present in ``meta``, then the three dtypes.
+    Rows (M) are not in it, as they are not in the autotuning key."""
+    parts = [f"{name}={int(meta[name]) if isinstance(meta[name], bool) else meta[name]}"
+             for name in key_names if name in meta]
+    parts += [f"x={x_dtype}".replace("torch.", ""), f"w={weight_dtype}".replace("torch.", ""),
+              f"out={out_dtype}".replace("torch.", "")]
+    return ",".join(parts)
+
+
+def shipped_picks_path(device_name: str) -> str:
+    """Where the picks shipped for a GPU named ``device_name`` (``torch.cuda.get_device_name``) live:
+    ``stage_ar/gemv_picks/<name with every non-alphanumeric run as one underscore>.json``."""
+    import os
+    import re
+
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_picks", f"{slug}.json")
+
+
+def load_picks(path: str) -> dict[str, GemvConfig]:
+    """Read a picks file: ``{"version": 1, "device": ..., "picks": {key: [block_n, num_warps,
+    num_stages]}}`` (`pick_key`'s keys; written by `benchmarks/gemv_pick.py`). The picks fix which
+    candidate each shape launches with, so every process on that GPU runs the same configs instead
+    of what its own timing at start-up chose (which varies between processes by a few per cent).
+
+    Raises:
+        ValueError: not such a file (wrong version, malformed entries).
+        OSError: the file cannot be read.
+    """
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("version") != PICKS_VERSION or not isinstance(data.get("picks"), dict):
+        raise ValueError(f"{path}: not a GEMV picks file of version {PICKS_VERSION}")
+    picks = {}
+    for key, value in data["picks"].items():
+        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value)):
+            raise ValueError(f"{path}: pick {key!r} must be [block_n, num_warps, num_stages], got {value!r}")
+        picks[key] = GemvConfig(*value)
+    return picks

@@ -1,0 +1,91 @@
+"""Pinned GEMV picks (`stage_ar.gemv.pinned_picks`, `stage_ar.gemv_configs.load_picks`): a picks file
+fixes which candidate each GEMV variant launches with, so every process on a GPU runs the same configs
+instead of what its own short timing at start-up chose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stage_ar import gemv
+from stage_ar.gemv_configs import (
+    PICKS_VERSION, TUNED_CONFIGS, GemvConfig, load_picks, pick_key, shipped_picks_path,
+)
+
+NAMES = gemv._KEY_NAMES
+
+
+def _meta(**kw):
+    return {"N": 4608, "K": 3584, "BLOCK_K": 128, "NORM": False, "FP8": False, "SWIGLU": False, "SPLIT_K": 1} | kw
+
+
+def test_pick_key_names_the_shape_flags_and_dtypes_not_the_rows():
+    key = pick_key(_meta(), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES)
+    assert key.startswith("N=4608,K=3584,BLOCK_K=128,NORM=0,FP8=0,SWIGLU=0,SPLIT_K=1")
+    assert key.endswith("x=bfloat16,w=bfloat16,out=bfloat16")
+    assert not any(part.startswith("M=") for part in key.split(","))
+    assert pick_key(_meta(N=3584), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES) != key
+    assert pick_key(_meta(SWIGLU=True), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES) != key
+    assert pick_key(_meta(), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, NAMES) != key
+
+
+def test_load_picks_reads_a_file_and_refuses_what_is_not_one(tmp_path):
+    path = tmp_path / "picks.json"
+    path.write_text(json.dumps({"version": PICKS_VERSION, "device": "X", "picks": {"a": [32, 4, 6], "b": [64, 4, 4]}}))
+    assert load_picks(str(path)) == {"a": GemvConfig(32, 4, 6), "b": GemvConfig(64, 4, 4)}
+    path.write_text(json.dumps({"version": PICKS_VERSION + 1, "picks": {}}))
+    with pytest.raises(ValueError, match="not a GEMV picks file"):
+        load_picks(str(path))
+    path.write_text(json.dumps({"version": PICKS_VERSION, "picks": {"a": [32, 4]}}))
+    with pytest.raises(ValueError, match="pick 'a' must be"):
+        load_picks(str(path))
+    with pytest.raises(OSError):
+        load_picks(str(tmp_path / "missing.json"))
+
+
+def test_shipped_picks_live_beside_the_module_under_the_gpu_name():
+    path = shipped_picks_path("NVIDIA H200")
+    assert path.endswith("stage_ar/gemv_picks/NVIDIA_H200.json")
+    assert shipped_picks_path("NVIDIA H100 80GB HBM3").endswith("NVIDIA_H100_80GB_HBM3.json")
+
+
+def test_every_shipped_picks_file_parses_and_picks_only_candidates():
+    import pathlib
+
+    folder = pathlib.Path(shipped_picks_path("x")).parent
+    from stage_ar.gemv_configs import FP8_TUNED_CONFIGS, W8A8_TUNED_CONFIGS
+
+    candidates = set(TUNED_CONFIGS) | set(FP8_TUNED_CONFIGS) | set(W8A8_TUNED_CONFIGS)
+    for path in sorted(folder.glob("*.json")):
+        picks = load_picks(str(path))
+        assert picks, path
+        assert set(picks.values()) <= candidates, path
+
+
+def test_pinned_picks_off_cuda_are_none():
+    assert gemv.pinned_picks(torch.device("cpu")) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or gemv.triton is None, reason="needs CUDA and triton")
+def test_a_pinned_pick_launches_without_timing_and_gives_the_timed_launchs_bits(monkeypatch):
+    """The pinned candidate runs (not the one timing would choose), no candidate is timed, and the
+    output has the bits of the timed launch (every candidate gives the same bits)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+    gemv.forget_tuning()
+    monkeypatch.setitem(gemv._PINNED, torch.cuda.current_device(), {})
+    timed = gemv.gemv(x, w)
+    (key, chosen), = gemv.tuned_picks().items()
+    other = next(c for c in TUNED_CONFIGS if [c.block_n, c.num_warps, c.num_stages] != chosen
+                 and c.block_n <= 64 and c.num_stages <= 4)
+    gemv.forget_tuning()
+    monkeypatch.setitem(gemv._PINNED, torch.cuda.current_device(), {key: other})
+    pinned = gemv.gemv(x, w)
+    assert gemv.last_tuned_config() == GemvConfig(other.block_n, other.num_warps, other.num_stages, split_k=1)
+    assert gemv.tuned_picks() == {key: [other.block_n, other.num_warps, other.num_stages]}
+    assert all(not tuner.cache for tuner in gemv._TUNERS.values())  # nothing was timed
+    assert torch.equal(pinned, timed)
+    gemv.forget_tuning()
