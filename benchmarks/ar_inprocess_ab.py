@@ -27,11 +27,7 @@ program loads before its PDL wait, under ``pdl``) at each of `PRELOAD_TILES` in 
 then 0 again: bf16 batch 1, then W8A8 batch 1. Group ``launch`` (not in the default): the launch-overlap
 modes apart from the weight preload they used to come with: `LAUNCH_VARIANTS` (``pdl``; ``early``
 with no tile before the wait, so only the next launch is allowed before the wait; ``early`` as it is,
-one tile) in turn, ``rounds`` times, then ``pdl`` again: bf16 batch 1, then W8A8 batch 1. Group
-``grouped`` (not in the default): W8A8 batch 1 with the default epilogues and with ``grouped`` (the
-grouped W8A8 form, `stage_ar.fp8_activations.GroupedRows`: no quantizer launch between the attention,
-o_proj, the MLP and the next layer's qkv) in turn, ``rounds + 1`` times each, at image start and
-mid-image.
+one tile) in turn, ``rounds`` times, then ``pdl`` again: bf16 batch 1, then W8A8 batch 1.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -52,8 +48,7 @@ sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 import ar_decode as A  # noqa: E402
 from stage_ar import decode_attention, gemv_configs, launch_overlap  # noqa: E402
 
-FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.DEFAULT_EPILOGUES + ("amax",),
-         "grouped": A.GemvLinear.DEFAULT_EPILOGUES + ("grouped",)}
+FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 #: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
 MERGE_CHUNK = 16
 #: The weight tiles preloaded before the wait that the ``preload`` group times (0: none, today's default).
@@ -68,7 +63,7 @@ ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``grouped``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -132,7 +127,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "grouped"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -149,11 +144,6 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
     if "launch" in groups:
         launch_modes("w8a8_launch")
-    if "grouped" in groups:
-        for i, folds in enumerate(("default", "grouped") * (rounds + 1)):
-            A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
-            timed(f"w8a8_{folds}_{i}", "pdl", mid_image=True)
-        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):

@@ -106,9 +106,8 @@ def _grid_barrier(cnt_ptr, target, POLL: tl.constexpr):
 def _persistent_kernel(x_ptr, w_ptr, outs_ptr, cnt_ptr, K, N, phases, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, POLL: tl.constexpr = 0):
     """The whole chain: phase ``i`` reads row ``i - 1`` of ``outs`` (``(phases, K)``; ``x`` for phase 0)
-    and writes the first ``N`` columns of row ``i``, over weight ``w_ptr + i * N * K``; programs take
-    column blocks ``pid, pid + G, ...``; a grid barrier between phases (the counter grows by G per
-    phase; the last program to leave resets it)."""
+    and writes the first ``N`` columns of row ``i``, over weight ``w_ptr + i * N * K``; programs take column blocks ``pid, pid + G, ...``; a grid
+    barrier between phases (the counter grows by G per phase; the last program to leave resets it)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     blocks = N // BLOCK_N

@@ -2,13 +2,11 @@
 
 For each Preview projection (random weights ``randn / sqrt(K)``, 16 activation rows) the output of
 bf16 (bf16 weights and activations, float32 accumulation), W8A16 (E4M3 weights, per-channel scales)
-W8A8 (E4M3 activations too, one scale per row: ``fp8_compute="fp8"``) and grouped W8A8 (one activation
-scale per 64 columns, `stage_ar.fp8_activations.GroupedRows`, opt-in) is compared with the float32
+and W8A8 (E4M3 activations too, one scale per row: ``fp8_compute="fp8"``) is compared with the float32
 linear of the unquantized float32 weights and activations: relative Frobenius error
 ``||y - y32|| / ||y32||`` and the largest elementwise error over ``max |y32|``. Each path is computed by
 `stage_ar.gemv_reference.gemv_reference`, which the kernels match to the dot's summation order
-(`tests/unit/test_gemv.py`), the grouped path as the linear of `GroupedRows.dequantize` (float32) with
-the dequantized weights. Two activation kinds: Gaussian rows, and Gaussian rows with 8 outlier
+(`tests/unit/test_gemv.py`). Two activation kinds: Gaussian rows, and Gaussian rows with 8 outlier
 channels x 50 (per-token scales lose resolution on such rows).
 
     PYTHONPATH=. python3 benchmarks/w8a8_deviation.py [--shapes o,down]
@@ -21,18 +19,11 @@ import json
 
 import torch
 
-from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
-from stage_ar.fp8_activations import GroupedRows
-from stage_ar.gemv_reference import gemv_reference, quantize_groups_reference
+from stage_ar.fp8 import quantize_fp8_per_channel
+from stage_ar.gemv_reference import gemv_reference
 
 #: Preview AR linear shapes ``name: (weight rows, K)`` (hidden 3584, intermediate 18944, qkv 28 + 2 * 4 heads of 128).
 PREVIEW_SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-
-
-def grouped_rows(x: torch.Tensor) -> GroupedRows:
-    """``x (M, K)`` in the grouped W8A8 form, as a producer's epilogue writes it without a norm."""
-    codes, scales, _ = quantize_groups_reference(x)
-    return GroupedRows(codes, scales, None, 0.0, x.dtype)
 
 
 def deviation(rows: int, k: int, outliers: bool, seed: int = 0) -> dict:
@@ -50,8 +41,6 @@ def deviation(rows: int, k: int, outliers: bool, seed: int = 0) -> dict:
         "bf16": gemv_reference(x16, w16),
         "w8a16": gemv_reference(x16, w8, weight_scale=scale),
         "w8a8": gemv_reference(x16, w8, weight_scale=scale, fp8_compute="fp8"),
-        "w8a8_grouped": (grouped_rows(x16).dequantize() @ dequantize_fp8_per_channel(w8, scale, torch.float32).T
-                         ).bfloat16(),
     }
     return {name: {"rel": float((y.float() - y32).norm() / y32.norm()),
                    "max_rel": float((y.float() - y32).abs().max() / y32.abs().max())} for name, y in paths.items()}

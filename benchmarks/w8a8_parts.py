@@ -18,15 +18,6 @@ where the part streams weights) and reported as us per call, under `stage_ar.lau
   ``o_prologue`` / ``down_prologue``: on `RowsWithAmax` (quantized in the GEMV's prologue).
 - ``gate_up`` / ``gate_up_amax``: the SwiGLU GEMV without and with the output rows' amax gathered.
 - ``qkv``: bias + RoPE on `QuantizedRows`.
-- ``o_grouped``, ``gate_up_grouped``, ``down_grouped``, ``qkv_grouped``: the grouped W8A8 form
-  (`stage_ar.fp8_activations.GroupedRows`, opt-in): each reads its producer's 64-column groups (K tiles
-  of one group; qkv and gate_up times the norm's inverse RMS from the group sums) and o, gate_up and
-  down write their consumer's groups from the epilogue (o and down with the next norm's weight). A
-  layer in this form is those four launches where today's is ``quantize`` + ``o_codes`` +
-  ``quantize_add_norm`` + ``gate_up`` + ``quantize_wide`` + ``down_codes`` + ``quantize_add_norm`` +
-  ``qkv``. ``layer_served`` / ``layer_grouped``: those eight launches / the four grouped ones chained as a
-  layer runs them (each reads what the one before wrote; µs per layer), o's input as the attention
-  leaves it (quantized by its own launch today, grouped by the combine in the other form).
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ import gemv as B  # noqa: E402 - benchmarks/gemv.py: graph timing
 from gpu_state import snapshot  # noqa: E402
 from stage_ar import gemv as G  # noqa: E402
 from stage_ar import launch_overlap  # noqa: E402
-from stage_ar.fp8_activations import (GroupedOut, QuantizedRows, RowsWithAmax, amax_buffers,  # noqa: E402
-                                      quantize_rows)
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows  # noqa: E402
 from stage_ar.row_norm import rms_norm_rows  # noqa: E402
 
 H, I, QKV, HEAD_DIM = 3584, 18944, 4608, 128
@@ -68,39 +58,10 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
     qkv_bias = torch.zeros(QKV, device="cuda", dtype=torch.bfloat16)
     codes_h = QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape)
     codes_i = QuantizedRows(*quantize_rows(xi), torch.bfloat16, xi.shape)
-    # the grouped form's inputs, each made once by the producer that writes it in a layer
-    _, grouped_h_norm = G.gemv(codes_h, o_w[0][0], weight_scale=o_w[0][1], residual=r, grouped_out=GroupedOut(nw))
-    _, grouped_h = G.gemv(codes_h, o_w[0][0], weight_scale=o_w[0][1], grouped_out=GroupedOut())
-    _, grouped_i = G.gemv(grouped_h_norm, gu_w[0][0], weight_scale=gu_w[0][1], swiglu=True, grouped_out=GroupedOut())
 
     def with_amax(values, weight):
         amax, counter = amax_buffers(weight)
         return RowsWithAmax(values, amax, counter)
-
-    def layer_served(i):
-        """A W8A8 layer's launches after the attention, as the decoder runs them today (8 launches)."""
-        o = G.gemv(QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape), o_w[i % len(o_w)][0],
-                   weight_scale=o_w[i % len(o_w)][1])
-        codes, scales, summed = quantize_rows(o, nw, 1e-6, residual=r)
-        mid = G.gemv(QuantizedRows(codes, scales, torch.bfloat16, o.shape), gu_w[i % len(gu_w)][0],
-                     weight_scale=gu_w[i % len(gu_w)][1], swiglu=True)
-        down = G.gemv(QuantizedRows(*quantize_rows(mid), torch.bfloat16, mid.shape), down_w[i % len(down_w)][0],
-                      weight_scale=down_w[i % len(down_w)][1])
-        codes, scales, _ = quantize_rows(down, nw, 1e-6, residual=summed)
-        return G.gemv(QuantizedRows(codes, scales, torch.bfloat16, down.shape), qkv_w[i % len(qkv_w)][0],
-                      weight_scale=qkv_w[i % len(qkv_w)][1], bias=qkv_bias, cos=cos, sin=sin,
-                      rope_columns=(28 + 4) * HEAD_DIM)
-
-    def layer_grouped(i):
-        """The same in the grouped form (4 launches; the combine would write o's groups)."""
-        summed, rows = G.gemv(grouped_h, o_w[i % len(o_w)][0], weight_scale=o_w[i % len(o_w)][1], residual=r,
-                              grouped_out=GroupedOut(nw))
-        _, rows = G.gemv(rows, gu_w[i % len(gu_w)][0], weight_scale=gu_w[i % len(gu_w)][1], swiglu=True,
-                         grouped_out=GroupedOut())
-        _, rows = G.gemv(rows, down_w[i % len(down_w)][0], weight_scale=down_w[i % len(down_w)][1], residual=summed,
-                         grouped_out=GroupedOut(nw))
-        return G.gemv(rows, qkv_w[i % len(qkv_w)][0], weight_scale=qkv_w[i % len(qkv_w)][1], bias=qkv_bias, cos=cos,
-                      sin=sin, rope_columns=(28 + 4) * HEAD_DIM)
 
     parts = {
         "norm": [lambda: rms_norm_rows(x, nw, 1e-6)] * 16,
@@ -118,18 +79,6 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
                                             amax_out=amax_buffers(down_w[0][0])[0]) for w in gu_w],
         "qkv": [lambda w=w: G.gemv(codes_h, w[0], weight_scale=w[1], bias=qkv_bias, cos=cos, sin=sin,
                                    rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
-        # the grouped W8A8 form: each GEMV reads its producer's groups and writes its consumer's
-        "o_grouped": [lambda w=w: G.gemv(grouped_h, w[0], weight_scale=w[1], residual=r, grouped_out=GroupedOut(nw))
-                      for w in o_w],
-        "gate_up_grouped": [lambda w=w: G.gemv(grouped_h_norm, w[0], weight_scale=w[1], swiglu=True,
-                                               grouped_out=GroupedOut()) for w in gu_w],
-        "down_grouped": [lambda w=w: G.gemv(grouped_i, w[0], weight_scale=w[1], residual=r, grouped_out=GroupedOut(nw))
-                         for w in down_w],
-        "qkv_grouped": [lambda w=w: G.gemv(grouped_h_norm, w[0], weight_scale=w[1], bias=qkv_bias, cos=cos, sin=sin,
-                                           rope_columns=(28 + 4) * HEAD_DIM) for w in qkv_w],
-        # a layer after its attention, chained (each launch reads what the one before wrote), per layer
-        "layer_served": [lambda i=i: layer_served(i) for i in range(8)],
-        "layer_grouped": [lambda i=i: layer_grouped(i) for i in range(8)],
     }
     res: dict = {"command": "benchmarks/w8a8_parts.py", "gpu_state": snapshot(), "us_per_call": {}}
     for mode in modes:
@@ -139,7 +88,7 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl")) -> None:
             try:
                 ms, how = B.graph_ms_per_call(calls)
                 row[name] = round(ms * 1e3, 2)
-                if name.endswith(("codes", "prologue", "gate_up", "gate_up_amax", "qkv", "grouped")):
+                if name.endswith(("codes", "prologue", "gate_up", "gate_up_amax", "qkv")):
                     row[name + "_config"] = str(G.last_tuned_config())
             except Exception as e:  # noqa: BLE001 - record and go on to the next part
                 row[name] = f"error: {type(e).__name__}: {e}"[:300]

@@ -20,8 +20,7 @@ capture cleanly into a CUDA graph: no host synchronisation.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +35,7 @@ __all__ = ["AttentionBackend", "GEMMDecodeAttention", "SDPAAttention", "TritonDe
 class AttentionBackend(Protocol):
     """``forward(layer, q (B,T,H,d), k (B,T,KV,d), v (B,T,KV,d)) -> (B, T, H*d)``. A backend whose
     ``gathers_amax`` attribute is True also takes ``amax_out=`` (`TritonDecodeAttention`: each output
-    row's amax for a W8A8 o_proj, `stage_ar.fp8_activations.RowsWithAmax`); one whose ``writes_groups``
-    is True also takes ``grouped_out=True`` and then returns ``(out, GroupedRows)`` (the grouped W8A8
-    form for o_proj, `stage_ar.fp8_activations.GroupedRows`)."""
+    row's amax for a W8A8 o_proj, `stage_ar.fp8_activations.RowsWithAmax`)."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -155,21 +152,14 @@ class TritonDecodeAttention(_SlotDecode):
 
     #: takes ``amax_out`` (`AttentionBackend`)
     gathers_amax = True
-    #: takes ``grouped_out`` (`AttentionBackend`)
-    writes_groups = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                amax_out: torch.Tensor | None = None, grouped_out: bool = False) -> Any:
-        """``(b, 1, heads * d)``; ``amax_out``: `stage_ar.decode_attention.decode_attention`'s;
-        ``grouped_out``: also the output as `stage_ar.fp8_activations.GroupedRows` of that shape
-        (returns the pair)."""
+                amax_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(b, 1, heads * d)``; ``amax_out``: `stage_ar.decode_attention.decode_attention`'s."""
         b, _, heads, d = q.shape
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
                                              self.pos, self.key_start, self.length, self.scale, live=self.live,
-                                             amax_out=amax_out, grouped_out=grouped_out)
-        if grouped_out:
-            out, grouped = out
-            return out.view(b, 1, heads * d), dataclasses.replace(grouped, view_shape=torch.Size((b, 1, heads * d)))
+                                             amax_out=amax_out)
         return out.view(b, 1, heads * d)
 
 

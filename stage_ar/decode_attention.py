@@ -38,20 +38,13 @@ from __future__ import annotations
 
 import torch
 
-from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
-from stage_ar.fp8_activations import GROUP_COLUMNS, MIN_ROW_SCALE, GroupedRows
 from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
 
-    from stage_ar.fp8_activations import quantize_groups
     from stage_ar.launch_overlap import wait_for_predecessor
-
-    FP8_MAX_ = tl.constexpr(FP8_MAX)
-    GROUP_COLUMNS_ = tl.constexpr(GROUP_COLUMNS)
-    LOG2_GROUP_COLUMNS = tl.constexpr(GROUP_COLUMNS.bit_length() - 1)
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -281,20 +274,15 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, go_q_ptr, go_s_ptr, n_splits,
-        stride_ob, min_scale,
+        part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, n_splits, stride_ob,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
         AMAX_OUT: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False, CHUNK: tl.constexpr = 0,
-        GROUP_OUT: tl.constexpr = False,
     ):
         """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
         ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
         bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`).
-        ``EARLY_LOADS`` (the module's `EARLY_LOADS`): the row's range is loaded before the PDL wait.
-        ``GROUP_OUT``: the stored head also as grouped W8A8 codes for o_proj
-        (`stage_ar.fp8_activations.quantize_groups`, ``HEAD_DIM / GROUP_COLUMNS`` groups): codes to
-        ``go_q_ptr`` (rows of the output's width), scales to ``go_s_ptr`` (rows of width / GROUP_COLUMNS)."""
+        ``EARLY_LOADS`` (the module's `EARLY_LOADS`): the row's range is loaded before the PDL wait."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
@@ -315,17 +303,7 @@ if triton is not None:
             if AMAX_OUT:
                 tl.atomic_max(amax_ptr + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
         else:
-            stored = tl.zeros((HEAD_DIM,), out_ptr.dtype.element_ty)
-            tl.store(at, stored)
-        if GROUP_OUT:  # an idle row's zeros quantize to zero codes at the floor scale
-            head = kvh * GROUP + g
-            codes, g_scale, _ = quantize_groups(tl.reshape(stored.to(tl.float32), (HEAD_DIM, 1)),
-                                                tl.full((HEAD_DIM,), 1.0, tl.float32), min_scale, FP8_MAX_,
-                                                GROUP_COLUMNS_, LOG2_GROUP_COLUMNS)
-            tl.store(go_q_ptr + row * stride_ob + head * HEAD_DIM + offs_d, tl.reshape(codes, (HEAD_DIM,)))
-            per_head: tl.constexpr = HEAD_DIM // GROUP_COLUMNS_
-            tl.store(go_s_ptr + row * (stride_ob // GROUP_COLUMNS_) + head * per_head + tl.arange(0, per_head),
-                     tl.reshape(g_scale, (per_head,)))
+            tl.store(at, tl.zeros((HEAD_DIM,), out_ptr.dtype.element_ty))
 
 
     @triton.jit
@@ -454,8 +432,7 @@ def decode_attention(
     scale: float,
     live: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
-    grouped_out: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, GroupedRows]:
+) -> torch.Tensor:
     """Write this step's keys/values into the cache and attend over each row's key range.
 
     Row ``i`` uses cache slot ``i`` and attends over key positions ``[key_start[i], pos[i]]``
@@ -476,12 +453,9 @@ def decode_attention(
         amax_out: ``(16,)`` int32 (`stage_ar.fp8_activations.amax_buffers`' ``amax``, ``b <= 16``) or
             None: each output row's largest magnitude is max-ed into it (float32 bits), for a W8A8
             o_proj that quantizes the rows in its prologue (`stage_ar.fp8_activations.RowsWithAmax`).
-        grouped_out: also return the output in the grouped W8A8 form for o_proj
-            (`stage_ar.fp8_activations.GroupedRows`, opt-in; ``head_dim`` a multiple of
-            `stage_ar.fp8_activations.GROUP_COLUMNS`): each combine program quantizes its head.
 
     Returns:
-        ``(b, heads * head_dim)`` attention output in ``q``'s dtype; with ``grouped_out``, ``(out, GroupedRows)``.
+        ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
 
     Raises:
         RuntimeError: triton is not installed (check `available` first).
@@ -507,14 +481,6 @@ def decode_attention(
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
-    grouped = None
-    if grouped_out:
-        if head_dim % GROUP_COLUMNS or amax_out is not None:
-            raise ValueError(f"grouped_out needs head_dim a multiple of {GROUP_COLUMNS} and no amax_out, got "
-                             f"head_dim {head_dim}")
-        grouped = GroupedRows(codes=torch.empty((b, heads * head_dim), device=q.device, dtype=FP8_DTYPE),
-                              scales=torch.empty((b, heads * head_dim // GROUP_COLUMNS), device=q.device,
-                                                 dtype=torch.float32), sum_squares=None, eps=0.0, dtype=q.dtype)
     pdl = pdl_flag(q.device)
     _split_kernel[(b, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
@@ -527,14 +493,13 @@ def decode_attention(
     )
     _combine_kernel[(b, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
-        amax_out if amax_out is not None else pos, grouped.codes if grouped is not None else out,
-        grouped.scales if grouped is not None else out, n_splits, out.stride(0), MIN_ROW_SCALE,
+        amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
         CHUNK=merge_chunk(max_splits),
         PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=EARLY_LOADS,
-        GROUP_OUT=grouped is not None, **launch_options(pdl),
+        **launch_options(pdl),
     )
-    return out if grouped is None else (out, grouped)
+    return out
 
 
 #: Query rows (window positions x query heads of one KV head) per split program of `window_attention`.

@@ -10,6 +10,13 @@ values above ``2^-6 * s[m]``, at most ``2^-10 * s[m]`` below. An all-zero row ge
 ``MIN_ROW_SCALE`` and zero codes (no NaN). A row's scale and codes are computed from that row alone,
 by its own programs, so they are the same bits alone and inside any batch. Torch reference:
 `stage_ar.gemv_reference.quantize_rows_reference`.
+
+One scale per row, not per group of columns: a grouped form (one scale per 64 columns, written by
+the producing GEMV's epilogue, so that no launch of its own computes a whole-row amax or sum of
+squares) was built and measured slower on the H200 (2026-12-07): its consumer scales each 64-column
+dot before accumulating, which serialises the tensor-core pipeline (qkv 13.9 against 7.4 us, down
+64.4 against 19.7 us; the W8A8 step 4.44 against 2.43 ms), and removed (docs/PERFORMANCE.md, issue
+17's eighteenth session).
 """
 
 from __future__ import annotations
@@ -42,10 +49,6 @@ QUANT_BLOCK = 1024
 #: Whether the normalising quantizer takes its one-pass form where a row fits four norm chunks
 #: (`_quantize_rows_kernel`'s ``ONE_PASS``: the hidden size's 3,584 columns). Same bits either way.
 ONE_PASS_NORM = True
-#: Columns per activation scale of the grouped W8A8 form (`GroupedRows`, opt-in, issue 17): the codes of
-#: a group are written by the one program that computes its columns, so no whole-row amax (and no
-#: launch of its own) stands between a producer and its W8A8 consumer; the consumer's K tile is one group.
-GROUP_COLUMNS = 64
 #: Widest row `quantize_rows` takes (the whole row is held in registers for its amax): 2^16 columns.
 MAX_COLUMNS = 65536
 
@@ -90,47 +93,6 @@ if triton is not None:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def fold_pairs(t, LOG2: tl.constexpr):
-        """``(R, 2^LOG2, C)`` float32 -> ``(R, C)``: axis 1 summed by a fixed pairwise tree (lane ``b`` plus
-        lane ``b + n / 2``, halving), so the bits do not depend on the layout a kernel gives ``t``."""
-        for _ in tl.static_range(LOG2):
-            t = tl.sum(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2, t.shape[2])), axis=1)
-        return tl.reshape(t, (t.shape[0], t.shape[2]))
-
-    @triton.jit
-    def quantize_groups(y, nw, min_scale, FP8_MAX_: tl.constexpr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr):
-        """The grouped W8A8 form (`GroupedRows`) of a program's output: ``y`` ``(C, R)`` float32, C
-        consecutive output columns (a multiple of ``GROUP``) of R rows, transposed as the GEMV holds them
-        (R = 16; 0 where not stored), and ``nw`` ``(C,)`` float32 (the norm weight at those columns, or ones).
-        Per group ``g`` and row: ``a = amax(|y * nw|)`` (the product exact: both hold 8-bit mantissas),
-        ``scale = max(a / FP8_MAX_, min_scale)``, codes ``e4m3(clamp(y * nw * (1 / scale)))``
-        (`row_scale`, `inverse_scale`, `quantize_values`), and the sum of ``y²`` by `fold_pairs`.
-        Returns codes ``(C, R)`` E4M3, scales and sums of squares ``(C / GROUP, R)`` float32.
-
-        Why ``nw`` and not the norm: RMSNorm multiplies a row by one positive ``r = rsqrt(mean(y²) +
-        eps)``, which cancels out of ``(y r nw) / (r a / FP8_MAX_)``; the consumer multiplies its output
-        by ``r`` from the groups' sums (`grouped_inv_rms`), so no program needs the whole row."""
-        C: tl.constexpr = y.shape[0]
-        R: tl.constexpr = y.shape[1]
-        NG: tl.constexpr = C // GROUP
-        v = y * nw[:, None]
-        amax = tl.max(tl.reshape(tl.abs(v), (NG, GROUP, R)), axis=1)
-        scale = row_scale(amax, min_scale, FP8_MAX_)
-        inv = tl.reshape(tl.broadcast_to(tl.reshape(inverse_scale(scale), (NG, 1, R)), (NG, GROUP, R)), (C, R))
-        sums = fold_pairs(tl.reshape(y * y, (NG, GROUP, R)), LOG2_GROUP)
-        return quantize_values(v, inv, FP8_MAX_), scale, sums
-
-    @triton.jit
-    def grouped_inv_rms(ss_ptr, stride_m, offs_m, m_mask, K, eps, GROUP: tl.constexpr, LOG2_GROUPS: tl.constexpr):
-        """Each of the 16 rows' ``rsqrt(sum / K + eps)`` (float32) from its ``K / GROUP`` group sums of
-        squares at ``ss_ptr`` (rows ``stride_m`` apart), added by `fold_pairs` over ``2^LOG2_GROUPS`` lanes
-        (zeros past the groups): the inverse RMS of rows a producer wrote grouped (`quantize_groups`)."""
-        offs_g = tl.arange(0, 1 << LOG2_GROUPS)
-        t = tl.load(ss_ptr + offs_m[:, None] * stride_m + offs_g[None, :],
-                    mask=m_mask[:, None] & (offs_g < K // GROUP)[None, :], other=0.0)
-        return tl.rsqrt(tl.reshape(fold_pairs(tl.reshape(t, (16, 1 << LOG2_GROUPS, 1)), LOG2_GROUPS), (16,)) / K + eps)
-
-    @triton.jit
     def _chunk(c, a0, a1, a2, a3):
         """``a{c}`` of a row's four `one_pass_norm` chunks (``c`` in 0..3)."""
         return tl.where(c == 0, a0, tl.where(c == 1, a1, tl.where(c == 2, a2, a3)))
@@ -139,10 +101,9 @@ if triton is not None:
     def one_pass_norm(x_ptr, r_ptr, w_ptr, K, eps, NORM_BLOCK_: tl.constexpr, LOG2_NORM_BLOCK: tl.constexpr,
                       RESIDUAL: tl.constexpr):
         """A row of ``K <= 4 * NORM_BLOCK_`` columns loaded once as four ``(NORM_BLOCK_,)`` chunks (its
-        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``), and its Qwen2
-        RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`, `normalized`: `rms_norm_rows`'
-        bits). Returns ``v0..v3`` (the row's dtype, 0 past K), the normalised ``n0..n3`` (float32) and
-        their amax (float32)."""
+        values ``v``, `row_values`: plus the residual row at ``r_ptr`` with ``RESIDUAL``), and its Qwen2 RMSNorm with the weight at ``w_ptr`` (`add_squares`, `inv_rms_of`,
+        `normalized`: `rms_norm_rows`' bits). Returns ``v0..v3`` (the row's dtype, 0 past K), the
+        normalised ``n0..n3`` (float32) and their amax (float32)."""
         lane = tl.arange(0, NORM_BLOCK_)
         v0 = row_values(x_ptr, r_ptr, lane, K, RESIDUAL)
         v1 = row_values(x_ptr, r_ptr, NORM_BLOCK_ + lane, K, RESIDUAL)
@@ -260,77 +221,6 @@ class RowsWithAmax:
     def shape(self) -> torch.Size:
         """The rows' shape ``(M, K)``."""
         return self.values.shape
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedOut:
-    """Asks a W8A8 `stage_ar.gemv.gemv` to write its output rows also in the grouped form its W8A8
-    consumer reads (`GroupedRows`), from its epilogue (`quantize_groups`): no quantizer launch, and with
-    ``norm_weight`` no add + norm + quantize launch, between the two.
-
-    Attributes:
-        norm_weight: ``(N,)`` in the activation dtype: the rows stand for their Qwen2 RMSNorm with it
-            (the consumer multiplies by the inverse RMS), or None: the rows as they are.
-        eps: the norm's epsilon.
-    """
-
-    norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedRows:
-    """Activation rows as E4M3 codes with one float32 scale per `GROUP_COLUMNS` columns, written by the
-    program that computed each group (`GroupedOut`), for a W8A8 `stage_ar.gemv.gemv` (K tile = one
-    group: ``acc += dot(W[:, g], codes[:, g]) * scales[:, g]``). Opt-in, issue 17: other numerics than
-    `QuantizedRows` (finer scales; under a norm, the normalised value is not rounded to the activation
-    dtype before it is quantized).
-
-    Attributes:
-        codes: ``(M, K)`` ``torch.float8_e4m3fn``, contiguous.
-        scales: ``(M, K / GROUP_COLUMNS)`` float32.
-        sum_squares: ``(M, K / GROUP_COLUMNS)`` float32 sums of the unnormalised values' squares per
-            group, or None. Given: the rows stand for ``RMSNorm(rows)`` (``codes * scales * r`` with
-            ``r = rsqrt(sum / K + eps)``, the norm weight inside the codes).
-        eps: the norm's epsilon.
-        dtype: the activation dtype the rows stand for.
-        view_shape: the rows' logical shape ``(..., K)`` (leading dims multiply to M), or None: ``(M, K)``.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    sum_squares: torch.Tensor | None
-    eps: float
-    dtype: torch.dtype
-    view_shape: torch.Size | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        """The rows' logical shape (`view_shape`, else the codes' ``(M, K)``)."""
-        return self.codes.shape if self.view_shape is None else torch.Size(self.view_shape)
-
-    def dequantize(self) -> torch.Tensor:
-        """The ``(M, K)`` float32 activations the consumer multiplies: codes times their group's scale,
-        times the row's inverse RMS where `sum_squares` is given (its pairwise order: `grouped_inv_rms`)."""
-        rows = self.codes.float() * self.scales.repeat_interleave(GROUP_COLUMNS, dim=1)
-        if self.sum_squares is not None:
-            rows = rows * grouped_inv_rms_reference(self.sum_squares, self.codes.shape[1], self.eps)[:, None]
-        return rows.view(self.shape)
-
-
-def fold_pairs_reference(t: torch.Tensor) -> torch.Tensor:
-    """`fold_pairs` in torch: ``(M, W)`` float32 -> ``(M,)``, the last axis padded with zeros to a power of
-    two and summed by the same pairwise tree (lane ``b`` plus lane ``b + n / 2``, halving)."""
-    t = torch.nn.functional.pad(t, (0, (1 << max(0, (t.shape[1] - 1).bit_length())) - t.shape[1]))
-    while t.shape[1] > 1:
-        t = t[:, : t.shape[1] // 2] + t[:, t.shape[1] // 2:]
-    return t[:, 0]
-
-
-def grouped_inv_rms_reference(sum_squares: torch.Tensor, k: int, eps: float) -> torch.Tensor:
-    """`grouped_inv_rms` in torch: ``(M, G)`` group sums -> ``(M,)`` float32 ``rsqrt(sum / k + eps)``,
-    the groups added by `fold_pairs_reference`."""
-    return torch.rsqrt(fold_pairs_reference(sum_squares.float()) / k + eps)
 
 
 def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,16 +63,14 @@ import torch
 from stage_ar.arrival import persistent_buffers
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
     PICKS_ENV, load_picks, pick_key, shipped_picks_path,
-    FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, W8A8_GROUPED_TUNED_CONFIGS, W8A8_TUNED_CONFIGS,
-    GemvConfig, block_k_for,
+    FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, W8A8_TUNED_CONFIGS, GemvConfig, block_k_for,
     fits_shared_memory, split_k_for, tuned_configs,
 )
 from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8 import FP8_MAX
-from stage_ar.fp8_activations import (GROUP_COLUMNS, MIN_ROW_SCALE, GroupedOut, GroupedRows, QuantizedRows, RowsWithAmax,
-                                      quantize_rows)
+from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
     INTERPRETED, launch_options, pdl_flag, preload_tiles,
@@ -83,7 +81,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
-    from stage_ar.fp8_activations import grouped_inv_rms, inverse_scale, quantize_groups, quantize_values, row_scale
+    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -99,7 +97,7 @@ logger = logging.getLogger(__name__)
 #: The autotuning key (`pick_key`'s names): N, K and the compile-time flags, not M; PRELOAD: tiles
 #: held in registers.
 _KEY_NAMES = ("N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-              "SPLIT_K", "AMAX_OUT", "PRELOAD", "GROUP_OUT")
+              "SPLIT_K", "AMAX_OUT", "PRELOAD")
 #: ``[warm-up, repetitions]`` in ms of each candidate's timing (Triton's ``do_bench``);
 #: `benchmarks/gemv_pick.py` raises them to choose the picks it pins.
 TUNING_MS = [5, 20]
@@ -113,8 +111,6 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     #: E4M3's largest finite value (`stage_ar.fp8.FP8_MAX`) as the kernels' compile-time constant.
     E4M3_MAX = tl.constexpr(FP8_MAX)
-    GROUP = tl.constexpr(GROUP_COLUMNS)
-    LOG2_GROUP = tl.constexpr(GROUP_COLUMNS.bit_length() - 1)
 
     @triton.jit
     def _squares(x_ptr, stride_xm, offs_m, m_mask, k, K):
@@ -251,18 +247,12 @@ if triton is not None:
     def _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale, res_ptr,
                   cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
-                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX_OUT: tl.constexpr,
-                  go_q_ptr, go_s_ptr, go_ss_ptr, go_w_ptr, N, min_scale, GROUP_OUT: tl.constexpr = False,
-                  GROUP_OUT_NORM: tl.constexpr = False):
+                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX_OUT: tl.constexpr):
         """From a program's ``(BLOCK_N, 16)`` float32 dot sums ``acc`` (paired: its pairs' first rows, then
         their partners', `_split_pairs`) to the stored output: scale and bias, SwiGLU, residual or
         RoPE, each rounded where the eager chain rounds. Rows in ``m_mask`` are stored. ``AMAX_OUT``:
         each row's largest stored magnitude goes into ``amax_ptr`` (int32 float bits, an atomic max:
-        exact in any order, so the row's amax does not depend on which program finishes last).
-        ``GROUP_OUT`` (`stage_ar.fp8_activations.GroupedOut`): the stored rows also as grouped codes
-        (`quantize_groups`, with the norm weight at ``go_w_ptr`` under ``GROUP_OUT_NORM``): codes to
-        ``go_q_ptr`` (rows of N), each group's scale and sum of squares to ``go_s_ptr`` / ``go_ss_ptr``
-        (rows of ``N / GROUP_COLUMNS``)."""
+        exact in any order, so the row's amax does not depend on which program finishes last)."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE
         if PAIRED:
@@ -285,32 +275,17 @@ if triton is not None:
             row_amax = tl.max(tl.where(out_mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
             tl.atomic_max(amax_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=m_mask)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
-        if GROUP_OUT:  # not with ROPE: a program's columns are consecutive, whole groups (`gemv` checks)
-            if GROUP_OUT_NORM:
-                nw = tl.load(go_w_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            else:
-                nw = tl.full(offs_n.shape, 1.0, tl.float32)
-            codes, g_scale, g_sums = quantize_groups(tl.where(out_mask, y.to(tl.float32), 0.0), nw, min_scale,
-                                                     E4M3_MAX, GROUP, LOG2_GROUP)
-            tl.store(go_q_ptr + offs_m[None, :] * N + offs_n[:, None], codes, mask=out_mask)
-            groups = tl.min(offs_n, axis=0) // GROUP + tl.arange(0, offs_n.shape[0] // GROUP)
-            g_mask = (groups < N // GROUP)[:, None] & m_mask[None, :]
-            at = offs_m[None, :] * (N // GROUP) + groups[:, None]
-            tl.store(go_s_ptr + at, g_scale, mask=g_mask)
-            tl.store(go_ss_ptr + at, g_sums, mask=g_mask)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
-        cnt_ptr, amax_ptr, amax_cnt_ptr, gss_ptr, go_q_ptr, go_s_ptr, go_ss_ptr, go_w_ptr,
-        M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
+        cnt_ptr, amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-        AMAX_OUT: tl.constexpr = False, GROUP_NORM: tl.constexpr = False, GROUP_OUT: tl.constexpr = False,
-        GROUP_OUT_NORM: tl.constexpr = False, LOG2_GROUPS: tl.constexpr = 0,
+        AMAX_OUT: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
         gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
@@ -337,14 +312,7 @@ if triton is not None:
         quantized as it is loaded (`stage_ar.fp8_activations.quantize_values` over `row_scale`:
         `quantize_rows`' codes and scales), and the last program to finish (a ticket from
         ``amax_cnt_ptr``, then reset) sets the amax back to zero for the next producer. ``AMAX_OUT``:
-        the output rows' amax into ``amax_ptr`` (`_epilogue`).
-
-        ``FP8_MODE`` 5 (W8A8 on `stage_ar.fp8_activations.GroupedRows`; ``BLOCK_K`` is one group):
-        ``x_ptr`` holds E4M3 codes, ``xs_ptr`` one scale per group (rows of ``K / GROUP``), each K
-        tile's dot scaled by its group's before it is added; ``GROUP_NORM``: the output times each row's
-        inverse RMS from the group sums of squares at ``gss_ptr`` (`grouped_inv_rms`, over
-        ``2^LOG2_GROUPS`` lanes). ``GROUP_OUT`` / ``GROUP_OUT_NORM``: the output rows also written
-        grouped (`_epilogue`)."""
+        the output rows' amax into ``amax_ptr`` (`_epilogue`)."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
         if PAIRED:
@@ -385,11 +353,6 @@ if triton is not None:
             amax = tl.load(amax_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
             x_scale = row_scale(amax, min_scale, E4M3_MAX)
             x_inv = inverse_scale(x_scale)
-        if FP8_MODE == 5:  # the rows' inverse RMS (a normalised input) or 1, as the row factor
-            if GROUP_NORM:
-                x_scale = grouped_inv_rms(gss_ptr, K // BLOCK_K, offs_m, m_mask, K, eps, BLOCK_K, LOG2_GROUPS)
-            else:
-                x_scale = tl.full((16,), 1.0, tl.float32)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
@@ -413,12 +376,7 @@ if triton is not None:
             k = k0 + offs_k
             x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
             x_t = _activation_operand(x_t, x_inv, FP8_MODE)
-            if FP8_MODE == 5:  # one group per tile: its dot, then its scale (per row)
-                g_scale = tl.load(xs_ptr + offs_m * (K // BLOCK_K) + k0 // BLOCK_K, mask=m_mask, other=0.0)
-                acc += _w_dot(w_ptr, rows, row_mask, k, K, x_t, tl.zeros((BLOCK_N, 16), tl.float32), EVEN_K, EVEN_N,
-                              IEEE, FP8_MODE) * g_scale[None, :]
-            else:
-                acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+            acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K > 1:
             # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
             ntile = tl.num_programs(0) * BLOCK_N
@@ -435,8 +393,7 @@ if triton is not None:
         if finish:
             _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale,
                       res_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
-                      HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM, AMAX_OUT, go_q_ptr, go_s_ptr, go_ss_ptr,
-                      go_w_ptr, N, min_scale, GROUP_OUT, GROUP_OUT_NORM)
+                      HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM, AMAX_OUT)
         if FP8_MODE == 4:  # every program has read the amax: the last one sets it back to zero
             if last_arrival(amax_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
                 tl.store(amax_ptr + offs_m, tl.zeros((16,), tl.int32))
@@ -504,11 +461,8 @@ if triton is not None:
     _kernel = triton.heuristics({"EVEN_N": _even_n})(_gemv_kernel)
 
     def _allowed(c: GemvConfig, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, meta: dict) -> bool:
-        """Whether candidate ``c`` may launch this variant: it fits shared memory, is no wider than N,
-        and a grouped producer's program covers whole groups (BLOCK_N / 2 columns when paired)."""
-        n_cap = max(16, triton.next_power_of_2(n))
-        group_min = GROUP_COLUMNS * (2 if meta.get("SWIGLU") or meta.get("ROPE") else 1) if meta.get("GROUP_OUT") else 0
-        return group_min <= c.block_n <= n_cap and fits_shared_memory(
+        """Whether candidate ``c`` may launch this variant: it fits shared memory and is no wider than N."""
+        return c.block_n <= max(16, triton.next_power_of_2(n)) and fits_shared_memory(
             dataclasses.replace(c, block_k=meta["BLOCK_K"]), x_dtype, w_dtype)
 
     def _prune(configs, named_args, **meta):
@@ -531,12 +485,11 @@ if triton is not None:
                                                                    quantiles=quantiles),
         )(_kernel)
 
-    _TUNERS = {configs: _autotuned(configs)
-               for configs in (TUNED_CONFIGS, FP8_TUNED_CONFIGS, W8A8_TUNED_CONFIGS, W8A8_GROUPED_TUNED_CONFIGS)}
+    _TUNERS = {configs: _autotuned(configs) for configs in (TUNED_CONFIGS, FP8_TUNED_CONFIGS, W8A8_TUNED_CONFIGS)}
 
 
 def gemv(
-    x: torch.Tensor | QuantizedRows | RowsWithAmax | GroupedRows,
+    x: torch.Tensor | QuantizedRows | RowsWithAmax,
     weight: torch.Tensor,
     *,
     weight_scale: torch.Tensor | None = None,
@@ -552,8 +505,7 @@ def gemv(
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
     amax_out: torch.Tensor | None = None,
-    grouped_out: GroupedOut | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, GroupedRows]:
+) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
     Steps, each optional: ``h = RMSNorm(x)`` (``norm_weight``), ``y = h @ (weight * weight_scale).T +
@@ -568,10 +520,7 @@ def gemv(
             and quantization were the producer's launch), whose ``dtype`` stands for ``x.dtype`` below;
             or rows with their amax gathered by the launch that wrote them
             (`stage_ar.fp8_activations.RowsWithAmax`, W8A8 likewise), quantized in this launch's
-            prologue with `quantize_rows`' codes and scales (one launch less), ``x.values`` below; or
-            rows in the grouped form (`stage_ar.fp8_activations.GroupedRows`, W8A8 likewise, opt-in:
-            K tiles of one group, each dot times its group's scale, the output times the rows' inverse
-            RMS where they stand for normalised rows; no ``norm_weight``, no split, nothing preloaded).
+            prologue with `quantize_rows`' codes and scales (one launch less), ``x.values`` below.
         weight: ``(R, K)`` contiguous, ``x.dtype`` or ``torch.float8_e4m3fn``; ``R = N``, or ``2 * N``
             (gate rows then up rows) with ``swiglu``.
         weight_scale: ``(R,)`` float32 per-row scales; required with and only with FP8 weights.
@@ -609,12 +558,9 @@ def gemv(
         amax_out: ``(16,)`` int32 zeros, or the ``amax`` of `stage_ar.fp8_activations.amax_buffers`:
             each output row's largest magnitude is max-ed into it (float32 bits) for the W8A8 launch
             that reads the output as `stage_ar.fp8_activations.RowsWithAmax`; not with RoPE.
-        grouped_out: W8A8 only (not with RoPE or ``amax_out``; N a multiple of
-            `stage_ar.fp8_activations.GROUP_COLUMNS`): the output rows also in the grouped form, from
-            the epilogue (`stage_ar.fp8_activations.GroupedOut`).
 
     Returns:
-        ``(M, N)`` in ``x.dtype``, a new tensor; with ``grouped_out``, ``(out, GroupedRows)``.
+        ``(M, N)`` in ``x.dtype``, a new tensor.
 
     Raises:
         ValueError: shapes, strides, devices or flags that do not fit the above.
@@ -622,17 +568,13 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     x_scales, dtype, amax_in = None, x.dtype if not isinstance(x, RowsWithAmax) else x.values.dtype, None
-    grouped_in = x if isinstance(x, GroupedRows) else None
-    if isinstance(x, (QuantizedRows, RowsWithAmax, GroupedRows)):
+    if isinstance(x, (QuantizedRows, RowsWithAmax)):
         if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE:
             raise ValueError(f"{type(x).__name__} take E4M3 weights and fp8_compute='fp8' (W8A8), got "
                              f"{weight.dtype} weights and fp8_compute={fp8_compute!r}")
         fp8_compute = "fp8"
         if isinstance(x, QuantizedRows):
             x, x_scales = x.codes, x.scales
-        elif grouped_in is not None:
-            _check_grouped_rows(grouped_in, norm_weight, amax_out, config)
-            x, x_scales, norm_eps = x.codes, x.scales, x.eps
         else:
             if norm_weight is not None:
                 raise ValueError("RowsWithAmax are quantized as they are: no norm_weight")
@@ -644,73 +586,22 @@ def gemv(
         if cos is not None:
             raise ValueError("amax_out does not combine with the RoPE epilogue")
     n = check_gemv_args(x, weight, weight_scale, bias, norm_weight, residual, swiglu, cos, sin, rope_columns,
-                        x_scales if grouped_in is None else x_scales.new_empty(x_scales.shape[0]), dtype)  # groups: above
+                        x_scales, dtype)
     fp8_compute = fp8_compute or default_fp8_compute(dtype)
     check_fp8_compute(fp8_compute, dtype)
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
     out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
-    rope = (cos, sin, rope_columns) if cos is not None else None
-    grouped = _grouped_outputs(grouped_out, out, w8a8, rope, amax_out)  # refused before any launch
     if w8a8 and x_scales is None and amax_in is None:  # the norm (if any) and the quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
         norm_weight = None
     elif norm_weight is not None and not norm_in_prologue:
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
+    rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales, amax_in, amax_out, grouped_in=grouped_in, grouped_out=grouped)
-    return out if grouped is None else (out, grouped[1])
-
-
-def _grouped_outputs(spec: GroupedOut | None, out: torch.Tensor, w8a8: bool, rope, amax_out) -> tuple | None:
-    """``(spec, GroupedRows, sums)`` for a ``grouped_out`` launch writing ``out (M, N)``, or None: the
-    rows it fills, and the ``(M, N / GROUP_COLUMNS)`` float32 buffer its group sums of squares go to
-    (the rows' `GroupedRows.sum_squares` under a norm, else scratch).
-
-    Raises:
-        ValueError: not W8A8, with RoPE or ``amax_out``, N not a multiple of `GROUP_COLUMNS`, or a norm
-            weight that does not fit.
-    """
-    if spec is None:
-        return None
-    m, n = out.shape
-    if not w8a8 or rope is not None or amax_out is not None:
-        raise ValueError("grouped_out needs a W8A8 launch (E4M3 weights, fp8_compute='fp8'), without RoPE or amax_out")
-    if n % GROUP_COLUMNS:
-        raise ValueError(f"grouped_out needs N a multiple of {GROUP_COLUMNS}, got {n}")
-    if spec.norm_weight is not None:
-        expect_tensor("grouped_out.norm_weight", spec.norm_weight, (n,), out.dtype, out.device)
-    groups = n // GROUP_COLUMNS
-    rows = GroupedRows(codes=torch.empty((m, n), dtype=FP8_DTYPE, device=out.device),
-                       scales=torch.empty((m, groups), dtype=torch.float32, device=out.device),
-                       sum_squares=torch.empty((m, groups), dtype=torch.float32, device=out.device),
-                       eps=float(spec.eps), dtype=out.dtype)
-    if spec.norm_weight is None:
-        rows = dataclasses.replace(rows, sum_squares=None)
-    return spec, rows, rows.sum_squares if rows.sum_squares is not None else rows.scales.new_empty((m, groups))
-
-
-def _check_grouped_rows(x: GroupedRows, norm_weight, amax_out, config) -> None:
-    """What `gemv` takes on `GroupedRows` (FP8_MODE 5), beyond any W8A8 launch's checks.
-
-    Raises:
-        ValueError: a norm weight (the rows carry theirs), ``amax_out``, K not whole groups, scales or
-            sums of the wrong shape, a split-K config.
-    """
-    if norm_weight is not None:
-        raise ValueError("GroupedRows carry their norm (sum_squares): no norm_weight")
-    if amax_out is not None:
-        raise ValueError("GroupedRows do not combine with amax_out")
-    m, k = x.codes.shape
-    if k % GROUP_COLUMNS:
-        raise ValueError(f"GroupedRows need K a multiple of {GROUP_COLUMNS}, got {k}")
-    expect_tensor("GroupedRows.scales", x.scales, (m, k // GROUP_COLUMNS), torch.float32, x.codes.device)
-    if x.sum_squares is not None:
-        expect_tensor("GroupedRows.sum_squares", x.sum_squares, (m, k // GROUP_COLUMNS), torch.float32,
-                      x.codes.device)
-    if config is not None and (config.split_k or 1) != 1:
-        raise ValueError("GroupedRows take no split-K launch")
+            x_scales, amax_in, amax_out)
+    return out
 
 
 def default_fp8_compute(x_dtype: torch.dtype) -> str:
@@ -720,40 +611,28 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None, x_scales=None, amax_in=None, amax_out=None, grouped_in=None, grouped_out=None) -> None:
+            rope=None, x_scales=None, amax_in=None, amax_out=None) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
     ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8);
     ``amax_in``: the `RowsWithAmax` ``x`` came from (W8A8 quantized in the prologue); ``amax_out``:
-    the ``(16,)`` int32 buffer the output rows' amax goes into; ``grouped_in``: the `GroupedRows` ``x``
-    are the codes of (``x_scales`` their group scales); ``grouped_out``: `_grouped_outputs`' triple."""
+    the ``(16,)`` int32 buffer the output rows' amax goes into."""
     (m, k), n = x.shape, out.shape[1]
     cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
-    if grouped_in is not None:
-        block_k = GROUP_COLUMNS  # one group per K tile
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"block_k {block_k} must be a power of two >= 16")
     paired = bool(swiglu or rope)
     columns = n // 2 if rope else n  # what a program's tile rows cover: columns, or (paired) column pairs
     split = (config.split_k if config is not None else None) or split_k_for(n, k, weight.dtype, fp8_compute)
-    grouped = grouped_in is not None or grouped_out is not None
-    if grouped:
-        split = 1
     if split < 1:
         raise ValueError(f"split_k must be >= 1, got {split}")
     ws, counters = split_workspace(weight, split, columns, paired) if split > 1 else (out, out)
     amax = amax_in.amax if amax_in is not None else amax_out
     autotuned = config is None and not INTERPRETED
     c = config or INTERPRETER_CONFIG
-    if grouped_out is not None and not autotuned:  # a program's columns: whole groups
-        c = dataclasses.replace(c, block_n=max(c.block_n, GROUP_COLUMNS * (2 if paired else 1)))
-    go_spec, go_rows, go_sums = grouped_out if grouped_out is not None else (None, None, None)
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
         out, _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
-        _or(grouped_in.sum_squares if grouped_in is not None else None, out),
-        go_rows.codes if go_rows is not None else out, go_rows.scales if go_rows is not None else out,
-        _or(go_sums, out), _or(go_spec.norm_weight if go_spec is not None else None, out),
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
         out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
     )
@@ -761,17 +640,13 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
-        FP8_MODE=(5 if grouped_in is not None else 4 if amax_in is not None else _FP8_MODES[fp8_compute])
-        if weight.dtype == FP8_DTYPE else 0,
+        FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
-        GROUP_NORM=grouped_in is not None and grouped_in.sum_squares is not None, GROUP_OUT=grouped_out is not None,
-        GROUP_OUT_NORM=go_spec is not None and go_spec.norm_weight is not None,
-        LOG2_GROUPS=max(0, (k // GROUP_COLUMNS - 1).bit_length()) if grouped_in is not None else 0,
     )
     pdl = pdl_flag(weight.device)
-    meta.update(PDL=pdl, PRELOAD=0 if grouped_in is not None else preload_tiles(), **launch_options(pdl))
+    meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
     if autotuned:
-        configs = W8A8_GROUPED_TUNED_CONFIGS if grouped else tuned_configs(weight.dtype, fp8_compute)
+        configs = tuned_configs(weight.dtype, fp8_compute)
         key = pick_key({**meta, "N": n, "K": k}, x.dtype, weight.dtype, out.dtype, _KEY_NAMES)
         pinned = pinned_picks(weight.device).get(key)
         if pinned is None or pinned not in configs or not _allowed(pinned, n, x.dtype, weight.dtype, meta):

@@ -97,13 +97,6 @@ W8A8_TUNED_CONFIGS = (
     GemvConfig(64, 4, 3), GemvConfig(64, 4, 4), GemvConfig(64, 4, 6), GemvConfig(64, 4, 8),
     GemvConfig(64, 8, 4), GemvConfig(128, 8, 4),
 )
-#: Candidates of the grouped W8A8 launches (`stage_ar.fp8_activations.GroupedRows`, opt-in, issue 17): K
-#: tiles of one 64-column group hold a quarter of the bytes of the 256-column ones, so deeper pipelines;
-#: 128 columns for a SwiGLU producer (its 64 output columns one group).
-W8A8_GROUPED_TUNED_CONFIGS = (
-    GemvConfig(64, 4, 4), GemvConfig(64, 4, 8), GemvConfig(64, 4, 12), GemvConfig(64, 4, 16),
-    GemvConfig(128, 4, 4), GemvConfig(128, 4, 8), GemvConfig(128, 8, 8), GemvConfig(128, 8, 12),
-)
 #: The widest output a W8A8 launch may split (`split_k_for`): o and down (3,584 columns).
 W8A8_SPLIT_MAX_COLUMNS = 4096
 #: K ranges of those W8A8 launches: 1, no split (was 4 until 2026-12-06). A row's bits follow it, so it

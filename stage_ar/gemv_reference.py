@@ -16,7 +16,7 @@ import torch
 
 from stage_ar.gemv_checks import check_fp8_compute, check_gemv_args
 from stage_ar.fp8 import FP8_MAX
-from stage_ar.fp8_activations import GROUP_COLUMNS, MIN_ROW_SCALE, fold_pairs_reference
+from stage_ar.fp8_activations import MIN_ROW_SCALE
 from stage_ar.gemv_configs import FP8_DTYPE
 from stage_ar.layers import apply_rope, silu_and_mul
 
@@ -104,17 +104,3 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def dequantize_rows_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``codes (M, K)`` E4M3 times ``scales (M,)``, float32: the activations W8A8 actually multiplies."""
     return codes.float() * scales[:, None]
-
-
-def quantize_groups_reference(y: torch.Tensor, norm_weight: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`stage_ar.fp8_activations.quantize_groups` in torch, for whole rows: ``y (M, N)`` (the stored
-    output rows, N a multiple of `GROUP_COLUMNS`) and the norm weight ``(N,)`` or None -> codes ``(M, N)``
-    E4M3, scales and sums of ``y²`` ``(M, N / GROUP_COLUMNS)`` float32 (`quantize_rows_reference`'s
-    scheme per group of ``y * norm_weight``; the sums in the kernel's pairwise order)."""
-    m, n = y.shape
-    v = y.float() * (norm_weight.float() if norm_weight is not None else 1.0)
-    codes, scales = quantize_rows_reference(v.reshape(m * n // GROUP_COLUMNS, GROUP_COLUMNS))
-    sq = fold_pairs_reference((y.float() ** 2).reshape(m * n // GROUP_COLUMNS, GROUP_COLUMNS))
-    groups = n // GROUP_COLUMNS
-    return codes.reshape(m, n), scales.reshape(m, groups), sq.reshape(m, groups)

@@ -39,7 +39,6 @@ and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpret
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -51,8 +50,7 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from stage_ar.fp8_activations import (GROUP_COLUMNS, GroupedOut, GroupedRows, QuantizedRows, RowsWithAmax,
-                                      amax_buffers, quantize_rows)
+from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows
 from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
@@ -95,26 +93,11 @@ class LinearBackend:
         return None
 
     def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
-            act: Callable = silu_and_mul, then: tuple | None = None) -> Any:
+            act: Callable = silu_and_mul) -> torch.Tensor:
         """A SwiGLU MLP: ``down(act(gate_up(x)))`` for ``x (..., K)`` -> ``(..., down.out_features)`` in the
         activation dtype (`MammothLinear.forward_swiglu`, then ``down``; ``act``:
-        `stage_ar.layers.silu_and_mul` or its compiled version). ``then``: ``(norm, residual, ops,
-        consumer)`` of the pre-norm after the MLP (the next layer's): ``down`` through
-        `project_norm_input`, which returns its pair."""
-        hidden = gate_up.forward_swiglu(x, act)
-        return down(hidden) if then is None else down.backend.project_norm_input(down, hidden, *then)
-
-    def project_norm_input(self, linear: MammothLinear, x: Any, norm: nn.Module, residual: torch.Tensor | None,
-                           ops: Any, consumer: MammothLinear | None) -> tuple[Any, torch.Tensor]:
-        """An output projection (o_proj, down_proj) and the pre-norm after it in one call, so a backend
-        may fuse them: ``norm_input(norm, linear(x), residual, ops, consumer)`` (`norm_input`'s pair).
-        Here the two in turn (``linear`` called as a module: its hooks run)."""
-        return norm_input(norm, linear(x), residual, ops, consumer)
-
-    def groups_for(self, consumer: MammothLinear | None, rows: int) -> bool:
-        """Whether the rows ``consumer`` reads (``rows`` of them) are made in the grouped W8A8 form
-        (`stage_ar.fp8_activations.GroupedRows`) by their producer. Here never."""
-        return False
+        `stage_ar.layers.silu_and_mul` or its compiled version)."""
+        return down(gate_up.forward_swiglu(x, act))
 
     def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -140,9 +123,8 @@ class TorchLinear(LinearBackend):
         ``weight_scale (N,)`` float32; ``bias (N,)`` or None.
 
         Raises:
-            TypeError: ``x`` is `QuantizedRows`, `RowsWithAmax` or `GroupedRows` (only `GemvLinear` makes
-                and takes them)."""
-        if isinstance(x, (QuantizedRows, RowsWithAmax, GroupedRows)):
+            TypeError: ``x`` is `QuantizedRows` or `RowsWithAmax` (only `GemvLinear` makes and takes them)."""
+        if isinstance(x, (QuantizedRows, RowsWithAmax)):
             raise TypeError(f"TorchLinear takes activation rows, not {type(x).__name__} (GemvLinear's W8A8 input)")
         if weight_scale is None:
             return F.linear(x, weight, bias)
@@ -171,18 +153,14 @@ class GemvLinear(LinearBackend):
             (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
             4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, and from 3.27 to
             3.39 ms once the prologue multiplied by the row's inverse scale, 2026-12-06:
-            docs/PERFORMANCE.md); ``"grouped"`` (W8A8 only, opt-in, not yet measured): the grouped W8A8
-            form (`stage_ar.fp8_activations.GroupedRows`): the attention's combine, o_proj (with the
-            post-attention norm's weight), the SwiGLU GEMV and down_proj (with the next layer's input
-            norm's weight) write their consumer's 64-column groups, so no quantizer launch stands
-            between them (`groups_for`, `project_norm_input`, `mlp`).
+            docs/PERFORMANCE.md).
 
     Raises:
         ValueError: an unknown epilogue name.
     """
 
     #: The epilogues ``fuse_epilogues`` may name.
-    EPILOGUES = ("rope", "swiglu", "amax", "grouped")
+    EPILOGUES = ("rope", "swiglu", "amax")
     #: Those fused unless a caller says otherwise (``amax`` measured slower: see ``fuse_epilogues``).
     DEFAULT_EPILOGUES = ("rope", "swiglu")
 
@@ -236,64 +214,20 @@ class GemvLinear(LinearBackend):
             return None
         return amax_buffers(consumer.weight)
 
-    def groups_for(self, consumer, rows):
-        """`LinearBackend.groups_for`: with ``"grouped"`` fused, under W8A8, for an E4M3 ``consumer`` of
-        whole groups (`GROUP_COLUMNS` | K) whose weight is contiguous, and calls the kernel takes."""
-        return ("grouped" in self.fuse_epilogues and self.fp8_compute == "fp8" and consumer is not None
-                and consumer.is_fp8 and consumer.backend is self and consumer.weight.is_contiguous()
-                and consumer.in_features % GROUP_COLUMNS == 0 and 1 <= rows <= self.max_rows)
-
-    def _writes_groups(self, linear, consumer, rows) -> bool:
-        """Whether ``linear`` (E4M3, this backend, no hooks: tensor parallelism's all-reduce must run
-        on its output first) writes ``consumer``'s input grouped (`groups_for`)."""
-        return (self.groups_for(consumer, rows) and linear.is_fp8 and linear.backend is self
-                and not linear._forward_hooks and not linear._forward_pre_hooks
-                and linear.out_features % GROUP_COLUMNS == 0)
-
-    def project_norm_input(self, linear, x, norm, residual, ops, consumer):
-        """`LinearBackend.project_norm_input`; with ``"grouped"`` fused (`_writes_groups`) and a residual,
-        one launch: ``linear``'s GEMV adds the residual in its epilogue (the new residual stream) and
-        writes ``consumer``'s input as `GroupedRows` with the norm's weight in the codes (the norm's
-        inverse RMS applied by ``consumer``'s GEMV)."""
-        flat = self._kernel_rows(x, linear.weight) if residual is not None else None
-        rows = flat.shape[0] if flat is not None else 0
-        if (flat is None or not self._writes_groups(linear, consumer, rows)
-                or residual.numel() != rows * linear.out_features):
-            return super().project_norm_input(linear, x, norm, residual, ops, consumer)
-        summed, grouped = self._gemv(flat, linear.weight, linear.bias, linear.weight_scale,
-                                     residual=residual.reshape(rows, -1).contiguous(),
-                                     grouped_out=GroupedOut(norm.weight, norm.variance_epsilon))
-        return dataclasses.replace(grouped, view_shape=residual.shape), summed.view(residual.shape)
-
-    def mlp(self, x, gate_up, down, act=silu_and_mul, then=None):
-        """`LinearBackend.mlp`; on `GroupedRows` with ``"grouped"`` and ``"swiglu"`` fused, the SwiGLU GEMV
-        writes ``down``'s input grouped (then ``down`` as `project_norm_input` or a module call);
-        otherwise as below."""
-        rows = x.codes.shape[0] if isinstance(x, GroupedRows) else 0
-        if ("swiglu" in self.fuse_epilogues and isinstance(x, GroupedRows)
-                and self._writes_groups(gate_up, down, rows)):
-            _, mid = self._gemv(self._kernel_rows(x, gate_up.weight), gate_up.weight, gate_up.bias,
-                                gate_up.weight_scale, swiglu=True, grouped_out=GroupedOut())
-            mid = dataclasses.replace(mid, view_shape=torch.Size((*x.shape[:-1], mid.codes.shape[1])))
-            return down(mid) if then is None else self.project_norm_input(down, mid, *then)
-        return self._mlp(x, gate_up, down, act, then)
-
-    def _mlp(self, x, gate_up, down, act=silu_and_mul, then=None):
-        """`mlp` otherwise: under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
+    def mlp(self, x, gate_up, down, act=silu_and_mul):
+        """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
         calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
         (``amax_out``) and ``down`` quantizes those rows in its GEMV's prologue
         (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). ``down``
         is called as a module (its hooks, e.g. tensor parallelism's all-reduce, run)."""
-        rows = (x.codes.shape[0] if isinstance(x, (QuantizedRows, GroupedRows))
-                else x.numel() // max(1, x.shape[-1]))
+        rows = x.codes.shape[0] if isinstance(x, QuantizedRows) else x.numel() // max(1, x.shape[-1])
         fusable = "swiglu" in self.fuse_epilogues and gate_up.is_fp8 and down.backend is self
         buffers = self.input_amax(down, rows) if fusable else None
         flat = self._kernel_rows(x, gate_up.weight) if buffers is not None else None
         if flat is None:
-            return super().mlp(x, gate_up, down, act, then)
+            return super().mlp(x, gate_up, down, act)
         hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=buffers[0])
-        rows = RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers)
-        return down(rows) if then is None else self.project_norm_input(down, rows, *then)
+        return down(RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers))
 
     def norm_input(self, norm, x, residual, ops, consumer):
         """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3
@@ -319,21 +253,16 @@ class GemvLinear(LinearBackend):
     def _kernel_rows(self, x, weight):
         """``x`` as ``(rows, K)`` with contiguous rows when the kernel takes the call, else None.
 
-        (`QuantizedRows`, `RowsWithAmax` and `GroupedRows` flattened to 2-D rows.)
+        (`QuantizedRows` and `RowsWithAmax` flattened to 2-D rows.)
 
         Raises:
-            ValueError: `QuantizedRows`, `RowsWithAmax` or `GroupedRows` the kernel cannot take (more than
+            ValueError: `QuantizedRows` or `RowsWithAmax` the kernel cannot take (more than
                 ``max_rows`` rows, or a non-contiguous weight): nothing else can multiply them."""
         if isinstance(x, QuantizedRows):
             if not x.codes.shape[0] <= self.max_rows or not weight.is_contiguous():
                 raise ValueError(f"QuantizedRows of {x.codes.shape[0]} rows for a weight of shape "
                                  f"{tuple(weight.shape)}: the GEMV takes at most {self.max_rows} rows, contiguous weights")
             return QuantizedRows(x.codes, x.scales, x.dtype, x.codes.shape)
-        if isinstance(x, GroupedRows):
-            if not x.codes.shape[0] <= self.max_rows or not weight.is_contiguous():
-                raise ValueError(f"GroupedRows of {x.codes.shape[0]} rows for a weight of shape "
-                                 f"{tuple(weight.shape)}: the GEMV takes at most {self.max_rows} rows, contiguous weights")
-            return dataclasses.replace(x, view_shape=None)
         if isinstance(x, RowsWithAmax):
             values = x.values.reshape(-1, x.values.shape[-1])
             if not values.shape[0] <= self.max_rows or not weight.is_contiguous() or values.stride(1) != 1:

@@ -291,31 +291,6 @@ def test_amax_out_gathers_each_rows_largest_magnitude(da):
         da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, amax_out=amax[:8])
 
 
-def test_grouped_out_quantizes_each_head_for_o_proj(da):
-    """``grouped_out`` (the grouped W8A8 form for o_proj, `stage_ar.fp8_activations.GroupedRows`, opt-in):
-    the output bits are the ones without it, and each head's two 64-column groups are the codes and
-    scales `quantize_groups_reference` makes of the output (an idle row's zeros: zero codes at the
-    floor scale); refused with ``amax_out``."""
-    from stage_ar.fp8_activations import MIN_ROW_SCALE
-    from stage_ar.gemv_reference import quantize_groups_reference
-
-    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=3, seed=7)
-    pos, start = ids(200, 17, 99), ids(0, 0, 40)
-    live = torch.tensor([True, False, True], device=DEVICE)
-    want = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1, live=live)
-    got, grouped = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1,
-                                       live=live, grouped_out=True)
-    assert torch.equal(got, want)
-    codes, scales, _ = quantize_groups_reference(want)
-    assert torch.equal(grouped.codes.view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(grouped.scales, scales)
-    assert grouped.sum_squares is None and not grouped.codes[1].view(torch.uint8).any()
-    assert torch.all(grouped.scales[1] == MIN_ROW_SCALE)
-    with pytest.raises(ValueError, match="grouped_out"):
-        da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, grouped_out=True,
-                            amax_out=torch.zeros(16, dtype=torch.int32, device=DEVICE))
-
-
 @pytest.mark.parametrize("split", [64, 128])
 def test_early_loads_give_the_bits_of_loads_after_the_wait(da, monkeypatch, split):
     """`EARLY_LOADS` (on by default) loads each row's key range and live flag and each split's first tile of

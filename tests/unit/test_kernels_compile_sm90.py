@@ -23,14 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GEMV_BASE = dict(BLOCK_N=16, BLOCK_K=256, LOG2_BLOCK_K=8, EVEN_K=True, EVEN_N=True, NORM=False, FP8=False,
                  HAS_BIAS=False, SWIGLU=False, RESIDUAL=False, IEEE=False, FP8_MODE=0, ROPE=False, HEAD_DIM=0,
-                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False, GROUP_NORM=False, GROUP_OUT=False,
-                 GROUP_OUT_NORM=False, LOG2_GROUPS=0)
+                 SPLIT_K=1, PDL=True, PRELOAD=0, AMAX_OUT=False)
 _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 _AMAX = {"amax_ptr": "*i32", "amax_cnt_ptr": "*i32"}  # W8A8's RowsWithAmax (producer and consumer)
-_GROUPED_IN = {"gss_ptr": "*fp32"}  # GroupedRows: codes and scales in x_ptr / xs_ptr, the group sums here
-_GROUPED_OUT = {"go_q_ptr": "*fp8e4nv", "go_s_ptr": "*fp32", "go_ss_ptr": "*fp32"}
 #: name -> (pointer dtypes other than bf16, constexprs over GEMV_BASE): the served forms
 GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
@@ -54,24 +51,11 @@ GEMV_FORMS = {
     "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
                                                              ROPE=True, HEAD_DIM=128, BLOCK_N=64, PRELOAD=2)),
     "bf16_down_preload3": ({}, dict(RESIDUAL=True, PRELOAD=3)),
-    # the grouped W8A8 form (`stage_ar.fp8_activations.GroupedRows`, opt-in): o_proj writing the next norm's
-    # grouped codes, qkv reading them (one 64-column group per K tile, the inverse RMS from 56 group sums),
-    # gate_up reading them and writing its own, down reading those
-    "w8a8_o_grouped_out_norm": (_W8A8_IN | _GROUPED_OUT, dict(FP8=True, FP8_MODE=3, RESIDUAL=True, BLOCK_N=64,
-                                                              GROUP_OUT=True, GROUP_OUT_NORM=True)),
-    "w8a8_qkv_grouped_norm_rope": (_W8A8_IN | _GROUPED_IN, dict(FP8=True, FP8_MODE=5, HAS_BIAS=True, ROPE=True,
-                                                                HEAD_DIM=128, BLOCK_N=64, BLOCK_K=64, LOG2_BLOCK_K=6,
-                                                                GROUP_NORM=True, LOG2_GROUPS=6)),
-    "w8a8_gate_up_grouped_in_out": (_W8A8_IN | _GROUPED_IN | _GROUPED_OUT, dict(
-        FP8=True, FP8_MODE=5, SWIGLU=True, BLOCK_N=128, BLOCK_K=64, LOG2_BLOCK_K=6, GROUP_NORM=True, LOG2_GROUPS=6,
-        GROUP_OUT=True)),
-    "w8a8_down_grouped": (_W8A8_IN | _GROUPED_IN, dict(FP8=True, FP8_MODE=5, RESIDUAL=True, BLOCK_N=64, BLOCK_K=64,
-                                                       LOG2_BLOCK_K=6)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
                    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32",
-                   "amax_ptr": "*i32", "go_q_ptr": "*fp8e4nv", "go_s_ptr": "*fp32", "min_scale": "fp32"}
+                   "amax_ptr": "*i32"}
 
 
 #: ``(NORM, RESIDUAL)`` of the W8A8 quantizer's forms: alone (o and down inputs), with the first
@@ -117,10 +101,6 @@ def _forms():
     yield "combine_early_loads", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=128, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
         EARLY_LOADS=True))
-    # the grouped W8A8 form for o_proj (opt-in): each head's two 64-column groups quantized by its program
-    yield "combine_early_loads_grouped_out", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
-        GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, EARLY_LOADS=True,
-        GROUP_OUT=True))
     # `decode_attention.MERGE_CHUNK` (opt-in): the served pool's 256 split slots merged 16 at a time
     yield "combine_early_loads_merge_chunk_16", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
@@ -175,7 +155,7 @@ def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
     names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads",
-              "combine_early_loads_merge_chunk_16", "combine_early_loads_grouped_out"]
+              "combine_early_loads_merge_chunk_16"]
     return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 
@@ -192,7 +172,7 @@ def test_served_kernel_form_compiles_for_sm90_with_pdl(compiled, form):
         assert (result["loads_before_wait"] > 0) == (GEMV_FORMS[form[5:]][1].get("PRELOAD", 0) > 0), result
     if form.startswith(("split_kv", "combine")):  # `decode_attention.EARLY_LOADS`: its loads before the wait
         assert (result["loads_before_wait"] > 0) == ("early_loads" in form), result
-    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form or "grouped_out" in form
+    quantizes = form.startswith("w8a8_quantizer") or "quantizing" in form
     if quantizes:  # E4M3 codes by the GPU's conversion, not the interpreter's float32 emulation
         assert result["e4m3_cvt"] and not result["e4m3_emulated"], result
 
