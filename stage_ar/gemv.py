@@ -49,6 +49,8 @@ fixes the configuration for every M, and a row gives the same bits alone, inside
 
 Autotuning launches and synchronises on the first call of each key: call every shape and variant
 once before capturing CUDA graphs (the runner's capture warm-up does, at its smallest batch first).
+A variant the GPU's pinned picks name (`pinned_picks`: ``MAMMOTH_GEMV_PICKS`` or the file shipped in
+``stage_ar/gemv_picks/``) launches with its pick instead, untimed, the same in every process.
 """
 
 from __future__ import annotations
