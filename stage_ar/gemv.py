@@ -766,20 +766,21 @@ _PINNED: dict[int, dict[str, GemvConfig]] = {}
 
 
 def pinned_picks(device: torch.device) -> dict[str, GemvConfig]:
-    """The picks pinned for ``device``'s GPU, by `pick_key`: the file `PICKS_ENV` names, else the
-    one shipped for this GPU's name (`shipped_picks_path`), else none (every shape is timed at its
-    first launch). A key missing from the file, or whose pick is not among the launch's candidates,
-    is timed as without a file. Read once per device and process.
+    """The picks pinned for ``device``, by `pick_key`: the file `PICKS_ENV` names (on any device, so a
+    bad path fails the start even on a CPU), else on CUDA the one shipped for this GPU's name
+    (`shipped_picks_path`), else none (every variant is timed at its first launch). A key missing from
+    the file, or whose pick is not among the launch's candidates, is timed as without a file. Read once
+    per device and process.
 
     Raises:
         ValueError, OSError: the file `PICKS_ENV` names cannot be read as picks (`load_picks`); a
             shipped file that does not parse is logged and ignored.
     """
+    path = os.environ.get(PICKS_ENV)
     if device.type != "cuda":
-        return {}
+        return load_picks(path) if path else {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PINNED:
-        path = os.environ.get(PICKS_ENV)
         if path:
             _PINNED[index] = load_picks(path)
             logger.info("GEMV picks: %d pinned from %s (%s)", len(_PINNED[index]), path, PICKS_ENV)

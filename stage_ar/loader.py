@@ -13,6 +13,7 @@ from mammoth_core import limits
 from mammoth_core.checkpoint_check import verify_parts
 from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from mammoth_core.distributed import GroupRank
+from stage_ar import gemv
 from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
@@ -101,11 +102,14 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
-        ValueError: an unknown ``weights_dtype`` or ``linear_backend``.
+        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; a ``MAMMOTH_GEMV_PICKS`` file
+            that is not a picks file (`stage_ar.gemv.pinned_picks`).
+        OSError: a ``MAMMOTH_GEMV_PICKS`` file that cannot be read.
     """
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
     backend = select_backend(linear_backend, device)
+    gemv.pinned_picks(torch.device(device))  # a bad MAMMOTH_GEMV_PICKS fails here, before any weight is read
     t0 = time.perf_counter()
     path = resolve_checkpoint(checkpoint, cache_dir)
     verify_parts(path, [CHECKPOINT_PART])  # its tensors checked (headers only) before any is read

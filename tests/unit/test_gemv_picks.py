@@ -89,3 +89,22 @@ def test_a_pinned_pick_launches_without_timing_and_gives_the_timed_launchs_bits(
     assert all(not tuner.cache for tuner in gemv._TUNERS.values())  # nothing was timed
     assert torch.equal(pinned, timed)
     gemv.forget_tuning()
+
+
+def test_a_bad_picks_file_fails_the_ar_load_before_any_weight_is_read(tmp_path, monkeypatch, tiny_checkpoint):
+    """``MAMMOTH_GEMV_PICKS`` naming a file that is not picks stops `load_ar` with the file's name, where
+    it would otherwise surface at the first GEMV launch inside the warm-up (graphs lost, or a failed
+    engine) or not at all on a CPU."""
+    from mammoth_core.settings import ARSettings
+    from stage_ar.loader import load_ar
+
+    bad = tmp_path / "picks.json"
+    bad.write_text(json.dumps({"version": PICKS_VERSION, "picks": {"a": "fast"}}))
+    monkeypatch.setenv(gemv.PICKS_ENV, str(bad))
+    with pytest.raises(ValueError, match=r"picks.json: pick 'a' must be"):
+        load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32)
+    monkeypatch.setenv(gemv.PICKS_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(OSError):
+        load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32)
+    monkeypatch.delenv(gemv.PICKS_ENV)
+    assert load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32).model is not None
