@@ -23,7 +23,7 @@ from typing import Sequence
 
 from mammoth_core import settings as settings_mod
 from mammoth_core.logging import setup_logging
-from mammoth_core.runtime import exit_after_drain
+from mammoth_core.runtime import StageStartError, exit_after_drain
 
 logger = logging.getLogger("mammoth")
 
@@ -102,7 +102,11 @@ def _run_stage(args: argparse.Namespace, role: str) -> int:
     else:
         from stage_dit.server import serve
 
-    asyncio.run(serve(s, ready_file=args.ready_file))
+    try:
+        asyncio.run(serve(s, ready_file=args.ready_file))
+    except StageStartError as exc:  # what it was given is unusable: one error line in the stage's log
+        logging.getLogger("mammoth_app.cli").error("%s", exc)
+        exit_after_drain(1)
     exit_after_drain(0)  # skip the interpreter's slow teardown (mammoth_core.runtime)
 
 

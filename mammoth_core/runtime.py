@@ -16,6 +16,32 @@ import time
 from typing import Any, NoReturn
 
 
+class StageStartError(RuntimeError):
+    """A stage could not start because of what it was given (an unusable checkpoint, a bad file, a
+    setting the model refuses): its entry point logs the message as one error line and exits 1, no
+    traceback (`mammoth_app.cli`). Raised by a stage's ``serve`` after it stopped its gRPC server."""
+
+
+@contextlib.asynccontextmanager
+async def starting(server: Any, stage: str):
+    """Wrap a stage's start-up after its gRPC ``server`` has started (for the health probes): on any
+    failure, stop ``server`` first (else the interpreter's teardown does, after the event loop has
+    closed: ``Event loop is closed``); a ``ValueError`` or ``OSError`` (a checkpoint, a file or a
+    setting the stage was given) becomes `StageStartError` naming ``stage``; anything else is re-raised
+    as it is, traceback and all.
+
+    Raises:
+        StageStartError: as above.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        await server.stop(0)
+        if isinstance(exc, (ValueError, OSError)):
+            raise StageStartError(f"the {stage} could not start: {exc}") from exc
+        raise
+
+
 def write_ready_file(path: str | None, address: str, **extra: Any) -> None:
     """Atomically write ``{"address": "host:port", "pid": ..., **extra}`` to ``path``.
 

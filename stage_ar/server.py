@@ -26,7 +26,7 @@ import grpc
 from mammoth_core import decoding, drain, errors, grpc_common, limits, tracing, transport_metrics
 from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
-from mammoth_core.runtime import start_metrics_server, write_ready_file
+from mammoth_core.runtime import start_metrics_server, starting, write_ready_file
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_core.settings import ARSettings
@@ -243,17 +243,18 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()
     tp = None
-    if settings.tensor_parallel_size > 1:  # ranks 1..N-1 start here, from the main thread
-        from stage_ar.tensor_parallel_stage import TensorParallelAR
+    async with starting(server, "AR"):
+        if settings.tensor_parallel_size > 1:  # ranks 1..N-1 start here, from the main thread
+            from stage_ar.tensor_parallel_stage import TensorParallelAR
 
-        tp = TensorParallelAR.start(settings)
-        await asyncio.to_thread(tp.join)
-        bundle = await asyncio.to_thread(tp.load, settings)
-    else:
-        bundle = await asyncio.to_thread(
-            load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(), settings.resolved_dtype(),
-            weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
-        )
+            tp = TensorParallelAR.start(settings)
+            await asyncio.to_thread(tp.join)
+            bundle = await asyncio.to_thread(tp.load, settings)
+        else:
+            bundle = await asyncio.to_thread(
+                load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(),
+                settings.resolved_dtype(), weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
+            )
     engine = new_engine(bundle, settings, on_failure=health.on_fatal_error(asyncio.get_running_loop()),
                         **({"scheduler_factory": tp.scheduler_factory} if tp else {}))
     if tp is not None:

@@ -32,7 +32,7 @@ from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
 from mammoth_core.request_trace import write_request_trace
 from mammoth_core.pb import mammoth_pb2 as pb
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
-from mammoth_core.runtime import start_metrics_server, write_ready_file
+from mammoth_core.runtime import start_metrics_server, starting, write_ready_file
 from mammoth_core.settings import DiTSettings
 from mammoth_core.wire import WireError
 from stage_dit.capacity import measure_capacity
@@ -318,17 +318,18 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
         wait_idle=servicer.wait_idle, in_flight=rpcs,
     )
     parallel = None
-    if pipeline is None and settings.parallel_ranks() > 1:  # ranks 1..N-1 start here, from the main thread
-        from stage_dit.parallel_stage import ParallelDiT
+    async with starting(server, "DiT"):
+        if pipeline is None and settings.parallel_ranks() > 1:  # ranks 1..N-1 start here, from the main thread
+            from stage_dit.parallel_stage import ParallelDiT
 
-        parallel = ParallelDiT.start(settings)
-        await asyncio.to_thread(parallel.join)
-        pipeline = await asyncio.to_thread(parallel.load)
-        await asyncio.to_thread(parallel.ready)
-    elif pipeline is None:
-        from stage_dit.loader import load_pipeline
+            parallel = ParallelDiT.start(settings)
+            await asyncio.to_thread(parallel.join)
+            pipeline = await asyncio.to_thread(parallel.load)
+            await asyncio.to_thread(parallel.ready)
+        elif pipeline is None:
+            from stage_dit.loader import load_pipeline
 
-        pipeline = await asyncio.to_thread(load_pipeline, settings)
+            pipeline = await asyncio.to_thread(load_pipeline, settings)
     hidden_size = int(getattr(pipeline, "llm_hidden_size", 0) or getattr(pipeline, "hidden_size"))
     dtype = getattr(pipeline, "dtype", None) or settings.resolved_dtype()
     capacity = await asyncio.to_thread(

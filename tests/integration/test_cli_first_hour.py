@@ -137,3 +137,19 @@ def test_the_progress_token_count_ends_at_the_usage_count(pipeline, tmp_path):
     body = {"prompt": "a fox", "size": "64x96", "num_inference_steps": 2, "seed": 3}
     usage = httpx.post(f"{pipeline.url}/v1/images/generations", json=body, timeout=120).json()["usage"]
     assert done == total == usage["output_tokens"], (shown[-1], usage)
+
+
+@pytest.mark.parametrize("role", ["ar", "dit"])
+def test_a_stage_that_cannot_load_its_checkpoint_says_why_and_exits_cleanly(tmp_path, role):
+    """``mammoth ar`` / ``mammoth dit`` (what a pod runs) with an unusable checkpoint: exit 1, the
+    stage's own log says it could not start and why, naming the checkpoint; no traceback, and the gRPC
+    server it had opened for the health probes is stopped, not left to the interpreter's teardown
+    (``Event loop is closed``, ``coroutine ... was never awaited``)."""
+    missing = tmp_path / "missing-checkpoint"
+    proc = mammoth(role, "--checkpoint", str(missing), "--port", "0", "--metrics-port", "-1",
+                   "--insecure-no-auth", "true", "--device", "cpu", MAMMOTH_CACHE_DIR=str(tmp_path / "cache"))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Event loop is closed" not in proc.stderr and "never awaited" not in proc.stderr, proc.stderr[-3000:]
+    failure = [line for line in proc.stderr.splitlines() if "could not start" in line]
+    assert len(failure) == 1 and "ERROR" in failure[0] and str(missing) in failure[0], proc.stderr[-3000:]
