@@ -9,6 +9,9 @@ which one timing picks in a process changes no output.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 
 import torch
 
@@ -158,9 +161,6 @@ def pick_key(meta: dict, x_dtype: torch.dtype, weight_dtype: torch.dtype, out_dt
 def shipped_picks_path(device_name: str) -> str:
     """Where the picks shipped for a GPU named ``device_name`` (``torch.cuda.get_device_name``) live:
     ``stage_ar/gemv_picks/<name with every non-alphanumeric run as one underscore>.json``."""
-    import os
-    import re
-
     slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv_picks", f"{slug}.json")
 
@@ -175,8 +175,6 @@ def load_picks(path: str) -> dict[str, GemvConfig]:
         ValueError: not such a file (wrong version, malformed entries).
         OSError: the file cannot be read.
     """
-    import json
-
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict) or data.get("version") != PICKS_VERSION or not isinstance(data.get("picks"), dict):
