@@ -255,16 +255,16 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
                 load_ar, settings.checkpoint, settings.cache_dir, settings.resolved_device(),
                 settings.resolved_dtype(), weights_dtype=settings.weights_dtype, linear_backend=settings.linear_backend,
             )
-    engine = new_engine(bundle, settings, on_failure=health.on_fatal_error(asyncio.get_running_loop()),
-                        **({"scheduler_factory": tp.scheduler_factory} if tp else {}))
-    if tp is not None:
-        await asyncio.to_thread(tp.ready, engine)
-    engine.start()
-    await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
-    if engine.failure is not None:  # capture or warm-up broke the device: exit non-zero, be restarted
-        raise RuntimeError(f"the AR engine failed before serving: {engine.failure!r}")
-    await asyncio.to_thread(prepare_staging, bundle.hidden_size, bundle.dtype, settings.chunk_rows,
-                            settings.max_message_bytes, engine.runner.on_cuda)
+        engine = new_engine(bundle, settings, on_failure=health.on_fatal_error(asyncio.get_running_loop()),
+                            **({"scheduler_factory": tp.scheduler_factory} if tp else {}))
+        if tp is not None:
+            await asyncio.to_thread(tp.ready, engine)
+        engine.start()
+        await asyncio.to_thread(engine.ready.wait)  # KV pool allocated, CUDA graphs captured
+        if engine.failure is not None:  # capture or warm-up broke the device: exit non-zero, be restarted
+            raise RuntimeError(f"the AR engine failed before serving: {engine.failure!r}")
+        await asyncio.to_thread(prepare_staging, bundle.hidden_size, bundle.dtype, settings.chunk_rows,
+                                settings.max_message_bytes, engine.runner.on_cuda)
     servicer.bundle, servicer.engine = bundle, engine
     async def wait_idle() -> None:
         # In-flight requests keep their push streams to the DiT open: stop the server only once the

@@ -330,14 +330,14 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
             from stage_dit.loader import load_pipeline
 
             pipeline = await asyncio.to_thread(load_pipeline, settings)
-    hidden_size = int(getattr(pipeline, "llm_hidden_size", 0) or getattr(pipeline, "hidden_size"))
-    dtype = getattr(pipeline, "dtype", None) or settings.resolved_dtype()
-    capacity = await asyncio.to_thread(
-        measure_capacity, pipeline, slots=settings.slots, max_batch=settings.max_batch_requests,
-        slot_bytes=settings.max_rows_per_slot * hidden_size * dtype.itemsize, max_pixels=settings.max_pixels,
-        utilization=settings.gpu_memory_utilization)
-    capacity.export()
-    pool = SlotPool(capacity.slots, settings.max_rows_per_slot, hidden_size, dtype, settings.resolved_device())
+        hidden_size = int(getattr(pipeline, "llm_hidden_size", 0) or getattr(pipeline, "hidden_size"))
+        dtype = getattr(pipeline, "dtype", None) or settings.resolved_dtype()
+        capacity = await asyncio.to_thread(
+            measure_capacity, pipeline, slots=settings.slots, max_batch=settings.max_batch_requests,
+            slot_bytes=settings.max_rows_per_slot * hidden_size * dtype.itemsize, max_pixels=settings.max_pixels,
+            utilization=settings.gpu_memory_utilization)
+        capacity.export()
+        pool = SlotPool(capacity.slots, settings.max_rows_per_slot, hidden_size, dtype, settings.resolved_device())
     servicer.max_batch_requests = capacity.max_batch_requests
     servicer.on_engine_failure = health.on_fatal_error(asyncio.get_running_loop())
     servicer.set_model(pipeline, pool)
