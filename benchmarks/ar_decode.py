@@ -203,6 +203,13 @@ def _replay_ms(graph) -> float:
     return sorted(times)[1]
 
 
+def _gemv_picks() -> dict:
+    """`stage_ar.gemv.tuned_picks` of this process (empty where the tree under test predates it)."""
+    from stage_ar import gemv
+
+    return gemv.tuned_picks() if hasattr(gemv, "tuned_picks") else {}
+
+
 def retune_gemv() -> None:
     """Let the next GEMV launch of each shape tune again, at its own row count
     (`stage_ar.gemv.forget_tuning`): a padded shape timed after batch 1 in one process then runs with
@@ -234,6 +241,7 @@ def time_variant(model, res: dict, label: str, opts: dict, batches: tuple[int, .
     t[f"{label}_compiled"] = runner.compile
     t[f"{label}_fused_attention"] = runner.fused_attention
     t[f"{label}_engine_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    t[f"{label}_gemv_picks"] = _gemv_picks()  # what the variant's GEMVs run with (compare: ar_served.py's)
     print(f"[{label}] capture {t[f'{label}_capture_s']:.1f} s, {runner.graphs_captured} graphs, "
           f"compiled={runner.compile}, fused_attention={runner.fused_attention}", flush=True)
     runs = [(b, False) for b in batches] + ([(1, True)] if mid_image else [])
