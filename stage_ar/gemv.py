@@ -64,7 +64,7 @@ import torch
 
 from stage_ar.arrival import persistent_buffers
 from stage_ar.gemv_configs import (  # noqa: F401 - re-exported: the launch parameters live there
-    PICKS_ENV, load_picks, pick_key, shipped_picks_path,
+    PICKS_ENV, TUNING_KEY, load_picks, pick_key, shipped_picks_path,
     FP8_DTYPE, FP8_TUNED_CONFIGS, INTERPRETER_CONFIG, TUNED_CONFIGS, W8A8_TUNED_CONFIGS, GemvConfig, block_k_for,
     fits_shared_memory, split_k_for, tuned_configs,
 )
@@ -96,10 +96,6 @@ F16_MAX = 65504.0
 
 logger = logging.getLogger(__name__)
 
-#: The autotuning key (`pick_key`'s names): N, K and the compile-time flags, not M; PRELOAD: tiles
-#: held in registers.
-_KEY_NAMES = ("N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
-              "SPLIT_K", "AMAX_OUT", "PRELOAD")
 #: ``[warm-up, repetitions]`` in ms of each candidate's timing (Triton's ``do_bench``);
 #: `benchmarks/gemv_pick.py` raises them to choose the picks it pins.
 TUNING_MS = [5, 20]
@@ -478,7 +474,7 @@ if triton is not None:
         return triton.autotune(
             configs=[triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
-            key=list(_KEY_NAMES),
+            key=list(TUNING_KEY),
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
@@ -649,17 +645,17 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
     if autotuned:
         configs = tuned_configs(weight.dtype, fp8_compute)
-        key = pick_key({**meta, "N": n, "K": k}, x.dtype, weight.dtype, out.dtype, _KEY_NAMES)
+        key = pick_key({**meta, "N": n, "K": k}, x.dtype, weight.dtype, out.dtype)
         pinned = pinned_picks(weight.device).get(key)
         if pinned is None or pinned not in configs or not _allowed(pinned, n, x.dtype, weight.dtype, meta):
             # time the candidates (once per key and process)
-            tuned = _LAST_TUNED[0] = _TUNERS[configs]
-            _LAST_TUNED[1] = split
+            tuned = _TUNERS[configs]
             tuned[lambda meta_: (triton.cdiv(columns, meta_["BLOCK_N"] // (2 if paired else 1)), split)](*args, **meta)
             best = tuned.best_config
-            _PICKED[key] = GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            _LAST_TUNED[:] = [GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages), split]
+            _PICKED[key] = _LAST_TUNED[0]
             return
-        _LAST_TUNED[0], _LAST_TUNED[1] = pinned, split
+        _LAST_TUNED[:] = [pinned, split]
         c = _PICKED[key] = pinned
     grid = (triton.cdiv(columns, c.block_n // (2 if paired else 1)), split)
     _kernel[grid](*args, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
@@ -685,7 +681,7 @@ def split_workspace(weight: torch.Tensor, split: int, columns: int, paired: bool
     return persistent_buffers(weight, "gemv_split_k", split * rows * 16, -(-columns // (8 if paired else 16)))
 
 
-_LAST_TUNED: list = [None, 1]  # the autotuner of the latest autotuned launch and its split (`last_tuned_config`)
+_LAST_TUNED: list = [None, 1]  # the config of the latest autotuned launch (timed or pinned) and its split
 
 def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k: int, config: GemvConfig, *,
                   bias: bool = False, norm: bool = False, residual: bool = False, swiglu: bool = False,
@@ -732,15 +728,9 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
 def last_tuned_config() -> GemvConfig | None:
     """The config autotuning used for the latest autotuned `gemv` call, with the split count the
     shape's rule gave it (``None`` before any, or under the interpreter)."""
-    best = None
-    if triton is not None and not INTERPRETED:
-        best = _LAST_TUNED[0]
-        if isinstance(best, GemvConfig):  # a pinned pick (`pinned_picks`)
-            return dataclasses.replace(best, split_k=_LAST_TUNED[1])
-        best = best and getattr(best, "best_config", None)
-    if best is None:
+    if triton is None or INTERPRETED or _LAST_TUNED[0] is None:
         return None
-    return GemvConfig(best.kwargs["BLOCK_N"], best.num_warps, best.num_stages, split_k=_LAST_TUNED[1])
+    return dataclasses.replace(_LAST_TUNED[0], split_k=_LAST_TUNED[1])
 
 
 def forget_tuning() -> int:

@@ -146,13 +146,18 @@ PICKS_ENV = "MAMMOTH_GEMV_PICKS"
 PICKS_VERSION = 1
 
 
-def pick_key(meta: dict, x_dtype: torch.dtype, weight_dtype: torch.dtype, out_dtype: torch.dtype,
-             key_names: tuple[str, ...]) -> str:
-    """The text key of one GEMV variant and shape in a picks file: ``name=value`` of each of
-    ``key_names`` (the autotuning key: N, K, the flags) present in ``meta``, then the three dtypes.
-    Rows (M) are not in it, as they are not in the autotuning key."""
+#: The GEMV's autotuning key (`stage_ar.gemv`'s autotuner, `pick_key`): N, K and the compile-time
+#: flags, not M; PRELOAD: tiles held in registers.
+TUNING_KEY = ("N", "K", "BLOCK_K", "NORM", "FP8", "HAS_BIAS", "SWIGLU", "RESIDUAL", "FP8_MODE", "ROPE", "HEAD_DIM",
+              "SPLIT_K", "AMAX_OUT", "PRELOAD")
+
+
+def pick_key(meta: dict, x_dtype: torch.dtype, weight_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
+    """The text key of one GEMV variant and shape in a picks file: ``name=value`` of each name of
+    `TUNING_KEY` present in ``meta``, then the three dtypes. Rows (M) are not in it, as they are not
+    in the autotuning key."""
     parts = [f"{name}={int(meta[name]) if isinstance(meta[name], bool) else meta[name]}"
-             for name in key_names if name in meta]
+             for name in TUNING_KEY if name in meta]
     parts += [f"x={x_dtype}".replace("torch.", ""), f"w={weight_dtype}".replace("torch.", ""),
               f"out={out_dtype}".replace("torch.", "")]
     return ",".join(parts)

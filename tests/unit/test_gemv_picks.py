@@ -14,21 +14,19 @@ from stage_ar.gemv_configs import (
     PICKS_VERSION, TUNED_CONFIGS, GemvConfig, load_picks, pick_key, shipped_picks_path,
 )
 
-NAMES = gemv._KEY_NAMES
-
 
 def _meta(**kw):
     return {"N": 4608, "K": 3584, "BLOCK_K": 128, "NORM": False, "FP8": False, "SWIGLU": False, "SPLIT_K": 1} | kw
 
 
 def test_pick_key_names_the_shape_flags_and_dtypes_not_the_rows():
-    key = pick_key(_meta(), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES)
+    key = pick_key(_meta(), torch.bfloat16, torch.bfloat16, torch.bfloat16)
     assert key.startswith("N=4608,K=3584,BLOCK_K=128,NORM=0,FP8=0,SWIGLU=0,SPLIT_K=1")
     assert key.endswith("x=bfloat16,w=bfloat16,out=bfloat16")
     assert not any(part.startswith("M=") for part in key.split(","))
-    assert pick_key(_meta(N=3584), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES) != key
-    assert pick_key(_meta(SWIGLU=True), torch.bfloat16, torch.bfloat16, torch.bfloat16, NAMES) != key
-    assert pick_key(_meta(), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, NAMES) != key
+    assert pick_key(_meta(N=3584), torch.bfloat16, torch.bfloat16, torch.bfloat16) != key
+    assert pick_key(_meta(SWIGLU=True), torch.bfloat16, torch.bfloat16, torch.bfloat16) != key
+    assert pick_key(_meta(), torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16) != key
 
 
 def test_load_picks_reads_a_file_and_refuses_what_is_not_one(tmp_path):
