@@ -27,7 +27,12 @@ program loads before its PDL wait, under ``pdl``) at each of `PRELOAD_TILES` in 
 then 0 again: bf16 batch 1, then W8A8 batch 1. Group ``launch`` (not in the default): the launch-overlap
 modes apart from the weight preload they used to come with: `LAUNCH_VARIANTS` (``pdl``; ``early``
 with no tile before the wait, so only the next launch is allowed before the wait; ``early`` as it is,
-one tile) in turn, ``rounds`` times, then ``pdl`` again: bf16 batch 1, then W8A8 batch 1.
+one tile) in turn, ``rounds`` times, then ``pdl`` again: bf16 batch 1, then W8A8 batch 1. Group
+``noquant`` (not in the default; an ablation, its tokens are meaningless): W8A8 batch 1 under ``pdl``
+as it is, then with the plain quantizer launches (o_proj's and down_proj's inputs) left out, then with
+the add + norm + quantize launches (qkv's and gate_up's inputs) left out too, ``rounds`` times, then as
+it is again (`quantizers_left_out`): the most any activation-scale scheme that removes those launches
+(a delayed or static scale written by the producer) could save, with the producers costing nothing.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -39,6 +44,7 @@ prints ``RESULT label ms/step``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -46,7 +52,10 @@ import sys
 sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 
 import ar_decode as A  # noqa: E402
-from stage_ar import decode_attention, gemv_configs, launch_overlap  # noqa: E402
+import torch  # noqa: E402
+
+from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear  # noqa: E402
+from stage_ar.fp8 import FP8_DTYPE  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
 #: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
@@ -61,9 +70,51 @@ W8A8_SPLITS = ((1, 4096), (2, 4096), (2, 8192), (4, 4096))
 ATTENTION_SHAPES = ((64, 64), (128, 64), (64, 32), (32, 32))
 
 
+#: What the ``noquant`` group leaves out, per variant: the modules whose `quantize_rows` stops launching
+#: (`stage_ar.gemv`'s: the plain quantizer before o_proj and down_proj; `stage_ar.linear`'s: the add +
+#: norm + quantize before qkv and gate_up).
+LEFT_OUT = {"as_is": (), "plain": (gemv,), "all": (gemv, linear)}
+
+
+@contextlib.contextmanager
+def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, max_rows: int = 16):
+    """Within it, `quantize_rows` as ``modules`` call it launches nothing: it returns zero codes, unit
+    scales (and ``x`` as the residual sum) from buffers made here, before any graph capture, for
+    1 to ``max_rows`` rows of each of ``widths`` columns. Timing only: the step's arithmetic is wrong
+    (an ablation).
+
+    Raises:
+        RuntimeError: (from a call inside) a shape it made no buffers for, while a graph is captured."""
+    cache: dict = {}
+    if modules:
+        for k in widths:
+            for m in range(1, max_rows + 1):
+                cache[((m, k), device)] = (torch.zeros((m, k), dtype=FP8_DTYPE, device=device),
+                                           torch.ones(m, dtype=torch.float32, device=device))
+
+    def stand_in(x, norm_weight=None, norm_eps=1e-6, residual=None):
+        key = (tuple(x.shape), x.device)
+        if key not in cache:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"quantizers_left_out: no buffers for {key} made before the capture")
+            cache[key] = (torch.zeros(x.shape, dtype=FP8_DTYPE, device=x.device),
+                          torch.ones(x.shape[0], dtype=torch.float32, device=x.device))
+        codes, scales = cache[key]
+        return (codes, scales) if residual is None else (codes, scales, x)
+
+    saved = [(m, m.quantize_rows) for m in modules]
+    try:
+        for m in modules:
+            m.quantize_rows = stand_in
+        yield
+    finally:
+        for m, f in saved:
+            m.quantize_rows = f
+
+
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``, ``noquant``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -127,7 +178,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -144,6 +195,12 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
     if "launch" in groups:
         launch_modes("w8a8_launch")
+    if "noquant" in groups:
+        for i, variant in enumerate([*LEFT_OUT] * rounds + ["as_is"]):
+            c = model.config
+            widths = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)
+            with quantizers_left_out(LEFT_OUT[variant], widths, torch.device("cuda")):
+                timed(f"w8a8_noquant_{variant}_{i}", "pdl")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds
         for i, (folds, mode) in enumerate(w8a8 + [("default", "pdl")]):
