@@ -33,6 +33,9 @@ as it is, then with the plain quantizer launches (o_proj's and down_proj's input
 the add + norm + quantize launches (qkv's and gate_up's inputs) left out too, ``rounds`` times, then as
 it is again (`quantizers_left_out`): the most any activation-scale scheme that removes those launches
 (a delayed or static scale written by the producer) could save, with the producers costing nothing.
+Group ``cdf`` (not in the default): the sampler's cumulative sum (`stage_ar.sampling.CDF_BLOCK`) as one
+scan per row and in blocks of `stage_ar.sampling.TWO_LEVEL_CDF_BLOCK` in turn, ``rounds + 1`` times each:
+bf16 batch 1, then bf16 in the served engine's padded shape (the GEMV tuned again at its M first).
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -54,7 +57,7 @@ sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 import ar_decode as A  # noqa: E402
 import torch  # noqa: E402
 
-from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear  # noqa: E402
+from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear, sampling  # noqa: E402
 from stage_ar.fp8 import FP8_DTYPE  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
@@ -114,7 +117,7 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``cdf``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -166,6 +169,13 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         A.retune_gemv()  # the served shape with the GEMV picks of its own M
         settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
         A.retune_gemv()
+    if "cdf" in groups:
+        blocks = ((0,), (sampling.TWO_LEVEL_CDF_BLOCK,)) * (rounds + 1)
+        settings(sampling, ("CDF_BLOCK",), blocks, "bf16_cdf")
+        A.retune_gemv()  # the served shape with the GEMV picks of its own M
+        settings(sampling, ("CDF_BLOCK",), blocks, "bf16_served_cdf", padded=True)
+        A.retune_gemv()
+
     def launch_modes(tag: str) -> None:
         """Batch 1 at each of `LAUNCH_VARIANTS` in turn, ``rounds`` times, then the first again."""
         for i, (mode, tiles) in enumerate(LAUNCH_VARIANTS * rounds + LAUNCH_VARIANTS[:1]):
