@@ -206,10 +206,11 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     if "launch" in groups:
         launch_modes("w8a8_launch")
     if "noquant" in groups:
+        c = model.config
+        widths = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)
+        device = torch.device("cuda", torch.cuda.current_device())  # as the activations' x.device says it
         for i, variant in enumerate([*LEFT_OUT] * rounds + ["as_is"]):
-            c = model.config
-            widths = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)
-            with quantizers_left_out(LEFT_OUT[variant], widths, torch.device("cuda")):
+            with quantizers_left_out(LEFT_OUT[variant], widths, device):
                 timed(f"w8a8_noquant_{variant}_{i}", "pdl")
     if "w8a8" in groups:
         w8a8 = [("default", "pdl"), ("amax", "pdl"), ("default", "early"), ("amax", "early")] * rounds

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig", "inverse_cdf_draw", "cumulative_weights",
-           "read_t2i_generation_config"]
+__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig", "cumulative_weights",
+           "inverse_cdf_draw", "read_t2i_generation_config"]
 
 T2I_GENERATION_CONFIG_FILE = "t2i_generation_config.json"
 MIN_TOKENS_TO_KEEP = 3  # upstream generate_t2i: TopK/TopP warpers with min_tokens_to_keep=3
