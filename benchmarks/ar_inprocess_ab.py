@@ -36,6 +36,9 @@ it is again (`quantizers_left_out`): the most any activation-scale scheme that r
 Group ``cdf`` (not in the default): the sampler's cumulative sum (`stage_ar.sampling.CDF_BLOCK`) as one
 scan per row and in blocks of `stage_ar.sampling.TWO_LEVEL_CDF_BLOCK` in turn, ``rounds + 1`` times each:
 bf16 batch 1, then bf16 in the served engine's padded shape (the GEMV tuned again at its M first).
+Group ``trim`` (not in the default): bf16 in the served engine's padded shape (16 slots, one request,
+the GEMV tuned again at its M first) without and with the runner's ``trim_gemv_rows`` (the GEMV
+launches compute only the live rows' bucket), ``rounds + 1`` times each, at image start and mid-image.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -117,7 +120,7 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``, ``cdf``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``cdf``, ``trim``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -131,9 +134,11 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
 
     served = dict(slots=16, capacity=min(A.DEFAULTS.max_sequence_length, model.config.max_position_embeddings))
 
-    def timed(label: str, mode: str, profile: bool = False, mid_image: bool = False, padded: bool = False) -> None:
+    def timed(label: str, mode: str, profile: bool = False, mid_image: bool = False, padded: bool = False,
+              runner: dict | None = None) -> None:
         launch_overlap.MODE = mode
-        A.time_variant(model, res, label, {"pad_to_max_bucket": True} if padded else {}, (1,), 100, save=save,
+        opts = ({"pad_to_max_bucket": True} if padded else {}) | (runner or {})
+        A.time_variant(model, res, label, opts, (1,), 100, save=save,
                        profile=profile, mid_image=mid_image, **(served if padded else {}))
         mid = res["timings"].get(f"{label}_B1_mid", {}).get("ms_per_step")
         print("RESULT", label, round(res["timings"][f"{label}_B1"]["ms_per_step"], 4),
@@ -174,6 +179,13 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(sampling, ("CDF_BLOCK",), blocks, "bf16_cdf")
         A.retune_gemv()  # the served shape with the GEMV picks of its own M
         settings(sampling, ("CDF_BLOCK",), blocks, "bf16_served_cdf", padded=True)
+        A.retune_gemv()
+
+    if "trim" in groups:  # the served shape's GEMVs over the live rows' bucket only, or over all 16
+        A.retune_gemv()  # the served shape with the GEMV picks of its own M
+        for i, trim in enumerate((False, True) * (rounds + 1)):
+            timed(f"bf16_served_trim{int(trim)}_{i}", "pdl", mid_image=True, padded=True,
+                  runner={"trim_gemv_rows": trim})
         A.retune_gemv()
 
     def launch_modes(tag: str) -> None:

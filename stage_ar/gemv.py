@@ -503,6 +503,7 @@ def gemv(
     sin: torch.Tensor | None = None,
     rope_columns: int = 0,
     amax_out: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
@@ -556,6 +557,11 @@ def gemv(
         amax_out: ``(16,)`` int32 zeros, or the ``amax`` of `stage_ar.fp8_activations.amax_buffers`:
             each output row's largest magnitude is max-ed into it (float32 bits) for the W8A8 launch
             that reads the output as `stage_ar.fp8_activations.RowsWithAmax`; not with RoPE.
+        rows: compute only the first ``rows`` rows (``1 <= rows``; None or ``>= M``: all). The output
+            keeps its ``M`` rows; rows from ``rows`` on are left unwritten (whatever the allocator
+            gave). A computed row's bits are the same as with every row computed, since a row's
+            arithmetic never depends on M (the runner's ``trim_gemv_rows``: idle slots' rows of a
+            padded step are not loaded).
 
     Returns:
         ``(M, N)`` in ``x.dtype``, a new tensor.
@@ -590,7 +596,12 @@ def gemv(
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
-    out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
+    full = out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
+    if rows is not None and rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
+    if rows is not None and rows < x.shape[0]:  # the launch sees M = rows; the rest stays unwritten
+        x, out = x[:rows], out[:rows]
+        x_scales, residual, cos, sin = (t[:rows] if t is not None else None for t in (x_scales, residual, cos, sin))
     if w8a8 and x_scales is None and amax_in is None:  # the norm (if any) and the quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
         norm_weight = None
@@ -599,7 +610,7 @@ def gemv(
     rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
             x_scales, amax_in, amax_out)
-    return out
+    return full
 
 
 def default_fp8_compute(x_dtype: torch.dtype) -> str:

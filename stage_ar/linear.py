@@ -39,8 +39,9 @@ and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpret
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -91,6 +92,13 @@ class LinearBackend:
         """The `stage_ar.fp8_activations.amax_buffers` a producer fills for ``consumer``'s input of
         ``rows`` rows (then handed over as `RowsWithAmax`), or None: this backend quantizes nothing there."""
         return None
+
+    @contextlib.contextmanager
+    def rows_computed(self, rows: int | None) -> Iterator[bool]:
+        """Within it, the linear calls this backend runs may compute only the first ``rows`` rows of
+        their output (the rest left unwritten; None: all): the idle slots' rows of a padded decode
+        step (the runner's ``trim_gemv_rows``). Yields whether it does: here never."""
+        yield False
 
     def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
             act: Callable = silu_and_mul) -> torch.Tensor:
@@ -175,6 +183,24 @@ class GemvLinear(LinearBackend):
             raise ValueError(f"fuse_epilogues takes {self.EPILOGUES}, got {sorted(unknown)}")
         #: the epilogues fused (empty: none)
         self.fuse_epilogues = frozenset(names)
+        #: rows the kernel computes per call (`rows_computed`; None: all)
+        self.rows: int | None = None
+
+    @contextlib.contextmanager
+    def rows_computed(self, rows):
+        """`LinearBackend.rows_computed`: the GEMV launches compute the first ``rows`` rows
+        (`stage_ar.gemv.gemv`'s ``rows``; a computed row's bits do not change); yields True. Calls
+        above ``max_rows`` rows (torch) compute every row.
+
+        Raises:
+            ValueError: ``rows`` below 1."""
+        if rows is not None and rows < 1:
+            raise ValueError(f"rows must be at least 1, got {rows}")
+        saved, self.rows = self.rows, rows
+        try:
+            yield True
+        finally:
+            self.rows = saved
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None) -> torch.Tensor:
@@ -278,7 +304,8 @@ class GemvLinear(LinearBackend):
 
     def _gemv(self, flat, weight, bias, weight_scale, **epilogue) -> torch.Tensor:
         return gemv_kernels.gemv(flat, weight, weight_scale=weight_scale, bias=bias, config=self.config,
-                                 fp8_compute=self.fp8_compute if weight_scale is not None else None, **epilogue)
+                                 fp8_compute=self.fp8_compute if weight_scale is not None else None, rows=self.rows,
+                                 **epilogue)
 
 
 def norm_input(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, ops: Any,

@@ -169,6 +169,14 @@ class ARModelRunner:
             write fused in, batch-invariant by construction); default True on CUDA when triton is
             importable, else the eager GEMM + softmax path. Ignored with ``exact_rows``; on CPU
             only under Triton's interpreter (tests).
+        trim_gemv_rows: with ``pad_to_max_bucket``, the GEMV launches of a step compute only the
+            rows up to the last active slot, rounded up to a batch bucket (one graph per such row
+            bucket too); every other kernel still runs all rows, and a computed row's bits do not
+            change (`stage_ar.gemv.gemv`'s ``rows``), so rows stay batch-invariant. Idle slots' rows
+            are then garbage past the GEMVs (their attention reads and writes no KV; nothing reads
+            them). Opt-in until measured: at one request the GEMVs of the 16-slot served shape
+            cost 87 us per step more than at batch 1 on the H200 (docs/PERFORMANCE.md). Needs a
+            backend whose `LinearBackend.rows_computed` does it (`GemvLinear`); otherwise no-op.
 
     Raises:
         ValueError: a grid id below ``gen_vocab_start_index`` or an empty visual range.
@@ -190,6 +198,7 @@ class ARModelRunner:
         compile: bool | None = None,  # noqa: A002 - the option's natural name
         length_bucket: int = DEFAULT_LENGTH_BUCKET,
         fused_attention: bool | None = None,
+        trim_gemv_rows: bool = False,
     ) -> None:
         cfg = model.config
         exact_rows = _check_grid_ids(cfg, eol_token_id, visual_token_start_id, visual_token_end_id, exact_rows)
@@ -205,6 +214,7 @@ class ARModelRunner:
         self.num_slots = num_slots
         self.buckets = tuple(sorted({min(b, num_slots) for b in buckets} | {num_slots}))
         self.pad_to_max_bucket = pad_to_max_bucket
+        self.trim_gemv_rows = bool(trim_gemv_rows) and pad_to_max_bucket
         want_compile = (self.on_cuda and not self.exact_rows) if compile is None else bool(compile)
         self.compile = want_compile and not self.exact_rows
         self._ops = compiled_ops() if self.compile else EAGER_OPS
@@ -222,8 +232,8 @@ class ARModelRunner:
         self._slots: dict[int, _Slot] = {}  # by conditional slot
         self.steps_launched = 0
         self._allocate_slot_state(num_slots)
-        # by (batch bucket, key length, sorted sampler)
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # by (batch bucket, key length, sorted sampler, GEMV rows)
+        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = None
         self.jacobi = JacobiVerifier(self)  # the ``jacobi`` sequences' windows (stage_ar.jacobi)
 
@@ -246,11 +256,13 @@ class ARModelRunner:
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def _shapes(self) -> list[tuple[int, int, bool]]:
+    def _shapes(self) -> list[tuple[int, int, bool, int]]:
         buckets = self.buckets[-1:] if self.pad_to_max_bucket else self.buckets
-        return [(b, n, sort) for b in buckets for n in self.length_buckets for sort in (True, False)]
+        return [(b, n, sort, rows) for b in buckets for n in self.length_buckets for sort in (True, False)
+                for rows in (self.buckets if self.trim_gemv_rows else (b,))]
 
-    def _run_step(self, b: int, length: int, sort: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _run_step(self, b: int, length: int, sort: bool, rows: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_step_impl`, falling back (logged) to the GEMM attention path if the fused attention
         kernel fails, then to torch matmul if a GEMV linear kernel fails, then to the eager helpers if a
         compiled one fails (Triton needs a C compiler
@@ -261,7 +273,7 @@ class ARModelRunner:
         """
         while True:
             try:
-                return self._step_impl(b, length, sort)
+                return self._step_impl(b, length, sort, rows)
             except Exception as exc:  # noqa: BLE001 - Inductor/Triton failures of many kinds
                 if self.fused_attention:
                     logger.warning("fused decode attention failed (%s: %s); using the GEMM attention path",
@@ -283,7 +295,7 @@ class ARModelRunner:
 
     def capture(self) -> None:
         """Compile (if on) and capture one CUDA graph per (batch bucket, key-length bucket, sampler
-        variant); no-op without ``cuda_graphs`` or when already captured.
+        variant, GEMV rows); no-op without ``cuda_graphs`` or when already captured.
 
         Raises:
             RuntimeError: a request is active. Warm-up and capture run real steps over every slot;
@@ -299,9 +311,9 @@ class ARModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             # warm-up off the capture: compilation, cuBLAS handles, attention kernels
-            for b, n, sort in self._shapes():
+            for b, n, sort, rows in self._shapes():
                 for _ in range(2 if n == self.length_buckets[0] else 1):
-                    self._run_step(b, n, sort)
+                    self._run_step(b, n, sort, rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         for shape in sorted(self._shapes(), reverse=True):
@@ -317,10 +329,10 @@ class ARModelRunner:
 
     @property
     def graphs_captured(self) -> int:
-        """CUDA graphs captured (one per batch bucket x key-length bucket x sampler variant)."""
+        """CUDA graphs captured (one per batch bucket x key-length bucket x sampler variant x GEMV rows)."""
         return len(self._graphs)
 
-    def graph(self, shape: tuple[int, int, bool]) -> Any:
+    def graph(self, shape: tuple[int, int, bool, int]) -> Any:
         """The captured CUDA graph of ``shape`` (see `next_shape`), or None (benchmarks replay it)."""
         entry = self._graphs.get(shape)
         return entry[0] if entry else None
@@ -379,16 +391,21 @@ class ARModelRunner:
     # ---- stepping -------------------------------------------------------------------------------
 
     def _bucket(self) -> int:
-        if self.pad_to_max_bucket:
-            return self.buckets[-1]
+        return self.buckets[-1] if self.pad_to_max_bucket else self._live_bucket()
+
+    def _live_bucket(self) -> int:
+        """The smallest batch bucket holding every active slot."""
         need = max(st.first + st.count for st in self._slots.values())
         return next(b for b in self.buckets if b >= need)
 
-    def next_shape(self) -> tuple[int, int, bool]:
-        """(batch bucket, key-length bucket, sorted sampler) of the next step."""
+    def next_shape(self) -> tuple[int, int, bool, int]:
+        """(batch bucket, key-length bucket, sorted sampler, GEMV rows) of the next step; the GEMV
+        rows are the batch bucket's unless ``trim_gemv_rows``."""
         need = max(st.seq.prompt_len + st.steps_done + 1 for st in self._slots.values())
         length = next((n for n in self.length_buckets if n >= need), self.capacity)
-        return self._bucket(), length, any(st.needs_sort for st in self._slots.values())
+        b = self._bucket()
+        rows = self._live_bucket() if self.trim_gemv_rows else b
+        return b, length, any(st.needs_sort for st in self._slots.values()), rows
 
     @torch.inference_mode()
     def launch(self) -> PendingStep | None:
@@ -439,10 +456,13 @@ class ARModelRunner:
         return fed, sampled
 
     def _step_impl(
-        self, b: int, length: int | None = None, sort: bool = True
+        self, b: int, length: int | None = None, sort: bool = True, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step over slots ``[0, b)``, attending over the first ``length`` key positions (all by
-        default), with the top-k/top-p sorts or not: returns ``(hidden (b, H), fed (b,), sampled (b,))``."""
+        default), with the top-k/top-p sorts or not, the GEMV launches computing the first ``rows``
+        rows (``trim_gemv_rows``; None: all; only with the fused attention, which keeps idle rows out
+        of the KV pool): returns ``(hidden (b, H), fed (b,), sampled (b,))``; rows of idle slots at or
+        past ``rows`` are garbage."""
         length = self.capacity if length is None else length
         active = self.active[:b]
         fed = self.next_token[:b].clone()
@@ -450,8 +470,10 @@ class ARModelRunner:
         if self.exact_rows:
             hidden, logits = self._forward_exact(b, fed)
         else:
-            hidden = self._forward_batched(b, fed, pos, length)
-            logits = self.model.compute_logits(hidden, self.vstart, self.vend)
+            trim = rows is not None and rows < b and self.fused_attention
+            with self.model.linear_backend.rows_computed(rows if trim else None):
+                hidden = self._forward_batched(b, fed, pos, length)
+                logits = self.model.compute_logits(hidden, self.vstart, self.vend)
         self.sampler.mark_seen(self.sampling, fed, active)
         tokens = self.sampler(logits, self.sampling, sort)
         self.next_token[:b] = torch.where(active, tokens, fed)

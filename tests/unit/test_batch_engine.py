@@ -135,8 +135,8 @@ def test_length_buckets_and_sortless_sampler_match_too(model, tokenizer, referen
     seq.attach_kv_cache(dec.kv_view(0, 1))
     seq.prefill()
     dec.activate(0, seq, 0)
-    b, length, sort = dec.next_shape()
-    assert b == 1 and length >= seq.prompt_len + 1 and length - 16 < seq.prompt_len + 1
+    b, length, sort, rows = dec.next_shape()
+    assert b == 1 and rows == 1 and length >= seq.prompt_len + 1 and length - 16 < seq.prompt_len + 1
     assert sort == (seq.sampler.top_k is not None or seq.sampler.top_p < 1.0)
 
 

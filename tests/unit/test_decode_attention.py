@@ -205,7 +205,8 @@ def _decode_padded(model, tok, specs: list[int], **options) -> tuple[dict[int, t
 
     from stage_ar.runner import ARModelRunner
 
-    runner = ARModelRunner(model, 2, 160, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
+    slots = options.pop("num_slots", 2)
+    runner = ARModelRunner(model, slots, 160, **dict(zip(("eol_token_id", "visual_token_start_id", "visual_token_end_id"),
                            grid_ids(tok))), exact_rows=False, fused_attention=True, compile=False,
                            pad_to_max_bucket=True, **options)
     rows, first, lengths = {}, 0, set()
@@ -249,6 +250,38 @@ def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, r
     gemm = ARModelRunner(model, 4, 160, **ids, exact_rows=False, fused_attention=False, compile=False,
                          pad_to_max_bucket=True, length_bucket=30)
     assert gemm.length_buckets == (160,)  # the GEMM path's bits depend on the length: one length
+
+
+def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypatch):
+    """``trim_gemv_rows`` (padded mode): with one request in a pool of four slots the GEMV launches
+    compute only the first bucket of rows that holds it (the rest of their output unwritten), and the
+    request's rows are bit for bit the rows of the untrimmed padded decode, through the GEMV kernels
+    (`GemvLinear`) and the fused attention, in Triton's interpreter."""
+    if not da.INTERPRETED:
+        pytest.skip("needs a CPU-only machine (the fixture model runs on the CPU); on the GPU benchmarks/ar_inprocess_ab.py covers this")
+    from stage_ar import gemv as gemv_kernels
+    from stage_ar.linear import GemvLinear, set_linear_backend
+
+    model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
+    computed: list[tuple[int, int | None]] = []
+    real_gemv = gemv_kernels.gemv
+
+    def recording(x, weight, **kw):
+        computed.append((x.shape[0] if isinstance(x, torch.Tensor) else -1, kw.get("rows")))
+        return real_gemv(x, weight, **kw)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    saved = model.linear_backend
+    set_linear_backend(model, GemvLinear())
+    try:
+        full, _ = _decode_padded(model, tokenizer, [4], num_slots=4, length_bucket=0)
+        assert {rows for m, rows in computed if m == 4} == {None}  # every step's launches: all 4 padded rows
+        computed.clear()
+        trimmed, _ = _decode_padded(model, tokenizer, [4], num_slots=4, length_bucket=0, trim_gemv_rows=True)
+    finally:
+        set_linear_backend(model, saved)
+    assert {rows for m, rows in computed if m == 4} == {1}  # (the prefill's launches are not the steps')
+    assert torch.equal(trimmed[4], full[4]), "a live row's bits changed when idle rows were not computed"
 
 
 def test_idle_rows_write_no_cache_and_get_zeros(da):

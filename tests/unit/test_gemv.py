@@ -804,3 +804,50 @@ def test_forget_tuning_makes_the_next_launch_tune_at_its_own_row_count(gemv):
     assert gemv.forget_tuning() >= 1 and not any(t.cache for t in gemv._TUNERS.values())
     again = gemv.gemv(x[:1], weight, **(kwargs | {"residual": kwargs["residual"][:1]}))
     assert len(tuner.cache) == 1 and torch.equal(again[0], first[0])
+
+
+@pytest.mark.parametrize("form", ["plain", "residual", "swiglu", "rope", "w8a8", "w8a8_quantized_rows"])
+def test_rows_computes_the_first_rows_with_the_same_bits_and_leaves_the_rest(form):
+    """``rows`` (the runner's ``trim_gemv_rows``): the first ``rows`` rows are the bits of the launch
+    that computes every row, whatever the epilogue or W8A8 input; the output keeps its M rows; the
+    rest is not written (here: the NaN the output was poisoned with stays)."""
+    from stage_ar import gemv as G
+    from stage_ar.fp8 import FP8_DTYPE
+    from stage_ar.fp8_activations import QuantizedRows, quantize_rows
+
+    g = torch.Generator().manual_seed(11)
+    m, k, n, head = 6, 64, 32, 8
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(2 * n if form == "swiglu" else n, k, generator=g) / 8).to(torch.bfloat16).to(DEVICE)
+    kw: dict = {}
+    if form == "residual":
+        kw["residual"] = torch.randn(m, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    elif form == "swiglu":
+        kw["swiglu"] = True
+    elif form == "rope":
+        angles = torch.rand(m, head // 2, generator=g) * 3
+        kw.update(cos=torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16).to(DEVICE),
+                  sin=torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16).to(DEVICE), rope_columns=n)
+    elif form.startswith("w8a8"):
+        w = w.float().to(FP8_DTYPE)
+        kw.update(weight_scale=(torch.rand(n, generator=g) + 0.5).to(DEVICE), fp8_compute="fp8")
+        if form == "w8a8_quantized_rows":
+            x = QuantizedRows(*quantize_rows(x), torch.bfloat16, x.shape)
+    real_empty = torch.empty
+
+    def poisoned(*shape, **opts):  # the output (and any other buffer) comes back full of NaN
+        t = real_empty(*shape, **opts)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    every = G.gemv(x, w, **kw)
+    try:
+        torch.empty = poisoned
+        some = G.gemv(x, w, rows=2, **kw)
+    finally:
+        torch.empty = real_empty
+    assert some.shape == every.shape
+    assert torch.equal(some[:2], every[:2])
+    assert bool(some[2:].isnan().all())
+    assert torch.equal(G.gemv(x, w, rows=m + 3, **kw), every)  # rows past M: all of them
+    with pytest.raises(ValueError, match="rows must be at least 1"):
+        G.gemv(x, w, rows=0, **kw)
