@@ -486,7 +486,8 @@ class ARModelRunner:
         """The model's forward over slots ``[0, b)``, one new (generation) token each at cache
         position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``."""
         # idle slots' rows read no KV and write none (`decode_attention`'s ``live``); their GEMV rows
-        # still load their activations: masking those measured slower (docs/PERFORMANCE.md)
+        # still load their activations (a mask in the kernel measured slower, docs/PERFORMANCE.md),
+        # except past the live bucket with ``trim_gemv_rows`` (the graph's launches take fewer rows)
         live = self.active[:b]
         if self.fused_attention:
             attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
