@@ -253,10 +253,10 @@ def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, r
 
 
 def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypatch):
-    """``trim_gemv_rows`` (padded mode): with one request in a pool of four slots the GEMV launches
-    compute only the first bucket of rows that holds it (the rest of their output unwritten), and the
-    request's rows are bit for bit the rows of the untrimmed padded decode, through the GEMV kernels
-    (`GemvLinear`) and the fused attention, in Triton's interpreter."""
+    """``trim_gemv_rows`` (padded mode): in a pool of four slots the GEMV launches compute only the
+    first bucket of rows that holds every live request (the rest of their output unwritten; the bucket
+    follows requests leaving), and each request's rows are bit for bit the rows of the untrimmed padded
+    decode, through the GEMV kernels (`GemvLinear`) and the fused attention, in Triton's interpreter."""
     if not da.INTERPRETED:
         pytest.skip("needs a CPU-only machine (the fixture model runs on the CPU); on the GPU benchmarks/ar_inprocess_ab.py covers this")
     from stage_ar import gemv as gemv_kernels
@@ -274,14 +274,19 @@ def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypa
     saved = model.linear_backend
     set_linear_backend(model, GemvLinear())
     try:
-        full, _ = _decode_padded(model, tokenizer, [4], num_slots=4, length_bucket=0)
-        assert {rows for m, rows in computed if m == 4} == {None}  # every step's launches: all 4 padded rows
-        computed.clear()
-        trimmed, _ = _decode_padded(model, tokenizer, [4], num_slots=4, length_bucket=0, trim_gemv_rows=True)
+        # one request in slot 0; then two in slots 0 and 1, the second finishing first (the bucket
+        # of live rows goes from 2 to 1 mid-decode)
+        for specs, bucket_rows in (([4], {1}), ([0, 4], {2, 1})):
+            computed.clear()
+            full, _ = _decode_padded(model, tokenizer, specs, num_slots=4, length_bucket=0)
+            assert {rows for m, rows in computed if m == 4} == {None}  # every step's launches: all 4 padded rows
+            computed.clear()
+            trimmed, _ = _decode_padded(model, tokenizer, specs, num_slots=4, length_bucket=0, trim_gemv_rows=True)
+            assert {rows for m, rows in computed if m == 4} == bucket_rows  # (the prefills' launches are not the steps')
+            for i in specs:
+                assert torch.equal(trimmed[i], full[i]), f"request {i}: a live row's bits changed when idle rows were not computed"
     finally:
         set_linear_backend(model, saved)
-    assert {rows for m, rows in computed if m == 4} == {1}  # (the prefill's launches are not the steps')
-    assert torch.equal(trimmed[4], full[4]), "a live row's bits changed when idle rows were not computed"
 
 
 def test_idle_rows_write_no_cache_and_get_zeros(da):
