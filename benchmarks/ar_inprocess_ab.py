@@ -158,6 +158,16 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         for name, v in zip(names, defaults):
             setattr(module, name, v)
 
+    @contextlib.contextmanager
+    def served_gemv_picks():
+        """The GEMV tuned again at the served shape's M for the variants inside (as the served process
+        tunes it), and again after them for what follows at batch 1."""
+        A.retune_gemv()
+        try:
+            yield
+        finally:
+            A.retune_gemv()
+
     attention_shape = ("SPLIT", "BLOCK_N")
     if "bf16" in groups:
         for i, (tag, mode) in enumerate([("pdl", "pdl"), ("early", "early")] * rounds + [("pdl", "pdl")]):
@@ -171,22 +181,19 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     merge = ((0,), (MERGE_CHUNK,)) * (rounds + 1)
     if "merge" in groups:
         settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_merge", mid_image=True)
-        A.retune_gemv()  # the served shape with the GEMV picks of its own M
-        settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
-        A.retune_gemv()
+        with served_gemv_picks():
+            settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
     if "cdf" in groups:
         blocks = ((0,), (sampling.TWO_LEVEL_CDF_BLOCK,)) * (rounds + 1)
         settings(sampling, ("CDF_BLOCK",), blocks, "bf16_cdf")
-        A.retune_gemv()  # the served shape with the GEMV picks of its own M
-        settings(sampling, ("CDF_BLOCK",), blocks, "bf16_served_cdf", padded=True)
-        A.retune_gemv()
+        with served_gemv_picks():
+            settings(sampling, ("CDF_BLOCK",), blocks, "bf16_served_cdf", padded=True)
 
     if "trim" in groups:  # the served shape's GEMVs over the live rows' bucket only, or over all 16
-        A.retune_gemv()  # the served shape with the GEMV picks of its own M
-        for i, trim in enumerate((False, True) * (rounds + 1)):
-            timed(f"bf16_served_trim{int(trim)}_{i}", "pdl", mid_image=True, padded=True,
-                  runner={"trim_gemv_rows": trim})
-        A.retune_gemv()
+        with served_gemv_picks():
+            for i, trim in enumerate((False, True) * (rounds + 1)):
+                timed(f"bf16_served_trim{int(trim)}_{i}", "pdl", mid_image=True, padded=True,
+                      runner={"trim_gemv_rows": trim})
 
     def launch_modes(tag: str) -> None:
         """Batch 1 at each of `LAUNCH_VARIANTS` in turn, ``rounds`` times, then the first again."""

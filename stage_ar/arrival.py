@@ -6,9 +6,10 @@ Used by `stage_ar.gemv` (split-K: the programs of one column block). Tried for t
 attention too and measured slower there (one program merging a GQA group serially,
 docs/PERFORMANCE.md, issue 17's fifth session), and for W8A8's add + norm + quantize after o_proj and
 down_proj (the GEMV's last program doing the row: +0.17 ms per step on the H100, seventeenth session,
-removed): a tail one program runs after its ticket is latency no PDL launch overlaps. The combining program reads the partials in a fixed
-order (split 0, 1, ...), whichever program arrives last, so the output's bits do not depend on
-scheduling. It resets the counter to zero, so the next launch (or CUDA graph replay) finds it so.
+removed): a tail one program runs after its ticket is latency no PDL launch overlaps. The combining
+program reads the partials in a fixed order (split 0, 1, ...), whichever program arrives last, so the
+output's bits do not depend on scheduling. It resets the counter to zero, so the next launch (or
+CUDA graph replay) finds it so.
 
 Counters live in buffers kept for the process (`persistent_buffers`), one per kernel site and
 weight or cache, so a captured CUDA graph keeps valid addresses; launches sharing one buffer must

@@ -189,13 +189,8 @@ class GemvLinear(LinearBackend):
     @contextlib.contextmanager
     def rows_computed(self, rows):
         """`LinearBackend.rows_computed`: the GEMV launches compute the first ``rows`` rows
-        (`stage_ar.gemv.gemv`'s ``rows``; a computed row's bits do not change); yields True. Calls
-        above ``max_rows`` rows (torch) compute every row.
-
-        Raises:
-            ValueError: ``rows`` below 1."""
-        if rows is not None and rows < 1:
-            raise ValueError(f"rows must be at least 1, got {rows}")
+        (`stage_ar.gemv.gemv`'s ``rows``, which refuses fewer than 1; a computed row's bits do not
+        change); yields True. Calls above ``max_rows`` rows (torch) compute every row."""
         saved, self.rows = self.rows, rows
         try:
             yield True
