@@ -87,9 +87,12 @@ class DecodeEngine:
         max_sequence_length: positions per KV-pool slot (prompt + grid of the largest request);
             capped by the model's ``max_position_embeddings``. A longer request fails with ValueError.
         batch_invariant: run every batched step at the largest bucket (one GEMM shape), so a
-            request's rows and tokens do not depend on what else is decoding (issue 8).
+            request's rows and tokens do not depend on what else is decoding (issue 8); the GEMV
+            launches then compute only the live slots' bucket of rows (the runner's
+            ``trim_gemv_rows``, which keeps a row's bits).
         decoder_options: extra keyword arguments for `ARModelRunner` (``exact_rows``,
-            ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ...).
+            ``cuda_graphs``, ``buckets``, ``pad_to_max_bucket``, ``trim_gemv_rows``, ...), over
+            the defaults above.
         kv_slots: KV-pool slots (default ``2 * max_running_sequences``: room for AR-side CFG on
             every request).
         warm_up: decode `stage_ar.warmup.warmup_jobs` before `ready` (default: on CUDA; skipped if jobs
@@ -127,7 +130,7 @@ class DecodeEngine:
         self.max_running_sequences = max_running_sequences
         self._progress_interval = progress_interval_s
         self._max_len = min(max_sequence_length, int(model.config.max_position_embeddings))
-        options = {"pad_to_max_bucket": batch_invariant, **(decoder_options or {})}
+        options = {"pad_to_max_bucket": batch_invariant, "trim_gemv_rows": batch_invariant, **(decoder_options or {})}
         self.runner = ARModelRunner(
             model, kv_slots or 2 * max_running_sequences, self._max_len,
             eol_token_id=grid_ids[0], visual_token_start_id=grid_ids[1], visual_token_end_id=grid_ids[2], **options,

@@ -174,9 +174,11 @@ class ARModelRunner:
             bucket too); every other kernel still runs all rows, and a computed row's bits do not
             change (`stage_ar.gemv.gemv`'s ``rows``), so rows stay batch-invariant. Idle slots' rows
             are then garbage past the GEMVs (their attention reads and writes no KV; nothing reads
-            them). Opt-in until measured: at one request the GEMVs of the 16-slot served shape
-            cost 87 us per step more than at batch 1 on the H200 (docs/PERFORMANCE.md). Needs a
-            backend whose `LinearBackend.rows_computed` does it (`GemvLinear`); otherwise no-op.
+            them). Only with ``fused_attention`` (the GEMM path writes every row's KV): ignored
+            otherwise. The engine's served (``batch_invariant``) mode turns it on: one request in
+            the 16-slot served shape, -61 us per step in a `mammoth ar` process on an H100
+            (docs/PERFORMANCE.md, twentieth session). Needs a backend whose
+            `LinearBackend.rows_computed` does it (`GemvLinear`); otherwise no-op.
 
     Raises:
         ValueError: a grid id below ``gen_vocab_start_index`` or an empty visual range.
@@ -214,7 +216,6 @@ class ARModelRunner:
         self.num_slots = num_slots
         self.buckets = tuple(sorted({min(b, num_slots) for b in buckets} | {num_slots}))
         self.pad_to_max_bucket = pad_to_max_bucket
-        self.trim_gemv_rows = bool(trim_gemv_rows) and pad_to_max_bucket
         want_compile = (self.on_cuda and not self.exact_rows) if compile is None else bool(compile)
         self.compile = want_compile and not self.exact_rows
         self._ops = compiled_ops() if self.compile else EAGER_OPS
@@ -223,6 +224,7 @@ class ARModelRunner:
         self.fused_attention = want_fused and can_fuse
         if fused_attention and not self.fused_attention:
             logger.warning("fused decode attention unavailable (needs CUDA and triton); using the GEMM path")
+        self.trim_gemv_rows = bool(trim_gemv_rows) and pad_to_max_bucket and self.fused_attention
         self.length_bucket = length_bucket
         self.length_buckets: tuple[int, ...] = self._length_buckets()
         self.eol = int(eol_token_id)

@@ -289,6 +289,28 @@ def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypa
         set_linear_backend(model, saved)
 
 
+def test_the_served_mode_trims_gemv_rows_only_with_the_fused_attention(da, request):
+    """The engine's ``batch_invariant`` (served) mode runs the padded shape with ``trim_gemv_rows``
+    (measured faster: docs/PERFORMANCE.md, twentieth session); the runner takes it only with the fused
+    attention (the GEMM path writes every row's KV, so idle rows must stay computed there) and the
+    padded shape, and a caller's ``decoder_options`` still decide."""
+    from test_batch_engine import grid_ids
+
+    from stage_ar.engine import DecodeEngine
+
+    model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
+
+    def engine(batch_invariant: bool, **options) -> DecodeEngine:
+        return DecodeEngine(lambda job: None, 2, model=model, grid_ids=grid_ids(tokenizer), max_sequence_length=160,
+                            batch_invariant=batch_invariant, warm_up=False,
+                            decoder_options={"exact_rows": False, "compile": False, "cuda_graphs": False, **options})
+
+    assert engine(True, fused_attention=True).runner.trim_gemv_rows
+    assert not engine(True, fused_attention=False).runner.trim_gemv_rows
+    assert not engine(False, fused_attention=True).runner.trim_gemv_rows
+    assert not engine(True, fused_attention=True, trim_gemv_rows=False).runner.trim_gemv_rows
+
+
 def test_idle_rows_write_no_cache_and_get_zeros(da):
     """``live`` (the padded decode's idle slots): a live row's output and cache write are the ones it
     gets without the mask; an idle row writes nothing into its slot's cache and gets zeros."""
