@@ -33,12 +33,12 @@ as it is, then with the plain quantizer launches (o_proj's and down_proj's input
 the add + norm + quantize launches (qkv's and gate_up's inputs) left out too, ``rounds`` times, then as
 it is again (`quantizers_left_out`): the most any activation-scale scheme that removes those launches
 (a delayed or static scale written by the producer) could save, with the producers costing nothing.
-Group ``cdf`` (not in the default): the sampler's cumulative sum (`stage_ar.sampling.CDF_BLOCK`) as one
-scan per row and in blocks of `stage_ar.sampling.TWO_LEVEL_CDF_BLOCK` in turn, ``rounds + 1`` times each:
-bf16 batch 1, then bf16 in the served engine's padded shape (the GEMV tuned again at its M first).
+(Group ``cdf``, the sampler's cumulative sum in blocks of 256, went with that form: measured on the H100,
+2026-12-07, 12 us slower at batch 1 and 5 us faster in the served shape.)
 Group ``trim`` (not in the default): bf16 in the served engine's padded shape (16 slots, one request,
 the GEMV tuned again at its M first) without and with the runner's ``trim_gemv_rows`` (the GEMV
-launches compute only the live rows' bucket), ``rounds + 1`` times each, at image start and mid-image.
+launches compute only the live rows' bucket; the served default since 2026-12-07), ``rounds + 1`` times
+each, at image start and mid-image.
 
 Variants, ``rounds`` times over, each group's first variant once more at its end (the drift): bf16
 batch 1 (1024² grid, 100 steps) under ``pdl`` and ``early``; then the model's visual token linears
@@ -60,7 +60,7 @@ sys.path[:0] = [os.path.join(os.getcwd(), "benchmarks"), os.getcwd()]
 import ar_decode as A  # noqa: E402
 import torch  # noqa: E402
 
-from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear, sampling  # noqa: E402
+from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear  # noqa: E402
 from stage_ar.fp8 import FP8_DTYPE  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
@@ -120,7 +120,7 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``, ``cdf``, ``trim``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``) ``rounds`` times over into the JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -183,11 +183,6 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_merge", mid_image=True)
         with served_gemv_picks():
             settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
-    if "cdf" in groups:
-        blocks = ((0,), (sampling.TWO_LEVEL_CDF_BLOCK,)) * (rounds + 1)
-        settings(sampling, ("CDF_BLOCK",), blocks, "bf16_cdf")
-        with served_gemv_picks():
-            settings(sampling, ("CDF_BLOCK",), blocks, "bf16_served_cdf", padded=True)
 
     if "trim" in groups:  # the served shape's GEMVs over the live rows' bucket only, or over all 16
         with served_gemv_picks():

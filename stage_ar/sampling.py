@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig", "cumulative_weights",
-           "inverse_cdf_draw", "read_t2i_generation_config"]
+__all__ = ["GridConstrainedSampler", "GridSampler", "SamplingState", "T2IGenerationConfig", "inverse_cdf_draw",
+           "read_t2i_generation_config"]
 
 T2I_GENERATION_CONFIG_FILE = "t2i_generation_config.json"
 MIN_TOKENS_TO_KEEP = 3  # upstream generate_t2i: TopK/TopP warpers with min_tokens_to_keep=3
@@ -415,44 +415,15 @@ class GridSampler(nn.Module):
         return inverse_cdf_draw(probs, state.uniforms[:b].gather(1, col[:, None]), self.vocab_index)
 
 
-#: Entries per block of `cumulative_weights`' two-level sum; 0: one scan along the whole row (the
-#: default until the two-level sum is measured on a GPU). Why blocks: one float64 cumsum along each of
-#: 16 rows of 16,384 visual codes took 25 us per step of the served shape on the H200 (torch scans a
-#: long row serially, `tensor_kernel_scan_innermost_dim`; docs/PERFORMANCE.md, issue 17's eighteenth
-#: session), where rows of 256 scan in parallel; at one row the one scan is cheaper (under 3.3 us).
-#: `benchmarks/ar_inprocess_ab.py OUT 1 cdf` times both. Read at each call (graphs capture the choice).
-CDF_BLOCK = 0
-#: The block `benchmarks/ar_inprocess_ab.py`'s ``cdf`` group and the tests use.
-TWO_LEVEL_CDF_BLOCK = 256
-
-
-def cumulative_weights(probs: torch.Tensor) -> torch.Tensor:
-    """Inclusive cumulative sum along the last dimension of ``probs (b, V)`` (nonnegative float64).
-    With `CDF_BLOCK` > 0, in two levels: within blocks of `CDF_BLOCK` entries, plus the sum of the
-    blocks before (itself a cumulative sum of the block totals); nondecreasing along each row (each
-    block's offset is exactly the previous block's last entry), and the same bits for a row whatever
-    ``b`` (the same scans run, only over more rows). With 0, or rows of at most `CDF_BLOCK` entries,
-    one scan per row (``torch.cumsum``). Capturable."""
-    b, vocab = probs.shape
-    if vocab <= CDF_BLOCK or CDF_BLOCK <= 0:
-        return probs.cumsum(dim=-1)
-    blocks = -(-vocab // CDF_BLOCK)
-    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab)) if vocab % CDF_BLOCK else probs
-    within = padded.view(b, blocks, CDF_BLOCK).cumsum(dim=-1)
-    before = torch.nn.functional.pad(within[:, :-1, -1].cumsum(dim=-1), (1, 0))  # (b, blocks): 0 for the first
-    cdf = (within + before[:, :, None]).view(b, blocks * CDF_BLOCK)
-    return cdf if vocab % CDF_BLOCK == 0 else cdf[:, :vocab].contiguous()
-
-
 def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse-CDF draw per row: ``probs (b, V)`` nonnegative float64 weights (need not sum to 1),
     ``u (b, 1)`` uniforms in ``[0, 1)`` -> ``(b,)`` int64, the first entry whose cumulative weight
-    (`cumulative_weights`) exceeds ``u * total``; never an entry of weight 0. ``index`` is
-    ``arange(V)`` on the device (built when None). Capturable: no host sync."""
+    exceeds ``u * total``; never an entry of weight 0. ``index`` is ``arange(V)`` on the device
+    (built when None). Capturable: no host sync."""
     vocab = probs.shape[-1]
     if index is None:
         index = torch.arange(vocab, device=probs.device)
-    cdf = cumulative_weights(probs)
+    cdf = torch.cumsum(probs, dim=-1)
     u = u * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u, right=True).clamp(max=vocab - 1)
     # never land on a zero-probability entry: step back to the last positive one at or before the
