@@ -442,6 +442,7 @@ def print_summary(res: dict) -> None:
     """The side-by-side table (markdown) of everything measured."""
     bw = res["ceilings"]["hbm_bytes_per_s"]
     t = res.get("timings", {})
+    timed = {k: v for k, v in t.items() if isinstance(v, dict) and "ms_per_step" in v}  # not the picks' dicts
     floor = res["floor"]["ms_per_token"]
     print("\n| quantity | value |\n| --- | --- |")
     print(f"| copy bandwidth (read+write) | {bw / 1e12:.2f} TB/s |")
@@ -452,10 +453,11 @@ def print_summary(res: dict) -> None:
               f"({res['floor_fp8']['total'] / 1e9:.2f} GB) |")
     print(f"| GPU memory: weights / after capture / peak | {res['weights_gib']:.2f} / "
           f"{t.get('compiled_engine_peak_gib', float('nan')):.2f} / "
-          f"{max([v['peak_gib'] for v in t.values() if isinstance(v, dict)] or [float('nan')]):.2f} GiB |")
-    for key in sorted(k for k in t if isinstance(t[k], dict)):
-        v = t[key]
-        print(f"| {key} | {v['ms_per_step']:.3f} ms/step ({v['ms_per_step'] / floor:.2f} x floor), "
+          f"{max([v['peak_gib'] for v in timed.values()] or [float('nan')]):.2f} GiB |")
+    for key, v in sorted(timed.items()):
+        fp8 = key.startswith("fp8") and "floor_fp8" in res  # against the floor of the bytes it reads
+        ref, which = (res["floor_fp8"]["ms_per_token"], "FP8 floor") if fp8 else (floor, "floor")
+        print(f"| {key} | {v['ms_per_step']:.3f} ms/step ({v['ms_per_step'] / ref:.2f} x {which}), "
               f"{v['tokens_per_s']:.1f} tok/s, replay {v['graph_replay_ms']:.3f} ms, shape {v['shape']} |")
     if "compiled_B1" in t:
         b1 = t["compiled_B1"]
