@@ -308,7 +308,8 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
     app = build_app(settings)
     quiet_logs()
     protocol = guarded_protocol(settings.header_timeout_seconds, settings.body_timeout_seconds,
-                                settings.max_connections, app.state.metrics.registry)
+                                settings.max_connections, app.state.metrics.registry,
+                                send_timeout=settings.send_timeout_seconds)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5, http=protocol)

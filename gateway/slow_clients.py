@@ -12,20 +12,27 @@ returns uvicorn's h11 protocol with, per connection:
 - a **body deadline**: the body must be complete within ``body_timeout`` seconds of its head;
   otherwise the same ``408`` unless a response has begun, and the connection is closed (the request
   handler sees a disconnect and cancels its work);
+- a **send deadline**: a client that stops reading its response (the transport's write buffer
+  above its high-water mark, 64 KiB, so the response waits) must read again within
+  ``send_timeout`` seconds; otherwise the connection is aborted, the unread bytes dropped (a close
+  would wait for them forever) and the handler sees a disconnect. Before, a client that pipelined
+  requests and read nothing held its connection, and the responses in memory, for good;
 - a **connection cap**: at most ``max_connections`` open connections, and never more than the
   process's open-file limit minus `FD_HEADROOM` (gRPC channels, logs). A connection over the cap
-  first evicts the connection that has waited longest, at least `EVICT_AFTER_S`, for a request
-  head (a stalled head, or an idle kept-alive connection, gets the ``408`` and is closed), so a slowloris
-  filling the cap cannot lock out new requests (the kubelet's ``/healthz`` probe among them); with
-  none to evict it is answered ``503`` (OpenAI envelope, ``code: too_many_connections``,
-  ``Retry-After``) and closed before anything is read, so the listening socket never runs out of
-  file descriptors;
+  first evicts the connection stalled longest, at least `EVICT_AFTER_S`: one waiting for its
+  request head (a stalled head, or an idle kept-alive connection) or body gets the ``408`` and is
+  closed, one whose client stopped reading is aborted. So slow clients filling the cap cannot lock
+  out new requests (the kubelet's ``/healthz`` probe among them), whichever phase they stall in
+  (before, only stalled heads could be evicted: a break-it pass held the cap for 30 s with bodies
+  announced and never sent, and for good with clients that read nothing). With none to evict it is
+  answered ``503`` (OpenAI envelope, ``code: too_many_connections``, ``Retry-After``) and closed
+  before anything is read, so the listening socket never runs out of file descriptors;
 - bytes that are not an HTTP/1.1 request get ``400 invalid_http_request``, a request head larger
   than h11's limit (16 KiB) ``431 request_header_too_large``, both in the envelope (uvicorn's own
   answer is plain text), and the connection lingers `LINGER_SECONDS` so the client can read it.
 
-While a handler runs (the response phase) no deadline applies: image generation has its own
-request budget. `quiet_logs` rate-limits the log records a flood can repeat (asyncio's
+While a handler runs and its client reads (the response phase) no deadline applies: image
+generation has its own request budget. `quiet_logs` rate-limits the log records a flood can repeat (asyncio's
 ``socket.accept() out of system resource``, uvicorn's ``Invalid HTTP request received``, the
 closes above): each distinct message at most once per `LOG_INTERVAL_SECONDS`, with a count of the
 suppressed ones. ``mammoth_gateway_connections_closed_total{reason}`` counts every close.
@@ -50,10 +57,11 @@ logger = logging.getLogger(__name__)
 FD_HEADROOM = 128
 LOG_INTERVAL_SECONDS = 10.0
 LINGER_SECONDS = 1.0
-#: At the cap, a connection whose request head has been incomplete (or which has idled between
-#: requests) this long may be closed to admit a new one: a head normally arrives in one round trip.
+#: At the cap, a connection whose request head or body has been incomplete (or which has idled
+#: between requests), or whose client has read none of a waiting response, this long may be closed
+#: to admit a new one: a head or a small body normally arrives in one round trip.
 EVICT_AFTER_S = 0.5
-CLOSE_REASONS = ("header_timeout", "body_timeout", "over_capacity", "evicted")
+CLOSE_REASONS = ("header_timeout", "body_timeout", "send_timeout", "over_capacity", "evicted")
 
 
 def _invalid_http_response(too_large: bool, limit: int) -> bytes:
@@ -106,6 +114,7 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout: float
     body_timeout: float
+    send_timeout: float | None
     cap: int
     closed: Counter
     refusal: bytes
@@ -113,6 +122,9 @@ class GuardedH11Protocol(H11Protocol):
     _phase_since = 0.0
     _refused = False
     _timer: asyncio.TimerHandle | None = None
+    _lost = False
+    _send_timer: asyncio.TimerHandle | None = None
+    _send_paused_since: float | None = None  # loop time the client stopped reading a waiting response
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -125,18 +137,66 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._track()
 
+    def _stalled_since(self) -> float | None:
+        """When this connection began to wait on its client (a request head or body incomplete, or
+        a response it does not read), or None while it does not."""
+        if self._lost or self.transport is None:
+            return None
+        if self._send_paused_since is not None:
+            return self._send_paused_since
+        if self._phase is not None and not self.transport.is_closing():
+            return self._phase_since
+        return None
+
     def _evict_one(self) -> bool:
-        """Close the open connection waiting longest (at least `EVICT_AFTER_S`) for a request head;
+        """Close the open connection stalled longest (at least `EVICT_AFTER_S`, `_stalled_since`);
         False when there is none."""
         now = self.loop.time()
-        stalled = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self
-                   and c._phase == "header" and now - c._phase_since >= EVICT_AFTER_S
-                   and c.transport is not None and not c.transport.is_closing()]
+        stalled = [(since, c) for c in self.connections if isinstance(c, GuardedH11Protocol) and c is not self
+                   and (since := c._stalled_since()) is not None and now - since >= EVICT_AFTER_S]
         if not stalled:
             return False
-        victim = min(stalled, key=lambda c: c._phase_since)
-        victim._close_in_phase("header", now - victim._phase_since, "evicted")
+        since, victim = min(stalled, key=lambda pair: pair[0])
+        if victim._send_paused_since is not None:
+            victim._abort_unread(now - since, "evicted")
+        else:
+            victim._close_in_phase(victim._phase, now - since, "evicted")
         return True
+
+    def pause_writing(self) -> None:
+        """The transport's write buffer is over its high-water mark: the client is not reading;
+        arm the send deadline (`_abort_unread`)."""
+        super().pause_writing()
+        if self._send_paused_since is None and not self._lost:
+            self._send_paused_since = self.loop.time()
+            if self.send_timeout is not None:
+                self._send_timer = self.loop.call_later(self.send_timeout, self._send_expired)
+
+    def resume_writing(self) -> None:
+        """The client read enough for the buffer to drain below its low-water mark."""
+        super().resume_writing()
+        self._cancel_send_timer()
+
+    def _cancel_send_timer(self) -> None:
+        self._send_paused_since = None
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        self._abort_unread(self.send_timeout or 0.0, "send_timeout")
+
+    def _abort_unread(self, seconds: float, reason: str) -> None:
+        """Abort this connection, whose client has read none of a waiting response for ``seconds``:
+        the buffered bytes are dropped (``close`` would wait for them); counted under ``reason``."""
+        self._cancel_send_timer()
+        self._set_phase(None)
+        if self._lost:
+            return
+        self.closed.labels(reason).inc()
+        logger.warning("closed a connection (%s): the client read none of the response for %.1f s", reason, seconds)
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # answered already: what else arrives is read and dropped
@@ -186,7 +246,9 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._set_phase(None)
+        self._cancel_send_timer()
         super().connection_lost(exc)
 
     def _track(self) -> None:
@@ -232,7 +294,8 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def guarded_protocol(header_timeout: float, body_timeout: float, max_connections: int,
-                     registry: CollectorRegistry | None = None) -> type[H11Protocol]:
+                     registry: CollectorRegistry | None = None, *,
+                     send_timeout: float | None = None) -> type[H11Protocol]:
     """A uvicorn ``http`` protocol class enforcing the module's bounds (`GuardedH11Protocol`).
 
     Args:
@@ -240,13 +303,16 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_connections
         body_timeout: seconds for a request body after its head.
         max_connections: open connections, at most (lowered by `connection_cap`).
         registry: where ``mammoth_gateway_connections_closed_total`` is registered.
+        send_timeout: seconds a client may leave a waiting response unread (the gateway setting
+            ``send_timeout_seconds``); None: no send deadline, such a connection is only evicted at
+            the cap.
     """
     closed = Counter("mammoth_gateway_connections_closed_total",
                      "HTTP connections the gateway closed to bound slow clients, by reason",
                      ["reason"], registry=registry)
     for reason in CLOSE_REASONS:
         closed.labels(reason)
-    bounds = {"header_timeout": header_timeout, "body_timeout": body_timeout,
+    bounds = {"header_timeout": header_timeout, "body_timeout": body_timeout, "send_timeout": send_timeout,
               "cap": connection_cap(max_connections), "closed": closed,
               "refusal": _over_capacity_response()}
     return type("GuardedH11Protocol", (GuardedH11Protocol,), bounds)

@@ -399,6 +399,12 @@ class GatewaySettings(BaseSettings):
         metadata=_doc("a request body must arrive completely within this many seconds after its "
                       "head, else the connection is closed", gt=0),
     )
+    send_timeout_seconds: float = field(
+        default=30.0,
+        metadata=_doc("a client must keep reading its response: if it reads none of a waiting "
+                      "response (over 64 KiB buffered) for this many seconds, the connection is "
+                      "closed and the request's work cancelled", gt=0),
+    )
     max_connections: int = field(
         default=1024,
         metadata=_doc("open HTTP connections, at most (also kept below the open-file limit); a "

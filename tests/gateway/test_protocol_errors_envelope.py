@@ -20,12 +20,13 @@ DEADLINE_S = 0.5
 HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
 
 
-def _guarded(deadline_s: float, max_connections: int) -> GatewayThread:
-    """The gateway app under uvicorn with the guarded protocol (both deadlines ``deadline_s``), started."""
+def _guarded(deadline_s: float, max_connections: int, **bounds) -> GatewayThread:
+    """The gateway app under uvicorn with the guarded protocol (both read deadlines ``deadline_s``;
+    ``bounds``: `guarded_protocol`'s keyword arguments), started; the protocol class is ``gw.protocol``."""
     gw = GatewayThread(small_settings())
+    gw.protocol = guarded_protocol(deadline_s, deadline_s, max_connections, **bounds)
     config = uvicorn.Config(gw.app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
-                            access_log=False, timeout_graceful_shutdown=2,
-                            http=guarded_protocol(deadline_s, deadline_s, max_connections))
+                            access_log=False, timeout_graceful_shutdown=2, http=gw.protocol)
     gw.server = uvicorn.Server(config)
     gw.server.capture_signals = _no_signals  # type: ignore[method-assign]
     gw.start()
@@ -136,5 +137,123 @@ def test_at_the_connection_cap_a_new_request_evicts_a_stalled_head():
                 answers.append(b"")
             s.close()
         assert answers.count(b"HTTP/1.1 408") == 1, answers  # the oldest stalled head, answered and closed
+    finally:
+        gw.stop()
+
+
+def _stalled_at_the_cap(port: int, count: int, first: bytes, *, unread: bool = False) -> list[socket.socket]:
+    """``count`` connections that each send ``first`` and then stall; ``unread``: their receive
+    buffers are small and they never read (``first`` pipelines requests whose answers pile up)."""
+    stalled = []
+    for _ in range(count):
+        s = socket.socket()
+        if unread:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+        s.sendall(first)
+        stalled.append(s)
+    return stalled
+
+
+def _closed_by_the_gateway(s: socket.socket, within_s: float) -> bool:
+    """Whether the gateway closed (or reset) ``s`` within ``within_s`` seconds; reads and drops
+    what it sent."""
+    s.settimeout(0.2)
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            if not s.recv(1 << 20):
+                return True
+        except (TimeoutError, socket.timeout):
+            continue
+        except OSError:  # reset: the gateway aborted it
+            return True
+    return False
+
+
+def _healthz(port: int) -> bytes:
+    """The answer to ``GET /healthz`` on a new connection (a reset: the gateway refused it unread)."""
+    try:
+        return _answer(port, b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")[0]
+    except ConnectionResetError:
+        return b"reset: refused at the connection cap"
+
+
+def _closes(protocol, reason: str) -> float:
+    return protocol.closed.labels(reason)._value.get()
+
+
+PIPELINED = b"GET /openapi.json HTTP/1.1\r\nHost: gw\r\n\r\n" * 400  # ~10 MB of answers, never read
+
+
+def test_at_the_connection_cap_a_new_request_evicts_a_stalled_body():
+    """At the cap, connections that sent a head announcing a body and then stalled are evicted like
+    stalled heads (408, closed): a break-it pass held the cap of a real gateway with 1,030 such
+    connections and ``/healthz`` answered 503 for their whole 30 s body deadline."""
+    from gateway.slow_clients import EVICT_AFTER_S
+
+    gw = _guarded(30.0, 8)
+    try:
+        port = int(gw.url.rsplit(":", 1)[1])
+        stalled = _stalled_at_the_cap(port, 8, HEAD + b"Content-Length: 100\r\n\r\n{")
+        time.sleep(EVICT_AFTER_S + 0.3)
+        data = _healthz(port)
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        answers = []
+        for s in stalled:
+            s.settimeout(0.5)
+            try:
+                answers.append(s.recv(200)[:12])
+            except (TimeoutError, socket.timeout):
+                answers.append(b"")
+            s.close()
+        assert answers.count(b"HTTP/1.1 408") == 1, answers
+        assert _closes(gw.protocol, "evicted") == 1
+    finally:
+        gw.stop()
+
+
+def test_at_the_connection_cap_a_new_request_evicts_a_client_that_reads_nothing():
+    """At the cap, connections whose clients pipelined requests and read none of the answers are
+    evicted (aborted): the break-it pass locked a real gateway's ``/healthz`` out with 17 such
+    clients at a cap of 16, for as long as they stayed (the read deadlines end with the request)."""
+    from gateway.slow_clients import EVICT_AFTER_S
+
+    gw = _guarded(30.0, 8)
+    try:
+        port = int(gw.url.rsplit(":", 1)[1])
+        stalled = _stalled_at_the_cap(port, 8, PIPELINED, unread=True)
+        time.sleep(EVICT_AFTER_S + 1.5)  # the answers fill the socket buffers: the writes pause
+        data = _healthz(port)
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        assert _closes(gw.protocol, "evicted") == 1
+        for s in stalled:
+            s.close()
+    finally:
+        gw.stop()
+
+
+def test_a_client_that_stops_reading_is_aborted_after_the_send_deadline():
+    """``send_timeout``: a client that reads none of a waiting response for that long loses its
+    connection (aborted: a close would wait for the unread bytes forever); before, the break-it
+    pass saw such a connection held 40 s and more, 2.8 MB waiting in the kernel's buffers. A client
+    that keeps reading is not touched."""
+    gw = _guarded(30.0, 100, send_timeout=1.0)
+    try:
+        port = int(gw.url.rsplit(":", 1)[1])
+        [unread] = _stalled_at_the_cap(port, 1, PIPELINED, unread=True)
+        time.sleep(3.0)  # the writes pause within a moment; the deadline is 1 s after that
+        assert _closes(gw.protocol, "send_timeout") == 1
+        assert _closed_by_the_gateway(unread, within_s=2.0)
+        unread.close()
+        reader = socket.create_connection(("127.0.0.1", port), timeout=10)
+        reader.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: gw\r\n\r\n" * 50)
+        received, t0 = 0, time.monotonic()
+        while received < 50 * 1000 and time.monotonic() - t0 < 10:
+            received += len(reader.recv(1 << 16))
+            time.sleep(0.01)
+        reader.close()
+        assert _closes(gw.protocol, "send_timeout") == 1  # the reading client was not cut off
     finally:
         gw.stop()
