@@ -15,6 +15,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import logging
 import os
@@ -214,6 +215,30 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
 
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (0: any free one)."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give 0-65535 (0: any free port)")
+    return port
+
+
+def positive_seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{value}: give a number of seconds above 0")
+    return seconds
+
+
+def finite_number(value: str) -> float:
+    """An argparse type: a finite float (no nan or inf, which JSON cannot carry)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value}: give a finite number")
+    return number
+
+
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``generate`` and ``up --generate``."""
     p.add_argument("--size", default=None,
@@ -222,14 +247,14 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="num_inference_steps (default: the gateway's default_steps; 20 with mammoth "
                         "up's built-in checkpoint)")
-    p.add_argument("--guidance", type=float, default=None,
+    p.add_argument("--guidance", type=finite_number, default=None,
                    help="text_guidance_scale (default: the gateway's)")
     p.add_argument("--seed", type=int, default=None, help="seed (random when omitted)")
     p.add_argument("--negative-prompt", default=None, help="what the image should not show")
     p.add_argument("--format", default="png", choices=("png", "jpeg", "webp"),
                    help="image format; must agree with the output file's extension")
     p.add_argument("--api-key", default=None, help="gateway API key (default: $OPENAI_API_KEY)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the image")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds to wait for the image")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
 
 
@@ -239,7 +264,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
                                     "loopback. Ctrl-C stops them (twice: at once).")
     up.add_argument("--checkpoint", default="builtin://tiny", help="checkpoint folder or builtin://tiny")
     up.add_argument("--host", default="127.0.0.1", help="address every component listens on")
-    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free)")
+    up.add_argument("--port", type=port_number, default=8000, help="gateway HTTP port (0: any free)")
     up.add_argument("--slots", type=int, default=2, help="DiT slots (images denoised at once)")
     up.add_argument("--config", default=None, help="YAML settings file passed to every component")
     up.add_argument("--log-level", default=None,
@@ -256,8 +281,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", help="stop the mammoth up running on a port (detached or not)")
-    down.add_argument("--port", type=int, default=8000, help="the gateway port of that mammoth up")
-    down.add_argument("--timeout", type=float, default=60.0,
+    down.add_argument("--port", type=port_number, default=8000, help="the gateway port of that mammoth up")
+    down.add_argument("--timeout", type=positive_seconds, default=60.0,
                       help="seconds to let it drain before it is killed")
     down.set_defaults(func=cmd_down)
 

@@ -123,8 +123,9 @@ def _raise_for_error(response: httpx.Response) -> None:
         message = f"{response.status_code} {err.get('type', '')}: {err.get('message', '')}"
         if err.get("param"):
             message += f" (param: {err['param']})"
-    except Exception:  # noqa: BLE001 - not an envelope
-        message = f"{response.status_code}: {response.text[:500]}"
+    except Exception:  # noqa: BLE001 - not an envelope: not a mammoth gateway (or a proxy in front of one)
+        message = (f"{response.url} answered HTTP {response.status_code} {response.reason_phrase} without "
+                   "an OpenAI error envelope: is it a mammoth gateway? Check --url")
     raise GenerateError(message)
 
 
@@ -167,17 +168,37 @@ def output_problem(output: str, fmt: str) -> str | None:
     """Why ``output`` cannot receive a ``fmt`` image (checked before any request), else None."""
     path = pathlib.Path(output)
     folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        return f"-o {output}: {folder} is a file, not a folder; choose another path"
     if not folder.is_dir():
         return f"-o {output}: the folder {folder} does not exist; create it or choose another path"
     if not os.access(folder, os.W_OK):
         return f"-o {output}: the folder {folder} is not writable; choose another path"
     if path.is_dir():
         return f"-o {output} is a folder; give a file name such as {path / ('image' + EXTENSIONS[fmt][0])}"
+    problem = _cannot_create(path)
+    if problem:
+        return f"-o {output}: cannot write there ({problem}); choose another path"
     ext = path.suffix.lower()
     known = {e for exts in EXTENSIONS.values() for e in exts}
     if ext in known and ext not in EXTENSIONS[fmt]:
         return (f"-o {output} is a {ext[1:]} file name but --format is {fmt}: use "
                 f"-o {path.with_suffix(EXTENSIONS[fmt][0])} or --format {_format_of(ext)}")
+    return None
+
+
+def _cannot_create(path: pathlib.Path) -> str | None:
+    """Why ``path`` cannot be opened for writing (the OS's reason), else None; a file this creates
+    is removed again. ``os.access`` says yes to root everywhere, also on /sys and /proc, where the
+    write after the image was generated then failed with a traceback (a first-hour pass)."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink(missing_ok=True)
     return None
 
 
@@ -205,7 +226,12 @@ def generate_to_file(url: str, prompt: str, output: str, args: argparse.Namespac
         print(f"mammoth generate: {exc}", file=sys.stderr)
         return 1
     path = pathlib.Path(output)
-    path.write_bytes(data)
+    try:
+        path.write_bytes(data)
+    except OSError as exc:  # the path changed since the check
+        print(f"mammoth generate: cannot write {path} ({exc.strerror or exc}); the {len(data)}-byte image "
+              "was not saved", file=sys.stderr)
+        return 1
     seed = event.get("seed")
     print(f"wrote {path} ({len(data)} bytes{f', seed {seed}' if seed is not None else ''})")
     return 0

@@ -10,7 +10,10 @@ Around `mammoth_app.local.start_pipeline` (which starts the three processes) thi
   ``mammoth up``, SIGKILL included, its components die with it (`supervise.die_with_parent`);
 - request defaults for the built-in checkpoint (`LOCAL_REQUEST_DEFAULTS`), unless the environment
   or the ``--config`` file sets them; the banner states the defaults in force;
-- one line, never a traceback, for a missing checkpoint folder or an unusable ``--config`` file;
+- one line, never a traceback, for a missing checkpoint folder, an unusable ``--config`` file, a
+  ``--host`` that is not this machine's or an unusable ``MAMMOTH_CACHE_DIR``;
+- exit status: 0 when a SIGTERM stops serving, ``128 + signal`` otherwise, and always with
+  ``--generate`` once a signal stopped it before the image was written;
 - a private work folder (``$TMPDIR/mammoth-up-*``: the components' ready files and the run's stage
   tokens), removed once the components have stopped; after a SIGKILL of ``mammoth up`` the next
   ``mammoth up`` removes it (`supervise.WorkFolder`).
@@ -172,8 +175,26 @@ def _shutdown(components: list[Component]) -> None:
         _say("mammoth up: stopped now (every component killed)", err=True)
 
 
-def _exit_code(signum: int | None) -> int:
-    return 0 if signum in (None, signal.SIGTERM) else 128 + int(signum)
+def _exit_code(signum: int | None, generate: bool = False) -> int:
+    """The exit status after ``signum`` stopped ``mammoth up``: 0 for a SIGTERM that stopped a
+    plain ``up`` (serving ended as asked), else ``128 + signum``; with ``--generate`` a signal
+    always means the image was not written (a SIGTERM used to exit 0 with no file)."""
+    if signum is None or (signum == signal.SIGTERM and not generate):
+        return 0
+    return 128 + int(signum)
+
+
+def _os_error_message(exc: OSError, args: argparse.Namespace) -> str:
+    """One line for an `OSError` while starting: the file it names (under ``MAMMOTH_CACHE_DIR``
+    when it is there) or the address it could not use."""
+    if exc.filename is not None:
+        where = str(exc.filename)
+        cache = cache_dir(dict(os.environ))
+        hint = (f"; check {settings_mod.ENV_PREFIX}CACHE_DIR ({cache})"
+                if where.startswith(str(cache)) else "")
+        return f"{where}: {exc.strerror or exc}{hint}"
+    return (f"cannot listen on --host {args.host} --port {args.port} ({exc.strerror or exc}); "
+            "give an address of this machine (127.0.0.1: this machine only)")
 
 
 def _start(args: argparse.Namespace, env: dict[str, str], workdir: pathlib.Path
@@ -211,7 +232,10 @@ def run_up(args: argparse.Namespace) -> int:
             _say(f"mammoth up: {_checkpoint_message(exc)}", err=True)
             return 1
         except KeyboardInterrupt:
-            return _exit_code(state["signal"] or signal.SIGINT)
+            return _exit_code(state["signal"] or signal.SIGINT, args.generate is not None)
+        except OSError as exc:  # a --host that is not this machine's, an unusable cache folder
+            _say(f"mammoth up: {_os_error_message(exc, args)}", err=True)
+            return 1
         return _serve(args, components, plan, lock, state)
     finally:
         _shutdown(components)
@@ -239,4 +263,4 @@ def _serve(args: argparse.Namespace, components: list[Component], plan: dict[str
         _say(f"mammoth up: {', '.join(dead)} exited; stopping the rest", err=True)
         return 1
     except KeyboardInterrupt:
-        return _exit_code(state["signal"] or signal.SIGINT)
+        return _exit_code(state["signal"] or signal.SIGINT, args.generate is not None)

@@ -153,3 +153,81 @@ def test_a_stage_that_cannot_load_its_checkpoint_says_why_and_exits_cleanly(tmp_
     assert "Event loop is closed" not in proc.stderr and "never awaited" not in proc.stderr, proc.stderr[-3000:]
     failure = [line for line in proc.stderr.splitlines() if "could not start" in line]
     assert len(failure) == 1 and "ERROR" in failure[0] and str(missing) in failure[0], proc.stderr[-3000:]
+
+
+# -- a first-hour break-it pass (2026-12-07): each of these was a traceback, a wrong exit status or a
+# -- raw server page before
+
+
+@pytest.mark.parametrize("args,words", [
+    (("up", "--port", "99999"), ("99999", "0-65535")),
+    (("down", "--port", "-1"), ("-1", "0-65535")),
+    (("generate", "a fox", "--timeout", "-1"), ("--timeout", "above 0")),
+    (("generate", "a fox", "--timeout", "0"), ("--timeout", "above 0")),
+    (("generate", "a fox", "--guidance", "nan"), ("--guidance", "finite")),
+    (("generate", "a fox", "--guidance", "inf"), ("--guidance", "finite")),
+])
+def test_out_of_range_flag_values_are_refused_when_parsed(tmp_path, args, words):
+    """Before: ``up --port 99999`` ended in ``OverflowError`` from ``bind``, ``--timeout -1`` in 60
+    lines of httpx traceback (``0``: "Resource temporarily unavailable"), ``--guidance nan`` in
+    "Out of range float values are not JSON compliant"."""
+    proc = mammoth(*args, "--url", f"http://127.0.0.1:{free_port()}", cwd=tmp_path) if args[0] == "generate" \
+        else mammoth(*args, cwd=tmp_path)
+    line = one_line(proc)
+    assert proc.returncode == 2 and all(w in line for w in words), line
+
+
+def test_generate_into_a_file_posing_as_a_folder_or_an_unwritable_place_is_refused_before_the_request(tmp_path):
+    """Before: ``-o afile/x.png`` said the folder "does not exist", and ``-o /proc/x.png`` (or /sys,
+    where ``os.access`` says yes to root) generated the image and lost it in a traceback."""
+    (tmp_path / "afile").write_text("not a folder")
+    for output, words in (("afile/x.png", "is a file, not a folder"), ("/proc/mammoth-first-hour.png", "cannot write")):
+        line = one_line(mammoth("generate", "a fox", "-o", output, "--url", f"http://127.0.0.1:{free_port()}",
+                                cwd=tmp_path))
+        assert words in line and "127.0.0.1" not in line, line  # refused before any connection
+
+
+def test_up_on_an_address_not_of_this_machine_or_with_a_cache_dir_that_is_a_file(tmp_path):
+    """Before: ``OSError: [Errno 99] Cannot assign requested address`` and ``NotADirectoryError``
+    tracebacks."""
+    line = one_line(mammoth("up", "--host", "192.0.2.1", "--port", "0", "--generate", "a fox", "-o",
+                            str(tmp_path / "x.png"), cwd=tmp_path))
+    assert "192.0.2.1" in line and "cannot listen" in line, line
+    (tmp_path / "afile").write_text("not a folder")
+    line = one_line(mammoth("up", "--port", "0", "--generate", "a fox", "-o", str(tmp_path / "x.png"),
+                            cwd=tmp_path, MAMMOTH_CACHE_DIR=str(tmp_path / "afile")))
+    assert "MAMMOTH_CACHE_DIR" in line and "afile" in line, line
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_sigterm_to_up_generate_is_not_a_success(tmp_path):
+    """``mammoth up --generate`` stopped by SIGTERM wrote no image, so it must not exit 0 (it did:
+    a script or ``mammoth down`` saw success and no file); a plain ``up`` still exits 0 on SIGTERM."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    proc = subprocess.Popen([sys.executable, "-m", "mammoth_app.cli", "up", "--port", "0", "--generate", "a fox",
+                             "--steps", "4", "-o", str(tmp_path / "x.png")], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # starting its stages
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and not (tmp_path / "x.png").exists()
+
+
+def test_generate_against_a_server_that_is_not_a_gateway_says_so(tmp_path):
+    """Before: the whole HTML page of the server's 501 (``python -m http.server``), or just ``404: ``."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        line = one_line(mammoth("generate", "a fox", "-o", "x.png", "--url",
+                                f"http://127.0.0.1:{server.server_address[1]}", cwd=tmp_path))
+    finally:
+        server.shutdown()
+    assert "501" in line and "mammoth gateway" in line and "--url" in line and "<" not in line, line
+    assert not (tmp_path / "x.png").exists()
