@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import pathlib
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -193,8 +195,10 @@ def _os_error_message(exc: OSError, args: argparse.Namespace) -> str:
         hint = (f"; check {settings_mod.ENV_PREFIX}CACHE_DIR ({cache})"
                 if where.startswith(str(cache)) else "")
         return f"{where}: {exc.strerror or exc}{hint}"
-    return (f"cannot listen on --host {args.host} --port {args.port} ({exc.strerror or exc}); "
-            "give an address of this machine (127.0.0.1: this machine only)")
+    if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE, errno.EACCES):
+        return (f"cannot listen on --host {args.host} --port {args.port} ({exc.strerror or exc}); "
+                "give an address of this machine (127.0.0.1: this machine only)")
+    return f"cannot start the pipeline: {exc.strerror or exc}"
 
 
 def _start(args: argparse.Namespace, env: dict[str, str], workdir: pathlib.Path
