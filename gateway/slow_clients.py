@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import time
 
 import h11
 from prometheus_client import Counter, CollectorRegistry
@@ -175,9 +174,10 @@ class GuardedH11Protocol(H11Protocol):
     def resume_writing(self) -> None:
         """The client read enough for the buffer to drain below its low-water mark."""
         super().resume_writing()
-        self._cancel_send_timer()
+        self._clear_send_stall()
 
-    def _cancel_send_timer(self) -> None:
+    def _clear_send_stall(self) -> None:
+        """The client reads again (or the connection ends): no send stall, no send deadline."""
         self._send_paused_since = None
         if self._send_timer is not None:
             self._send_timer.cancel()
@@ -190,7 +190,7 @@ class GuardedH11Protocol(H11Protocol):
     def _abort_unread(self, seconds: float, reason: str) -> None:
         """Abort this connection, whose client has read none of a waiting response for ``seconds``:
         the buffered bytes are dropped (``close`` would wait for them); counted under ``reason``."""
-        self._cancel_send_timer()
+        self._clear_send_stall()
         self._set_phase(None)
         if self._lost:
             return
@@ -248,7 +248,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._set_phase(None)
-        self._cancel_send_timer()
+        self._clear_send_stall()
         super().connection_lost(exc)
 
     def _track(self) -> None:

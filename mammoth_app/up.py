@@ -186,12 +186,12 @@ def _exit_code(signum: int | None, generate: bool = False) -> int:
     return 128 + int(signum)
 
 
-def _os_error_message(exc: OSError, args: argparse.Namespace) -> str:
+def _os_error_message(exc: OSError, args: argparse.Namespace, env: dict[str, str]) -> str:
     """One line for an `OSError` while starting: the file it names (under ``MAMMOTH_CACHE_DIR``
     when it is there) or the address it could not use."""
     if exc.filename is not None:
         where = str(exc.filename)
-        cache = cache_dir(dict(os.environ))
+        cache = cache_dir(env)
         hint = (f"; check {settings_mod.ENV_PREFIX}CACHE_DIR ({cache})"
                 if where.startswith(str(cache)) else "")
         return f"{where}: {exc.strerror or exc}{hint}"
@@ -238,7 +238,7 @@ def run_up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return _exit_code(state["signal"] or signal.SIGINT, args.generate is not None)
         except OSError as exc:  # a --host that is not this machine's, an unusable cache folder
-            _say(f"mammoth up: {_os_error_message(exc, args)}", err=True)
+            _say(f"mammoth up: {_os_error_message(exc, args, env)}", err=True)
             return 1
         return _serve(args, components, plan, lock, state)
     finally:
