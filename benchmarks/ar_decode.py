@@ -30,7 +30,8 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    decode path's GEMV numerics); ``--fp8-w8a8`` also W8A8's decode deviation and timings;
 7. served: a real ``mammoth ar`` process on a Preview-size random checkpoint (`benchmarks/ar_served.py`,
    written once to --ckpt-dir), 10 requests of a 32x32 grid one after another: ms/token, first
-   vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``; ``--skip-served``);
+   vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``, and with ``--fp8-w8a8``
+   ``fp8-w8a8`` too; ``--skip-served``);
 8. Hugging Face ``transformers`` ``Qwen2ForCausalLM.generate`` (eager, greedy) at the same
    dimensions as the baseline.
 
@@ -421,14 +422,22 @@ def hf_baseline(lc: dict, res: dict) -> None:
     print(f"HF transformers generate (eager, greedy): {res['hf_ms_per_token']:.2f} ms/token", flush=True)
 
 
+#: ``--weights-dtype`` of a served process -> its result key, and the in-process variant it is held to.
+SERVED_KEYS = {"auto": "served", "fp8": "served_fp8", "fp8-w8a8": "served_fp8_w8a8"}
+SERVED_REFERENCE = {"served": "compiled_B1", "served_fp8": "fp8_B1", "served_fp8_w8a8": "fp8_w8a8_B1"}
+
+
 def served(res: dict, args, save) -> None:
-    """Section 7 (`benchmarks/ar_served.py`): bf16, and FP8 with ``--served-fp8``."""
+    """Section 7 (`benchmarks/ar_served.py`): bf16; FP8 (W8A16) with ``--served-fp8``, and W8A8 too
+    (``--weights-dtype fp8-w8a8``) with ``--served-fp8 --fp8-w8a8``."""
     import ar_served
 
     try:
         checkpoint = ar_served.preview_checkpoint(pathlib.Path(args.ckpt_dir))
-        for dtype in ("auto", "fp8") if args.served_fp8 else ("auto",):
-            key = "served" if dtype == "auto" else "served_fp8"
+        dtypes = ("auto", "fp8", "fp8-w8a8") if args.served_fp8 and args.fp8_w8a8 else \
+            ("auto", "fp8") if args.served_fp8 else ("auto",)
+        for dtype in dtypes:
+            key = SERVED_KEYS[dtype]
             res[key] = ar_served.run(checkpoint, requests=10, grid=32, extra=["--weights-dtype", dtype])
             print(key, json.dumps({k: v for k, v in res[key].items() if k not in ("requests", "ar_log_tail")}),
                   flush=True)
@@ -488,10 +497,10 @@ def print_summary(res: dict) -> None:
     if "fp8_B8" in t and "fp8_B1" in t:
         print(f"| FP8 B=8 tok/s / B=1 tok/s | {t['fp8_B8']['tokens_per_s'] / t['fp8_B1']['tokens_per_s']:.2f} x "
               f"(target >= 7) |")
-    for key in ("served", "served_fp8"):
+    for key, reference in SERVED_REFERENCE.items():
         if key in res:
             v = res[key]
-            ref = t.get("compiled_B1" if key == "served" else "fp8_B1", {}).get("ms_per_step", float("nan"))
+            ref = t.get(reference, {}).get("ms_per_step", float("nan"))
             inline = t.get("compiled_served_shape_B1", {}) if key == "served" else {}
             pad = inline.get("ms_per_step", float("nan"))
             print(f"| {key}: mammoth ar, 32x32 grid, 10 requests | {v['ms_per_token_median']:.3f} ms/token "

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_state import snapshot  # noqa: E402 - benchmarks/gpu_state.py
 from mammoth_app.local import free_port, stop_pipeline  # noqa: E402
+from mammoth_core.settings import AR_WEIGHTS_DTYPES  # noqa: E402
 from mammoth_core.pb import mammoth_pb2 as pb  # noqa: E402
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -168,7 +169,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--checkpoint", default=None, help="default: the Preview-size random one in --ckpt-dir")
     parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt")
-    parser.add_argument("--weights-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--weights-dtype", default="auto", choices=AR_WEIGHTS_DTYPES)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--grid", type=int, default=32)
     parser.add_argument("--smoke", action="store_true", help="builtin://tiny on the CPU, a 4x4 grid, 3 requests")

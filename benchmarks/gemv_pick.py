@@ -28,6 +28,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from mammoth_core.settings import AR_WEIGHTS_DTYPES  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt")
-    parser.add_argument("--weights-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--weights-dtype", default="auto", choices=AR_WEIGHTS_DTYPES)
     parser.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run of this script, nothing to pick)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=int, default=100)

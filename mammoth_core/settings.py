@@ -236,8 +236,10 @@ class StageSettings(BaseSettings):
         return getattr(torch, self.dtype)
 
 
-#: ``ar.weights_dtype`` values (the one list: the AR's linear layers and the CRD's ``ar.weightsDtype`` use it).
-AR_WEIGHTS_DTYPES = ("auto", "fp8")
+#: ``ar.weights_dtype`` values (the one list: the AR's linear layers and the CRD's ``ar.weightsDtype`` use it):
+#: the model dtype; FP8 weights with activations in the model dtype (W8A16); FP8 weights with each
+#: activation row quantized to E4M3 before the FP8 projections read it (W8A8).
+AR_WEIGHTS_DTYPES = ("auto", "fp8", "fp8-w8a8")
 #: ``ar.linear_backend`` values (the AR chooses its linear backend from them).
 AR_LINEAR_BACKENDS = ("auto", "torch", "gemv")
 #: ``dit.dit_parallel`` values (the DiT stage and the CRD's ``dit.parallel`` use it).
@@ -268,9 +270,12 @@ class ARSettings(StageSettings):
     weights_dtype: str = field(
         default="auto",
         metadata=_doc(
-            "AR weight format: auto (the model dtype) or fp8 (the projections and MLPs a visual token "
+            "AR weight format: auto (the model dtype), fp8 (the projections and MLPs a visual token "
             "reads converted at load to E4M3 with one scale per output channel; activations and KV "
-            "stay in dtype; docs/PERFORMANCE.md, FP8 weights, for the measured deviation)",
+            "stay in dtype) or fp8-w8a8 (fp8, and each activation row those projections read quantized "
+            "to E4M3 with its own scale: FP8 tensor-core products, the fastest AR and the furthest from "
+            "bf16; needs the gemv linear backend, i.e. CUDA; docs/PERFORMANCE.md, FP8 weights, for the "
+            "measured deviation)",
             choices=AR_WEIGHTS_DTYPES,
         ),
     )

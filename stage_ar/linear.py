@@ -312,12 +312,14 @@ def norm_input(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, 
 
 
 def select_backend(name: str, device: torch.device | str, *,
-                   fuse_epilogues: bool | Iterable[str] = GemvLinear.DEFAULT_EPILOGUES) -> TorchLinear | GemvLinear:
+                   fuse_epilogues: bool | Iterable[str] = GemvLinear.DEFAULT_EPILOGUES,
+                   fp8_compute: str | None = None) -> TorchLinear | GemvLinear:
     """The linear backend for ``name`` (`BACKENDS`) on ``device``.
 
     ``"auto"``: `GemvLinear` on CUDA when triton is importable, else `TorchLinear`. ``"gemv"`` where
     the kernel cannot run (no triton; CPU without the interpreter) falls back to `TorchLinear` with
-    a logged warning. ``fuse_epilogues``: `GemvLinear`'s (ignored by `TorchLinear`).
+    a logged warning. ``fuse_epilogues``, ``fp8_compute``: `GemvLinear`'s (ignored by `TorchLinear`,
+    which multiplies FP8 weights with activations in their own dtype).
 
     Raises:
         ValueError: ``name`` is not one of `BACKENDS`.
@@ -331,7 +333,7 @@ def select_backend(name: str, device: torch.device | str, *,
     if name == "gemv" and not usable:
         logger.warning("GEMV kernels cannot run on %s (needs CUDA and triton); using torch matmul", device)
         name = "torch"
-    return GemvLinear(fuse_epilogues=fuse_epilogues) if name == "gemv" else TORCH_LINEAR
+    return GemvLinear(fp8_compute=fp8_compute, fuse_epilogues=fuse_epilogues) if name == "gemv" else TORCH_LINEAR
 
 
 class MammothLinear(nn.Linear):

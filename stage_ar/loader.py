@@ -16,7 +16,7 @@ from mammoth_core.distributed import GroupRank
 from stage_ar import gemv
 from stage_ar.checkpoint_part import CHECKPOINT_PART
 from stage_ar.generation import T2ISequence
-from stage_ar.linear import WEIGHTS_DTYPES, quantize_fp8_, select_backend, set_linear_backend
+from stage_ar.linear import WEIGHTS_DTYPES, GemvLinear, quantize_fp8_, select_backend, set_linear_backend
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 from stage_ar.sampling import GridConstrainedSampler, T2IGenerationConfig, read_t2i_generation_config
 from stage_ar.tokenization_mammoth import MammothTokenizer
@@ -92,9 +92,12 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
     Args:
         checkpoint, cache_dir: the checkpoint folder or URI (`resolve_checkpoint`).
         device, dtype: where and in which dtype the model lives (activations and KV in ``dtype``).
-        weights_dtype: ``"auto"`` (the model dtype) or ``"fp8"``: after loading, the weights a
+        weights_dtype: ``"auto"`` (the model dtype), ``"fp8"``: after loading, the weights a
             visual token reads (`MammothARForCausalLM.visual_token_linears`) are converted to E4M3
-            with per-output-channel scales (`stage_ar.linear`); the rest stays in ``dtype``.
+            with per-output-channel scales (`stage_ar.linear`), the rest stays in ``dtype``; or
+            ``"fp8-w8a8"``: the same weights, and the GEMV backend quantizes each activation row
+            those projections read to E4M3 with its own scale (``fp8_compute="fp8"``,
+            `stage_ar.fp8_activations`).
         linear_backend: `stage_ar.linear.BACKENDS` (``"auto"``: Triton GEMV on CUDA, torch on CPU).
         tensor_parallel: this rank's place among the stage's ranks: the weights are read into host
             memory, sharded there (`stage_ar.tensor_parallel.shard_ar_model_`), and only the rank's
@@ -102,13 +105,22 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
-        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; a ``MAMMOTH_GEMV_PICKS`` file
-            that is not a picks file (`stage_ar.gemv.pinned_picks`).
+        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; ``"fp8-w8a8"`` where the
+            linear backend is not the GEMV (torch chosen, or no CUDA / triton: only the GEMV kernels
+            quantize activations), before any weight is read; a ``MAMMOTH_GEMV_PICKS`` file that is
+            not a picks file (`stage_ar.gemv.pinned_picks`).
         OSError: a ``MAMMOTH_GEMV_PICKS`` file that cannot be read.
     """
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
-    backend = select_backend(linear_backend, device)
+    w8a8 = weights_dtype == "fp8-w8a8"
+    backend = select_backend(linear_backend, device, fp8_compute="fp8" if w8a8 else None)
+    if w8a8 and not isinstance(backend, GemvLinear):
+        raise ValueError(
+            f"weights_dtype 'fp8-w8a8' quantizes activations inside the GEMV kernels, so it needs the gemv "
+            f"linear backend (CUDA with triton, or Triton's interpreter with linear_backend 'gemv'); here "
+            f"linear_backend {linear_backend!r} on {device} gives {backend.name!r}. Use 'fp8' (FP8 weights, "
+            f"activations in the model dtype) on this device")
     gemv.pinned_picks(torch.device(device))  # a bad MAMMOTH_GEMV_PICKS fails here, before any weight is read
     t0 = time.perf_counter()
     path = resolve_checkpoint(checkpoint, cache_dir)
@@ -126,7 +138,7 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
 
         shard_ar_model_(model, tensor_parallel)
         model.to(device=device)
-    if weights_dtype == "fp8":
+    if weights_dtype in ("fp8", "fp8-w8a8"):
         saved = quantize_fp8_(model.visual_token_linears())
         logger.info("AR visual-token weights converted to FP8 E4M3 (%.2f GB less)", saved / 1e9)
     set_linear_backend(model, backend)

@@ -250,8 +250,9 @@ def test_ar_weights_dtype_reaches_the_ar_settings(tmp_path):
     from mammoth_operator.spec import InvalidSpec
 
     path = tmp_path / "pipeline.yaml"
-    path.write_text(builders.render_config(pipeline(ar={"weightsDtype": "fp8"})))
-    assert resolve_settings(ARSettings, config_file=str(path), env={}).weights_dtype == "fp8"
+    for value in ("fp8", "fp8-w8a8"):
+        path.write_text(builders.render_config(pipeline(ar={"weightsDtype": value})))
+        assert resolve_settings(ARSettings, config_file=str(path), env={}).weights_dtype == value
     assert builders.component_settings(VARIANTS["builtin"], "ar")["weights_dtype"] == "auto"
     with pytest.raises(InvalidSpec, match="weightsDtype"):
         pipeline(ar={"weightsDtype": "int4"})

@@ -221,3 +221,17 @@ def test_cel_rule_messages_name_the_field(crd):
 def test_children_names_fit_dns_labels():
     names = builders.child_names("a" * 47)
     assert max(len(n) for n in vars(names).values()) <= 63
+
+
+@pytest.mark.parametrize("crd_path,values", [
+    ("ar.weightsDtype", "AR_WEIGHTS_DTYPES"), ("dit.parallel", "DIT_PARALLEL_MODES"),
+])
+def test_enumerated_fields_take_exactly_the_settings_values(crd, crd_path, values):
+    """The CRD's enum for a field the stages read is the settings' one list of values, in its order: a
+    value the stage accepts but the API server refuses (or the reverse) cannot be applied by anyone."""
+    from mammoth_core import settings
+
+    node = openapi_schema(crd)["properties"]["spec"]
+    for part in crd_path.split("."):
+        node = node["properties"][part]
+    assert node["enum"] == list(getattr(settings, values))

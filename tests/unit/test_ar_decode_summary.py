@@ -34,10 +34,13 @@ def test_summary_prints_every_timed_variant_beside_their_gemv_picks(capsys, monk
             "compiled_B1": _timing(5.05), "compiled_B8": _timing(5.25, 8),
             "compiled_served_shape_B1": _timing(5.14), "compiled_served_shape_gemv_picks": picks,
             "fp8_B1": _timing(3.86), "fp8_B8": _timing(3.93, 8), "fp8_gemv_picks": picks,
+            "fp8_w8a8_B1": _timing(3.0), "fp8_w8a8_gemv_picks": picks,
             "profile_compiled_B1": "a profile table",
         },
         "served": {"ms_per_token_median": 5.17, "first_wall_ms": 5582.0, "last_wall_ms": 5500.0,
                    "first_over_last": 1.015, "ready_s": 27.0},
+        "served_fp8_w8a8": {"ms_per_token_median": 3.1, "first_wall_ms": 3400.0, "last_wall_ms": 3350.0,
+                            "first_over_last": 1.015, "ready_s": 30.0},
     }
     ar_decode.print_summary(res)
     out = capsys.readouterr().out
@@ -45,6 +48,7 @@ def test_summary_prints_every_timed_variant_beside_their_gemv_picks(capsys, monk
                 "| fp8_B1 | 3.860 ms/step (1.71 x FP8 floor)", "| B=1 / floor | 1.14 x",
                 "| HF eager generate | 58.10 ms/token", "| FP8 B=1 | 3.860 ms/token",
                 "| served: mammoth ar, 32x32 grid, 10 requests | 5.170 ms/token (1.024 x the benchmark's B=1",
+                "| served_fp8_w8a8: mammoth ar, 32x32 grid, 10 requests | 3.100 ms/token (1.033 x the benchmark's B=1",
                 "GPU memory: weights / after capture / peak | 26.50 / 27.00 / 31.70 GiB"):
         assert row in out, f"missing {row!r} in:\n{out}"
     assert "gemv_picks |" not in out

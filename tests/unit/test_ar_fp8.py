@@ -106,12 +106,59 @@ def test_load_ar_with_fp8_weights_decodes(tiny_checkpoint, tmp_path):
         load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="int4")
 
 
+def test_fp8_w8a8_is_refused_before_loading_where_no_gemv_backend_runs(tmp_path):
+    """``weights_dtype="fp8-w8a8"`` quantizes activations inside the GEMV kernels only: with the torch
+    backend (chosen, or ``auto`` on a CPU) the load stops with an error naming the backend and the
+    ``fp8`` alternative, before the checkpoint is even resolved (the path here does not exist)."""
+    from stage_ar.loader import load_ar
+
+    for backend in ("torch", "auto"):
+        with pytest.raises(ValueError, match=r"fp8-w8a8.*gemv linear backend.*'torch'.*Use 'fp8'"):
+            load_ar(str(tmp_path / "absent"), str(tmp_path), "cpu", torch.float32, weights_dtype="fp8-w8a8",
+                    linear_backend=backend)
+
+
+def test_load_ar_with_fp8_w8a8_quantizes_activations_and_decodes(tiny_checkpoint, tmp_path, monkeypatch):
+    """``weights_dtype="fp8-w8a8"`` with the GEMV backend (Triton's interpreter here): the visual-token
+    weights are E4M3, the backend multiplies with ``fp8_compute="fp8"``, and a request decodes with
+    every decode step's FP8 projections reading quantized rows (`quantize_rows` runs in each step)."""
+    from stage_ar import fp8_activations, linear
+    from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
+    from stage_ar.gemv import available
+    from stage_ar.loader import load_ar
+
+    if not available(torch.device("cpu")):
+        pytest.skip("the GEMV kernels need triton (Triton's interpreter on a CPU)")
+    bundle = load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="fp8-w8a8",
+                     linear_backend="gemv")
+    assert all(lin.is_fp8 for lin in bundle.model.visual_token_linears())
+    assert bundle.model.linear_backend.fp8_compute == "fp8"
+    quantized = []
+    real = fp8_activations.quantize_rows
+
+    def counting(*args, **kwargs):
+        quantized.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize_rows", counting)
+    engine = DecodeEngine(bundle.new_sequence, 1, model=bundle.model, grid_ids=bundle.grid_ids,
+                          max_sequence_length=128)
+    sink = CollectingSink()
+    prompt = bundle.tokenizer.encode_t2i_prompt("a red house", 2, 2)
+    engine.run_job(DecodeJob("w8a8", 0, prompt, None, 2, 2, 7, 1.0, 0, 0.0, 0.0, sink, lambda a, b: None,
+                             lambda exc, stats: None))
+    ids = sink.token_ids[Role.CONDITION][len(prompt):]
+    assert sink.finished and len(ids) == 2 * 3
+    assert quantized  # the decode steps' pre-norms went through the quantizer
+
+
 def test_the_flag_reaches_the_settings():
     from mammoth_app.cli import build_parser
     from mammoth_core.settings import ARSettings, SettingsError, resolve_settings
 
     args = build_parser().parse_args(["ar", "--weights-dtype", "fp8", "--linear-backend", "torch"])
     assert (args.weights_dtype, args.linear_backend) == ("fp8", "torch")
+    assert build_parser().parse_args(["ar", "--weights-dtype", "fp8-w8a8"]).weights_dtype == "fp8-w8a8"
     with pytest.raises((SettingsError, SystemExit)):
         build_parser().parse_args(["ar", "--weights-dtype", "int8"])
     assert ARSettings().weights_dtype == "auto"
