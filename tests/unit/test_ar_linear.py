@@ -180,6 +180,20 @@ def test_fused_epilogues_rows_do_not_depend_on_the_batch(gemv_model, tokenizer, 
     assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
 
 
+def test_w8a8_rows_do_not_depend_on_the_batch(model, tokenizer):
+    """Served with ``weights_dtype: fp8-w8a8`` (FP8 visual-token weights, ``GemvLinear(fp8_compute="fp8")``
+    with the default epilogues): a request decoded inside a batch gives the bits it gives alone, since
+    each activation row is quantized with its own scale by its own programs."""
+    from stage_ar.linear import quantize_fp8_
+
+    w8a8 = _kernel_copy(model)
+    quantize_fp8_(w8a8.visual_token_linears())
+    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8"))
+    together = _decode_together(w8a8, tokenizer, [2, 3])
+    alone = _decode_together(w8a8, tokenizer, [2])[2]
+    assert torch.equal(alone, together[2]), "request 2 alone != inside the batch"
+
+
 def test_fused_entry_points_fall_back_to_the_given_op_above_16_rows(launches):
     """`MammothLinear.forward_swiglu` / `forward_rope_qkv` with a fusing `GemvLinear`: at most 16 rows
     one fused launch; above, torch matmul then the op passed in (the eager or compiled one), the
