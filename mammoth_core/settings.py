@@ -293,6 +293,14 @@ class ARSettings(StageSettings):
         "key/value heads and MLP width", ge=1, le=8))
     section: typing.ClassVar[str] = "ar"
 
+    def validate(self) -> None:
+        """`BaseSettings.validate`, and: ``fp8-w8a8`` only on one GPU (each rank would quantize its own
+        shard of ``down_proj``'s input with its own scale: not yet built into the tensor-parallel tests)."""
+        super().validate()
+        if self.weights_dtype == "fp8-w8a8" and self.tensor_parallel_size > 1:
+            raise SettingsError("weights_dtype fp8-w8a8 is not supported with tensor_parallel_size above 1 yet "
+                                "(use fp8)")
+
 
 @dataclass
 class DiTSettings(StageSettings):

@@ -185,6 +185,8 @@ CEL_CASES = [
     ("image-size-limits", _body(requestDefaults={"minPixels": 1048576, "maxPixels": 1048576}),
      _body(requestDefaults={"minPixels": 1048577, "maxPixels": 1048576})),
     ("cfg-range", _body(requestDefaults={"cfgRange": [0, 0.5]}), _body(requestDefaults={"cfgRange": [0.6, 0.5]})),
+    ("ar-w8a8-one-gpu", _body(ar={"weightsDtype": "fp8-w8a8"}),
+     _body(ar={"weightsDtype": "fp8-w8a8", "tensorParallelSize": 2})),
     ("monitoring-peer", _body(networkPolicy={"enabled": True, "monitoring": {"podSelector": {"matchLabels": {"a": "b"}}}}),
      _body(networkPolicy={"enabled": True, "monitoring": {}})),
 ]
@@ -193,9 +195,9 @@ CEL_CASES = [
 def test_every_cel_rule_has_a_case(crd):
     rules = [r["rule"] for _, node in _walk(openapi_schema(crd)) for r in node.get("x-kubernetes-validations") or []]
     # Rules on shared sub-schemas (rollout, autoscaling, source) appear once per use; the cases above
-    # cover each use: 1 name + 3 model + 3 rollout + 3 podDisruptionBudget + 2 autoscaling + 1 transport
-    # + 2 requestDefaults + 1 networkPolicy.monitoring.
-    assert len(rules) == 16
+    # cover each use: 1 name + 3 model + 3 rollout + 3 podDisruptionBudget + 2 autoscaling + 1 ar
+    # weights/tensor parallel + 1 transport + 2 requestDefaults + 1 networkPolicy.monitoring.
+    assert len(rules) == 17
 
 
 @pytest.mark.parametrize("case,accepted,rejected", CEL_CASES, ids=[c[0] for c in CEL_CASES])

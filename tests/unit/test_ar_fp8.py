@@ -164,3 +164,6 @@ def test_the_flag_reaches_the_settings():
     assert ARSettings().weights_dtype == "auto"
     with pytest.raises(SettingsError, match="weights_dtype"):
         resolve_settings(ARSettings, env={"MAMMOTH_WEIGHTS_DTYPE": "int8"})
+    assert resolve_settings(ARSettings, env={"MAMMOTH_WEIGHTS_DTYPE": "fp8-w8a8"}).weights_dtype == "fp8-w8a8"
+    with pytest.raises(SettingsError, match="fp8-w8a8 is not supported with tensor_parallel_size"):
+        resolve_settings(ARSettings, env={"MAMMOTH_WEIGHTS_DTYPE": "fp8-w8a8", "MAMMOTH_TENSOR_PARALLEL_SIZE": "2"})
