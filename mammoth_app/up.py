@@ -68,7 +68,8 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
     """Check what can be checked before any process starts; returns the gateway's local defaults.
 
     Raises:
-        StartupError: ``--generate``'s ``--output`` cannot be written (`client.output_problem`).
+        StartupError: ``--generate``'s ``--output`` cannot be written (`client.output_problem`), or its
+            ``--size`` is one the gateway would refuse (`gateway.image_job.parse_size`).
         CheckpointError: ``--checkpoint`` names no usable checkpoint folder.
         settings_mod.SettingsError: the ``--config`` file is missing or not a YAML mapping.
     """
@@ -92,6 +93,14 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
                                                   config_file=args.config)
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:  # one line, not a traceback
         raise settings_mod.SettingsError(" ".join(f"--config {args.config}: {exc}".split())) from None
+    if args.generate is not None and args.size is not None:
+        from gateway.errors import InvalidRequestError
+        from gateway.image_job import parse_size  # the gateway's own rule, with the settings it will have
+
+        try:
+            parse_size(args.size, effective)
+        except InvalidRequestError as exc:
+            raise StartupError(f"--size {args.size}: {exc.message}") from None
     return {"overrides": overrides, "effective": effective}
 
 

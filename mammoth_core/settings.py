@@ -53,6 +53,11 @@ def _doc(help_text: str, **kw: Any) -> dict[str, Any]:
     return {"help": help_text, **kw}
 
 
+def _port(default: int, help_text: str, lowest: int = 0) -> Any:
+    """A TCP port field: ``lowest`` (0: any free port; -1 where the field may also be off) to 65535."""
+    return field(default=default, metadata=_doc(help_text, ge=lowest, le=65535))
+
+
 def _limit(name: str) -> Any:
     """A settings field whose default and help come from the request-limits table
     (`mammoth_core.limits.RequestLimits`): the one home of request defaults and limits."""
@@ -197,8 +202,8 @@ class StageSettings(BaseSettings):
     checkpoint: str = field(
         default="builtin://tiny", metadata=_doc("checkpoint directory or builtin://tiny")
     )
-    port: int = field(default=0, metadata=_doc("gRPC port (0: any free port)"))
-    metrics_port: int = field(default=-1, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    port: int = _port(0, "gRPC port (0: any free port)")
+    metrics_port: int = _port(-1, "Prometheus port (-1: off, 0: any free)", lowest=-1)
     device: str = field(default="auto", metadata=_doc("device", choices=("auto", "cpu", "cuda")))
     dtype: str = field(
         default="auto",
@@ -250,8 +255,8 @@ DIT_PARALLEL_MODES = ("none", "cfg", "ulysses")
 class ARSettings(StageSettings):
     """AR stage settings (``mammoth ar``)."""
 
-    port: int = field(default=50051, metadata=_doc("gRPC port (0: any free port)"))
-    metrics_port: int = field(default=9091, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    port: int = _port(50051, "gRPC port (0: any free port)")
+    metrics_port: int = _port(9091, "Prometheus port (-1: off, 0: any free)", lowest=-1)
     max_running_sequences: int = field(
         default=8, metadata=_doc("sequences decoded concurrently (KV-cache admission)", ge=1)
     )
@@ -306,8 +311,8 @@ class ARSettings(StageSettings):
 class DiTSettings(StageSettings):
     """DiT stage settings (``mammoth dit``)."""
 
-    port: int = field(default=50052, metadata=_doc("gRPC port (0: any free port)"))
-    metrics_port: int = field(default=9092, metadata=_doc("Prometheus port (-1: off, 0: any free)"))
+    port: int = _port(50052, "gRPC port (0: any free port)")
+    metrics_port: int = _port(9092, "Prometheus port (-1: off, 0: any free)", lowest=-1)
     slots: int = field(default=4, metadata=_doc(
         "condition slots (concurrent requests); on CUDA at most what GPU memory holds, measured at start", ge=1))
     max_batch_requests: int = field(default=8, metadata=_doc(
@@ -359,7 +364,7 @@ class DiTSettings(StageSettings):
 class GatewaySettings(BaseSettings):
     """Gateway settings (``mammoth gateway``)."""
 
-    port: int = field(default=8000, metadata=_doc("HTTP port (0: any free port)"))
+    port: int = _port(8000, "HTTP port (0: any free port)")
     ar: list[str] = field(
         default_factory=list,
         metadata=_doc("AR backends: host:port,... or dns:///name:port (headless Service)"),

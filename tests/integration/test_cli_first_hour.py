@@ -69,6 +69,17 @@ def test_up_generate_into_a_missing_folder_is_refused_before_anything_starts(tmp
     assert not (tmp_path / "cache").exists()  # not even the built-in checkpoint was made
 
 
+@pytest.mark.parametrize("size,words", [("abc", "WIDTHxHEIGHT"), ("100x100", "multiple of 16"),
+                                        ("16384x16384", "pixels")])
+def test_up_generate_with_a_size_the_gateway_refuses_is_refused_before_anything_starts(tmp_path, size, words):
+    """``up --generate --size`` is checked by the gateway's own size rule (its settings as ``up`` would
+    start it) before any process starts: not a pipeline started, then a 400, then a stop."""
+    line = one_line(mammoth("up", "--generate", "a fox", "--size", size, "-o", "x.png", "--port", "0",
+                            cwd=tmp_path, MAMMOTH_CACHE_DIR=str(tmp_path / "cache")))
+    assert "--size" in line and size in line and words in line, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
+
+
 def test_download_model_without_a_scheme(tmp_path):
     line = one_line(mammoth("download-model", "org/repo", str(tmp_path / "dest")))
     assert "hf://org/repo" in line, line

@@ -34,6 +34,23 @@ def test_an_out_of_range_value_names_the_key_the_value_and_the_source():
     assert "'trace_sample_ratio'" in msg and "'1.5'" in msg and "less than or equal to 1" in msg
 
 
+@pytest.mark.parametrize("cls", [ARSettings, DiTSettings, GatewaySettings])
+def test_a_port_outside_0_to_65535_is_refused_naming_the_key(cls):
+    """A typo'd port is a settings error at start, not an OverflowError from the socket bind (the
+    break-it pass of 2026-12-07); the metrics port also takes -1 (off), nothing below."""
+    msg = _error(cls, cli={}, env={"MAMMOTH_PORT": "70000"})
+    assert "'port'" in msg and "'70000'" in msg and "less than or equal to 65535" in msg
+    msg = _error(cls, cli={}, env={"MAMMOTH_PORT": "-1"})
+    assert "'port'" in msg and "greater than or equal to 0" in msg
+    assert resolve_settings(cls, cli={}, env={"MAMMOTH_PORT": "65535"}).port == 65535
+    if hasattr(cls, "metrics_port"):
+        msg = _error(cls, cli={}, env={"MAMMOTH_METRICS_PORT": "65536"})
+        assert "'metrics_port'" in msg and "less than or equal to 65535" in msg
+        msg = _error(cls, cli={}, env={"MAMMOTH_METRICS_PORT": "-2"})
+        assert "'metrics_port'" in msg and "greater than or equal to -1" in msg
+        assert resolve_settings(cls, cli={}, env={"MAMMOTH_METRICS_PORT": "-1"}).metrics_port == -1
+
+
 def test_a_value_outside_the_choices_is_refused():
     msg = _error(ARSettings, cli={}, env={"MAMMOTH_DEVICE": "gpu"})
     assert "'device'" in msg and "'gpu'" in msg and "'cuda'" in msg
