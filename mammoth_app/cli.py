@@ -8,6 +8,7 @@ Subcommands:
   generate           call a gateway and write the image, with a progress display
   make-checkpoint    write the small built-in checkpoint (real layout, random weights)
   check-checkpoint   validate a checkpoint folder against the model its configs describe
+  quantize-checkpoint  copy a checkpoint with the AR's visual-token weights stored as FP8
   download-model     fetch ``hf://org/repo@revision`` into a folder (init container)
   bench              serving benchmark against a gateway URL
 """
@@ -163,6 +164,23 @@ def cmd_check_checkpoint(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_quantize_checkpoint(args: argparse.Namespace) -> int:
+    setup_logging("cli", "text", "info")
+    from mammoth_core.checkpoint import CheckpointError
+    from stage_ar.fp8_checkpoint import write_fp8_checkpoint
+
+    try:
+        path = write_fp8_checkpoint(args.source, args.dest)
+    except CheckpointError as exc:
+        raise CommandError(f"{exc.path}: " + "; ".join(exc.problems[:3])
+                           + (f" (and {len(exc.problems) - 3} more: mammoth check-checkpoint)"
+                              if len(exc.problems) > 3 else "")) from None
+    except (ValueError, OSError) as exc:
+        raise CommandError(str(exc).replace("\n", " ")) from None
+    print(path)
+    return 0
+
+
 def cmd_download_model(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "info")
     from mammoth_core.model_source import download_model
@@ -306,6 +324,13 @@ def _tool_parsers(sub: argparse._SubParsersAction) -> None:
     ck = sub.add_parser("check-checkpoint", help="validate a checkpoint folder (no GPU, no weights loaded)")
     ck.add_argument("dir", help="checkpoint folder (config.json, safetensors, tokenizer files)")
     ck.set_defaults(func=cmd_check_checkpoint)
+
+    qc = sub.add_parser("quantize-checkpoint",
+                        help="copy a checkpoint with the AR's visual-token weights stored as FP8 E4M3 "
+                             "(loaded as they are by weights_dtype fp8 or fp8-w8a8)")
+    qc.add_argument("source", help="checkpoint folder (bf16 or float32 weights)")
+    qc.add_argument("dest", help="new or empty folder for the copy")
+    qc.set_defaults(func=cmd_quantize_checkpoint)
 
     dl = sub.add_parser("download-model", help="download hf://org/repo@revision into DEST")
     dl.add_argument("uri", help="hf://org/repo or hf://org/repo@revision")

@@ -133,6 +133,14 @@ class Checkpoint:
         """All stored tensor names, sorted."""
         return sorted(self._index)
 
+    def shard_of(self, name: str) -> str:
+        """The safetensors file (relative to the folder) holding tensor ``name``.
+
+        Raises:
+            KeyError: no stored tensor has that name.
+        """
+        return self._index[name]
+
     def tensor_infos(self, prefix: str = "", problems: list[str] | None = None) -> dict[str, TensorInfo]:
         """Name -> `TensorInfo` for stored tensors starting with ``prefix`` (reads headers only).
 

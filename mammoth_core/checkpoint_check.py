@@ -29,6 +29,9 @@ from mammoth_core.checkpoint import (
 
 #: safetensors dtypes accepted for floating-point weights.
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
+#: safetensors dtype of FP8 weight codes: accepted only for a ``<name>.weight`` whose ``<name>.weight_scale``
+#: the model expects (a checkpoint whose config says it stores FP8, `stage_ar.fp8.stores_fp8`).
+FP8_DTYPE = "F8_E4M3"
 
 #: prefix (with its trailing dot) -> {state-dict key: shape}
 Shapes = dict[str, dict[str, tuple[int, ...]]]
@@ -122,8 +125,13 @@ def _check_tensors(prefix: str, expected: dict[str, tuple[int, ...]], infos: dic
             n *= d
         report.parameters += n
         report.dtypes[info.dtype] = report.dtypes.get(info.dtype, 0) + 1
-        if info.dtype not in FLOAT_DTYPES and key in expected:
-            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {sorted(FLOAT_DTYPES)}"])
+        fp8_weight = key.endswith(".weight") and f"{key}_scale" in expected  # codes beside their row scales
+        if key in expected and not (info.dtype in FLOAT_DTYPES or (fp8_weight and info.dtype == FP8_DTYPE)):
+            allowed = sorted(FLOAT_DTYPES | ({FP8_DTYPE} if fp8_weight else set()))
+            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {allowed}"])
+        elif fp8_weight and info.dtype != FP8_DTYPE:
+            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; the checkpoint's quantization_config "
+                        f"stores it as {FP8_DTYPE} codes beside {prefix}{key}_scale"])
 
 
 def check_parts(path: str | os.PathLike, parts: Sequence[CheckpointPart], *,

@@ -12,12 +12,22 @@ from mammoth_core.checkpoint_check import CheckpointPart, Shapes
 
 
 def expected_shapes(config: dict) -> Shapes:
-    """``{"llm_model.": {state-dict key: shape}}`` of the AR model ``config["llm_config"]`` describes."""
+    """``{"llm_model.": {state-dict key: shape}}`` of the AR model ``config["llm_config"]`` describes
+    (with its ``quantization_config``, `stage_ar.fp8.stores_fp8`: the visual-token projections' FP8
+    codes and their ``weight_scale`` rows).
+
+    Raises:
+        ValueError: a ``quantization_config`` the AR cannot load.
+    """
     from mammoth_core.meta_build import shapes_only
+    from stage_ar.fp8 import stores_fp8
     from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
 
     with shapes_only():
         model = MammothARForCausalLM.from_llm_config(config["llm_config"])
+        if stores_fp8(config["llm_config"]):
+            for linear in model.visual_token_linears():
+                linear.hold_fp8()
     return {AR_PREFIX: {k: tuple(v.shape) for k, v in model.state_dict().items()}}
 
 

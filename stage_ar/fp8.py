@@ -9,15 +9,45 @@ per output in the epilogue).
 Error of one weight (round to nearest even in E4M3's 3 mantissa bits): at most 2^-4 of its
 magnitude in the normal range, at most ``2^-10 * scale[n]`` below it (subnormals, values under
 ``2^-6 * scale[n]``); zero rows get scale 1 and stay exactly zero.
+
+A checkpoint may hold the visual-token projections in this layout already (`stage_ar.fp8_checkpoint`
+writes one): each such weight under its checkpoint name (``...q_proj.weight``) as ``F8_E4M3`` codes,
+``...q_proj.weight_scale`` ``(N,)`` float32 beside it, and `QUANTIZATION_CONFIG` as ``llm_config``'s
+``quantization_config`` (`stores_fp8`). The AR then loads the codes as they are.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 #: E4M3 ("fn": finite, no infinities) largest finite magnitude.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 FP8_DTYPE = torch.float8_e4m3fn
+#: ``llm_config["quantization_config"]`` of a checkpoint storing the visual-token projections as E4M3
+#: codes with per-output-channel scales (the layout above; activations are not stored quantized: W8A16
+#: or, with ``weights_dtype: fp8-w8a8``, quantized per row at run time).
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "weights": "float8_e4m3fn, one float32 scale per output channel",
+                       "modules": "visual_token_linears", "activation_scheme": "dynamic"}
+
+
+def stores_fp8(llm_config: dict[str, Any]) -> bool:
+    """Whether a checkpoint's ``llm_config`` says its visual-token projections are stored in FP8
+    (`QUANTIZATION_CONFIG`); False without a ``quantization_config``.
+
+    Raises:
+        ValueError: a ``quantization_config`` this code cannot load (another method or layout).
+    """
+    config = llm_config.get("quantization_config")
+    if config is None:
+        return False
+    if config != QUANTIZATION_CONFIG:
+        raise ValueError(f"llm_config.quantization_config {config!r} is not one this AR loads; it loads "
+                         f"{QUANTIZATION_CONFIG!r} (written by `mammoth quantize-checkpoint`) or none")
+    return True
+
+
 #: Rows converted per step: bounds the float32 temporary at load time (a 37888 x 3584 weight
 #: would need 543 MB at once).
 _CHUNK_ROWS = 4096

@@ -392,6 +392,18 @@ class MammothLinear(nn.Linear):
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale
 
+    @torch.no_grad()
+    def hold_fp8(self) -> None:
+        """Make the weight an uninitialised E4M3 ``(out, in)`` tensor and ``weight_scale`` an
+        uninitialised float32 ``(out,)`` one, on the weight's device (``meta`` too): the storage a
+        checkpoint holding this layer in FP8 (`stage_ar.fp8.stores_fp8`) is loaded into. No-op when
+        already FP8."""
+        if self.is_fp8:
+            return
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.weight_scale = torch.empty(self.weight.shape[0], dtype=torch.float32, device=device)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + (", weights=fp8_e4m3 per-row scale" if self.is_fp8 else "")
 

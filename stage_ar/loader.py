@@ -15,6 +15,7 @@ from mammoth_core.checkpoint import AR_PREFIX, Checkpoint, resolve_checkpoint
 from mammoth_core.distributed import GroupRank
 from stage_ar import gemv
 from stage_ar.checkpoint_part import CHECKPOINT_PART
+from stage_ar.fp8 import stores_fp8
 from stage_ar.generation import T2ISequence
 from stage_ar.linear import WEIGHTS_DTYPES, GemvLinear, quantize_fp8_, select_backend, set_linear_backend
 from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
@@ -97,7 +98,9 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
             with per-output-channel scales (`stage_ar.linear`), the rest stays in ``dtype``; or
             ``"fp8-w8a8"``: the same weights, and the GEMV backend quantizes each activation row
             those projections read to E4M3 with its own scale (``fp8_compute="fp8"``,
-            `stage_ar.fp8_activations`).
+            `stage_ar.fp8_activations`). A checkpoint that stores those weights in FP8 already
+            (`stage_ar.fp8.stores_fp8`) loads its codes and scales as they are, ``"auto"`` meaning
+            ``"fp8"`` there.
         linear_backend: `stage_ar.linear.BACKENDS` (``"auto"``: Triton GEMV on CUDA, torch on CPU).
         tensor_parallel: this rank's place among the stage's ranks: the weights are read into host
             memory, sharded there (`stage_ar.tensor_parallel.shard_ar_model_`), and only the rank's
@@ -105,7 +108,8 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
-        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; ``"fp8-w8a8"`` where the
+        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; a checkpoint storing FP8
+            weights with ``tensor_parallel`` over several ranks; ``"fp8-w8a8"`` where the
             linear backend is not the GEMV (torch chosen, or no CUDA / triton: only the GEMV kernels
             quantize activations), before any weight is read; a ``MAMMOTH_GEMV_PICKS`` file that is
             not a picks file (`stage_ar.gemv.pinned_picks`).
@@ -127,18 +131,29 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
     verify_parts(path, [CHECKPOINT_PART])  # its tensors checked (headers only) before any is read
     ckpt = Checkpoint(path)
     sharded = tensor_parallel is not None and tensor_parallel.world_size > 1
+    stored_fp8 = stores_fp8(ckpt.llm_config)
+    if stored_fp8 and sharded:
+        raise ValueError(f"{path} stores FP8 weights (llm_config.quantization_config), which the tensor-parallel "
+                         f"sharder does not split yet: load its bf16 checkpoint with weights_dtype 'fp8' instead")
+    if stored_fp8 and weights_dtype == "auto":
+        weights_dtype = "fp8"  # the checkpoint's own format: FP8 weights, activations in dtype
     load_device = "cpu" if sharded else device  # shard in host memory: the GPU sees only the shard
     with torch.device(load_device):
         model = MammothARForCausalLM.from_llm_config(ckpt.llm_config)
     model.to(dtype=dtype)
-    ckpt.load_module(model, AR_PREFIX, device=load_device, dtype=dtype)
+    if stored_fp8:  # after the cast, which would widen codes: the codes and scales load as stored
+        for linear in model.visual_token_linears():
+            linear.hold_fp8()
+    ckpt.load_module(model, AR_PREFIX, device=load_device, dtype=None if stored_fp8 else dtype)
     model.eval().requires_grad_(False)
     if sharded:
         from stage_ar.tensor_parallel import shard_ar_model_
 
         shard_ar_model_(model, tensor_parallel)
         model.to(device=device)
-    if weights_dtype in ("fp8", "fp8-w8a8"):
+    if stored_fp8:
+        logger.info("AR visual-token weights loaded as the checkpoint stores them: FP8 E4M3 codes and row scales")
+    elif weights_dtype in ("fp8", "fp8-w8a8"):
         saved = quantize_fp8_(model.visual_token_linears())
         logger.info("AR visual-token weights converted to FP8 E4M3 (%.2f GB less)", saved / 1e9)
     set_linear_backend(model, backend)

@@ -71,9 +71,10 @@ STACKED_PARAMS: dict[str, tuple[str, ...]] = {
 
 
 def _stack_hooks(module: nn.Module, fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
-    """Make ``module``'s state dict speak checkpoint names: ``fused.{weight,bias}`` appears as the
-    ``parts`` (views into the fused tensors: no copy), and loading those names fills the fused one."""
-    suffixes = ("weight", "bias")
+    """Make ``module``'s state dict speak checkpoint names: ``fused.{weight,bias,weight_scale}`` (the
+    scale: FP8 weights, `stage_ar.linear.MammothLinear`) appears as the ``parts`` (views into the fused
+    tensors: no copy), and loading those names fills the fused one."""
+    suffixes = ("weight", "bias", "weight_scale")
 
     def save(mod, state_dict, prefix, local_metadata) -> None:
         for suffix in suffixes:

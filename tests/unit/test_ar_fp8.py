@@ -83,7 +83,10 @@ def test_only_the_visual_token_path_converts():
     state = m.state_dict()
     assert state[f"{layer}.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn  # checkpoint names still
     assert state[f"{layer}.2.self_attn.q_proj.weight"].dtype == torch.float32
-    assert state[f"{layer}.0.self_attn.qkv_proj.weight_scale"].shape == (64 + 2 * 32,)
+    # the row scales under checkpoint names too, one per stacked part (what an FP8 checkpoint stores)
+    assert f"{layer}.0.self_attn.qkv_proj.weight_scale" not in state
+    assert [state[f"{layer}.0.self_attn.{p}_proj.weight_scale"].shape for p in "qkv"] == [(64,), (32,), (32,)]
+    assert state[f"{layer}.0.mlp.gate_proj.weight_scale"].shape == state[f"{layer}.0.mlp.up_proj.weight_scale"].shape
     assert m.lm_head.weight.dtype == m.gen_head.weight.dtype == torch.float32
 
 

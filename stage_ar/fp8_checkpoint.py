@@ -1,0 +1,125 @@
+"""Write a copy of a checkpoint whose AR visual-token projections are stored as FP8 (``mammoth
+quantize-checkpoint``), so that an AR serving FP8 weights loads codes instead of converting at start.
+
+What changes in the copy (the layout of `stage_ar.fp8`): every weight `MammothARForCausalLM.visual_token_linears`
+reads, under its checkpoint name (``llm_model.model.language_model.layers.N.self_attn.q_proj.weight``,
+``...gen_mlp.down_proj.weight``, ...), becomes ``F8_E4M3`` codes, with ``<name>_scale`` ``(N,)``
+float32 beside it, and ``config.json``'s ``llm_config`` gains ``quantization_config``
+(`stage_ar.fp8.QUANTIZATION_CONFIG`). Every other tensor (embeddings, norms, heads, the text experts,
+the vision tower, the DiT), the tokenizer and the other files are copied unchanged, shard for shard.
+
+Each weight is quantized alone (`stage_ar.fp8.quantize_fp8_per_channel`: one scale per output row, so
+``q_proj``, ``k_proj`` and ``v_proj`` quantized apart give the bits of their stacked ``qkv_proj``),
+from the dtype it is stored in: a bf16 checkpoint gives the codes the AR makes at load with
+``weights_dtype: fp8`` in bf16, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+from collections import defaultdict
+
+from mammoth_core.checkpoint import AR_PREFIX, CONFIG_FILE, INDEX_FILE, Checkpoint
+from mammoth_core.checkpoint_check import verify_parts
+from stage_ar.checkpoint_part import CHECKPOINT_PART
+from stage_ar.fp8 import QUANTIZATION_CONFIG, quantize_fp8_per_channel, stores_fp8
+
+__all__ = ["fp8_weight_names", "write_fp8_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: Suffix of a weight's row scales beside its codes (``<name>.weight`` -> ``<name>.weight_scale``).
+SCALE_SUFFIX = "_scale"
+
+
+def fp8_weight_names(llm_config: dict) -> list[str]:
+    """The stored names (with the ``llm_model.`` prefix) of the weights a visual token reads, as the
+    checkpoint names them (``q_proj``, ``k_proj``, ``v_proj`` apart): those an FP8 checkpoint stores
+    as codes. No tensor is allocated (the model is built on ``meta``)."""
+    from mammoth_core.meta_build import shapes_only
+    from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
+
+    with shapes_only():
+        model = MammothARForCausalLM.from_llm_config(llm_config)
+        for linear in model.visual_token_linears():
+            linear.hold_fp8()
+        keys = list(model.state_dict())
+    return sorted(AR_PREFIX + k[: -len(SCALE_SUFFIX)] for k in keys if k.endswith(".weight" + SCALE_SUFFIX))
+
+
+def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> pathlib.Path:
+    """Write the FP8 copy of the checkpoint folder ``source`` to ``destination`` (module docstring).
+
+    The copy is written to ``<destination>.partial`` and renamed when complete, so an interrupted run
+    leaves no folder that looks like a checkpoint. Peak host memory: one shard of ``source``.
+
+    Args:
+        source: a checkpoint folder the AR can load (checked first, headers only).
+        destination: a new folder, or an empty one.
+
+    Returns:
+        ``destination`` as a path.
+
+    Raises:
+        mammoth_core.checkpoint.CheckpointError: ``source`` is not a checkpoint the AR loads.
+        ValueError: ``source`` stores FP8 weights already; ``destination`` exists and is not empty,
+            or its ``.partial`` folder exists.
+        OSError: reading or writing failed.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = pathlib.Path(source), pathlib.Path(destination)
+    verify_parts(src, [CHECKPOINT_PART])
+    ckpt = Checkpoint(src)
+    if stores_fp8(ckpt.llm_config):
+        raise ValueError(f"{src} stores FP8 weights already (llm_config.quantization_config)")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst} exists and is not an empty folder")
+    partial = dst.with_name(dst.name + ".partial")
+    if partial.exists():
+        raise ValueError(f"{partial} exists (an interrupted run?): remove it first")
+    names = set(fp8_weight_names(ckpt.llm_config))
+    shutil.copytree(src, partial, ignore=lambda _d, files: [f for f in files if f.endswith(".safetensors")
+                                                          or f == INDEX_FILE])
+    config = dict(ckpt.config)
+    config["llm_config"] = {**ckpt.llm_config, "quantization_config": dict(QUANTIZATION_CONFIG)}
+    (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in ckpt.tensor_names():
+        by_file[ckpt.shard_of(name)].append(name)
+    weight_map: dict[str, str] = {}
+    total = converted = 0
+    for file, file_names in sorted(by_file.items()):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(src / file), framework="pt") as handle:
+            for name in file_names:
+                tensor = handle.get_tensor(name)
+                if name in names:
+                    out[name], out[name + SCALE_SUFFIX] = quantize_fp8_per_channel(tensor)
+                    converted += 1
+                else:
+                    out[name] = tensor.contiguous()
+        (partial / file).parent.mkdir(parents=True, exist_ok=True)
+        save_file(out, str(partial / file), metadata={"format": "pt"})
+        os.chmod(partial / file, 0o644)
+        for name, tensor in out.items():
+            weight_map[name] = file
+            total += tensor.numel() * tensor.element_size()
+        logger.info("wrote %s (%d tensors)", file, len(out))
+    if converted != len(names):
+        shutil.rmtree(partial)
+        raise ValueError(f"{src}: {len(names) - converted} of the {len(names)} visual-token weights were not found")
+    if (src / INDEX_FILE).is_file() or len(by_file) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    if dst.exists():
+        dst.rmdir()
+    partial.rename(dst)
+    logger.info("FP8 checkpoint at %s: %d weights as E4M3 codes with row scales", dst, converted)
+    return dst
