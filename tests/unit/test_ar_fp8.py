@@ -121,12 +121,12 @@ def test_fp8_w8a8_is_refused_before_loading_where_no_gemv_backend_runs(tmp_path)
                     linear_backend=backend)
 
 
-def test_load_ar_with_fp8_w8a8_quantizes_activations_and_decodes(tiny_checkpoint, tmp_path, monkeypatch):
+def test_load_ar_with_fp8_w8a8_quantizes_the_activations_of_a_decode_step(tiny_checkpoint, tmp_path, monkeypatch):
     """``weights_dtype="fp8-w8a8"`` with the GEMV backend (Triton's interpreter here): the visual-token
-    weights are E4M3, the backend multiplies with ``fp8_compute="fp8"``, and a request decodes with
-    every decode step's FP8 projections reading quantized rows (`quantize_rows` runs in each step)."""
-    from stage_ar import fp8_activations, linear
-    from stage_ar.engine import CollectingSink, DecodeEngine, DecodeJob, Role
+    weights are E4M3, the backend multiplies with ``fp8_compute="fp8"``, and a one-token decode step
+    of a generation token quantizes the rows its FP8 projections read (`quantize_rows`, every layer's
+    two pre-norms). The served step's rows: `test_ar_linear.test_w8a8_rows_do_not_depend_on_the_batch`."""
+    from stage_ar import linear
     from stage_ar.gemv import available
     from stage_ar.loader import load_ar
 
@@ -134,25 +134,23 @@ def test_load_ar_with_fp8_w8a8_quantizes_activations_and_decodes(tiny_checkpoint
         pytest.skip("the GEMV kernels need triton (Triton's interpreter on a CPU)")
     bundle = load_ar(str(tiny_checkpoint), str(tmp_path), "cpu", torch.float32, weights_dtype="fp8-w8a8",
                      linear_backend="gemv")
-    assert all(lin.is_fp8 for lin in bundle.model.visual_token_linears())
-    assert bundle.model.linear_backend.fp8_compute == "fp8"
+    model = bundle.model
+    assert all(lin.is_fp8 for lin in model.visual_token_linears())
+    assert model.linear_backend.fp8_compute == "fp8"
     quantized = []
-    real = fp8_activations.quantize_rows
+    real = linear.quantize_rows
 
     def counting(*args, **kwargs):
         quantized.append(args[0].shape[0])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(linear, "quantize_rows", counting)
-    engine = DecodeEngine(bundle.new_sequence, 1, model=bundle.model, grid_ids=bundle.grid_ids,
-                          max_sequence_length=128)
-    sink = CollectingSink()
-    prompt = bundle.tokenizer.encode_t2i_prompt("a red house", 2, 2)
-    engine.run_job(DecodeJob("w8a8", 0, prompt, None, 2, 2, 7, 1.0, 0, 0.0, 0.0, sink, lambda a, b: None,
-                             lambda exc, stats: None))
-    ids = sink.token_ids[Role.CONDITION][len(prompt):]
-    assert sink.finished and len(ids) == 2 * 3
-    assert quantized  # the decode steps' pre-norms went through the quantizer
+    cache = model.new_kv_cache(1, 8)
+    ids = torch.tensor([[bundle.grid_ids[1]]])  # the first visual code: a generation token
+    with torch.no_grad():
+        out = model(ids, torch.zeros_like(ids), kv_cache=cache)
+    assert torch.isfinite(out.logits).all()
+    assert quantized == [1] * (2 * model.config.num_hidden_layers)
 
 
 def test_the_flag_reaches_the_settings():
