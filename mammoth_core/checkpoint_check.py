@@ -125,13 +125,14 @@ def _check_tensors(prefix: str, expected: dict[str, tuple[int, ...]], infos: dic
             n *= d
         report.parameters += n
         report.dtypes[info.dtype] = report.dtypes.get(info.dtype, 0) + 1
-        fp8_weight = key.endswith(".weight") and f"{key}_scale" in expected  # codes beside their row scales
-        if key in expected and not (info.dtype in FLOAT_DTYPES or (fp8_weight and info.dtype == FP8_DTYPE)):
-            allowed = sorted(FLOAT_DTYPES | ({FP8_DTYPE} if fp8_weight else set()))
-            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {allowed}"])
-        elif fp8_weight and info.dtype != FP8_DTYPE:
-            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; the checkpoint's quantization_config "
-                        f"stores it as {FP8_DTYPE} codes beside {prefix}{key}_scale"])
+        if key not in expected:
+            continue
+        if key.endswith(".weight") and f"{key}_scale" in expected:  # codes beside their row scales
+            if info.dtype != FP8_DTYPE:
+                report.add([f"tensor {prefix}{key} has dtype {info.dtype}; the checkpoint's quantization_config "
+                            f"stores it as {FP8_DTYPE} codes beside {prefix}{key}_scale"])
+        elif info.dtype not in FLOAT_DTYPES:
+            report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {sorted(FLOAT_DTYPES)}"])
 
 
 def check_parts(path: str | os.PathLike, parts: Sequence[CheckpointPart], *,

@@ -51,39 +51,75 @@ def fp8_weight_names(llm_config: dict) -> list[str]:
     return sorted(AR_PREFIX + k[: -len(SCALE_SUFFIX)] for k in keys if k.endswith(".weight" + SCALE_SUFFIX))
 
 
+def _refuse_destination(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Raise ValueError for a destination the copy must not be written to (see `write_fp8_checkpoint`)."""
+    if dst.is_symlink():
+        raise ValueError(f"{dst} is a symbolic link: give a new folder or an empty real one")
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"{dst} is a file: give a new folder or an empty one")
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} exists and is not an empty folder")
+    if not dst.parent.is_dir():
+        raise ValueError(f"{dst.parent} does not exist: create it first")
+    where, source = dst.resolve(), src.resolve()
+    if where == source:
+        raise ValueError(f"{dst} is the source folder: give another folder")
+    if source in where.parents:
+        raise ValueError(f"{dst} is inside the source folder {src}: give a folder outside it")
+    partial = dst.with_name(dst.name + ".partial")
+    if partial.exists() or partial.is_symlink():
+        raise ValueError(f"{partial} exists (an interrupted run?): remove it first")
+
+
 def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> pathlib.Path:
     """Write the FP8 copy of the checkpoint folder ``source`` to ``destination`` (module docstring).
 
-    The copy is written to ``<destination>.partial`` and renamed when complete, so an interrupted run
-    leaves no folder that looks like a checkpoint. Peak host memory: one shard of ``source``.
+    The copy is written to ``<destination>.partial`` and renamed when complete; a failure this code
+    sees removes the partial folder (an interrupted process leaves it, and the next run refuses to
+    start until it is removed). Peak host memory: one shard of ``source``.
 
     Args:
         source: a checkpoint folder the AR can load (checked first, headers only).
-        destination: a new folder, or an empty one.
+        destination: a new folder in an existing one, or an empty folder; not a symbolic link, not
+            the source nor inside it.
 
     Returns:
         ``destination`` as a path.
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: ``source`` is not a checkpoint the AR loads.
-        ValueError: ``source`` stores FP8 weights already; ``destination`` exists and is not empty,
-            or its ``.partial`` folder exists.
+        ValueError: ``source`` stores FP8 weights already; a destination refused as above (or its
+            ``.partial`` folder exists); a shard of ``source`` that cannot be read; a visual-token
+            weight holding a non-finite value (named).
         OSError: reading or writing failed.
     """
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     src, dst = pathlib.Path(source), pathlib.Path(destination)
+    if not src.is_dir():
+        raise ValueError(f"{src} does not exist or is not a folder: give a checkpoint folder")
     verify_parts(src, [CHECKPOINT_PART])
     ckpt = Checkpoint(src)
     if stores_fp8(ckpt.llm_config):
         raise ValueError(f"{src} stores FP8 weights already (llm_config.quantization_config)")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst} exists and is not an empty folder")
+    _refuse_destination(src, dst)
     partial = dst.with_name(dst.name + ".partial")
-    if partial.exists():
-        raise ValueError(f"{partial} exists (an interrupted run?): remove it first")
+    try:
+        converted = _write(ckpt, src, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if dst.exists():
+        dst.rmdir()
+    partial.rename(dst)
+    logger.info("FP8 checkpoint at %s: %d weights as E4M3 codes with row scales", dst, converted)
+    return dst
+
+
+def _write(ckpt: Checkpoint, src: pathlib.Path, partial: pathlib.Path) -> int:
+    """The copy into ``partial`` (created); returns how many weights it stored as codes."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
     names = set(fp8_weight_names(ckpt.llm_config))
     shutil.copytree(src, partial, ignore=lambda _d, files: [f for f in files if f.endswith(".safetensors")
                                                           or f == INDEX_FILE])
@@ -97,14 +133,20 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     total = converted = 0
     for file, file_names in sorted(by_file.items()):
         out: dict[str, torch.Tensor] = {}
-        with safe_open(str(src / file), framework="pt") as handle:
-            for name in file_names:
-                tensor = handle.get_tensor(name)
-                if name in names:
-                    out[name], out[name + SCALE_SUFFIX] = quantize_fp8_per_channel(tensor)
-                    converted += 1
-                else:
-                    out[name] = tensor.contiguous()
+        try:
+            with safe_open(str(src / file), framework="pt") as handle:
+                for name in file_names:
+                    tensor = handle.get_tensor(name)
+                    if name in names:
+                        try:
+                            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_per_channel(tensor)
+                        except ValueError as exc:
+                            raise ValueError(f"{src / file}: {name}: {exc}") from None
+                        converted += 1
+                    else:
+                        out[name] = tensor.contiguous()
+        except SafetensorError as exc:
+            raise ValueError(f"{src / file} cannot be read: {' '.join(str(exc).split())[:200]}") from None
         (partial / file).parent.mkdir(parents=True, exist_ok=True)
         save_file(out, str(partial / file), metadata={"format": "pt"})
         os.chmod(partial / file, 0o644)
@@ -113,13 +155,8 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
             total += tensor.numel() * tensor.element_size()
         logger.info("wrote %s (%d tensors)", file, len(out))
     if converted != len(names):
-        shutil.rmtree(partial)
         raise ValueError(f"{src}: {len(names) - converted} of the {len(names)} visual-token weights were not found")
     if (src / INDEX_FILE).is_file() or len(by_file) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
-    if dst.exists():
-        dst.rmdir()
-    partial.rename(dst)
-    logger.info("FP8 checkpoint at %s: %d weights as E4M3 codes with row scales", dst, converted)
-    return dst
+    return converted

@@ -77,6 +77,21 @@ def test_the_check_accepts_the_copy_and_refuses_codes_without_their_scales(fp8_c
     problems = check_parts(bare, [CHECKPOINT_PART]).problems
     assert any("unexpected tensor" in p and p.endswith("weight_scale") for p in problems), problems
     assert any("has dtype F8_E4M3" in p for p in problems), problems
+    # codes in another FP8 format where the config announces E4M3: named as such, nothing else offered
+    from safetensors.torch import load_file, save_file
+    from mammoth_core.checkpoint import Checkpoint
+    from stage_ar.fp8_checkpoint import fp8_weight_names
+
+    e5m2 = tmp_path / "e5m2"
+    shutil.copytree(fp8_checkpoint, e5m2)
+    ckpt = Checkpoint(e5m2)
+    name = fp8_weight_names(ckpt.llm_config)[0]
+    tensors = load_file(str(e5m2 / ckpt.shard_of(name)))
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    save_file(tensors, str(e5m2 / ckpt.shard_of(name)), metadata={"format": "pt"})
+    problems = check_parts(e5m2, [CHECKPOINT_PART]).problems
+    assert problems == [f"tensor {name} has dtype F8_E5M2; the checkpoint's quantization_config stores it as "
+                        f"F8_E4M3 codes beside {name}_scale"], problems
     # a quantization_config this AR does not load is named
     config["llm_config"]["quantization_config"] = {"quant_method": "gptq"}
     (bare / "config.json").write_text(json.dumps(config))
@@ -127,3 +142,65 @@ def test_an_fp8_checkpoint_with_tensor_parallelism_is_refused_before_loading(fp8
 
     with pytest.raises(ValueError, match=r"stores FP8 weights.*tensor-parallel.*weights_dtype 'fp8'"):
         load_ar(str(fp8_checkpoint), str(tmp_path), "cpu", torch.float32, tensor_parallel=GroupRank(0, 2))
+
+
+def _quantize(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    return subprocess.run([sys.executable, "-m", "mammoth_app.cli", "quantize-checkpoint", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def _one_line_failure(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and len(lines[0]) < 400, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_a_destination_inside_the_source_is_refused_before_anything_is_written(tiny_checkpoint, tmp_path):
+    """(break-it pass, 2026-12-07: DEST under a folder of SOURCE made copytree copy the copy into itself
+    until RecursionError, leaving hundreds of files in the source.)"""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint, src)
+    (src / "out").mkdir()
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for dest in (src / "out" / "q", src / "inner", src):
+        line = _one_line_failure(_quantize(str(src), str(dest)))
+        assert "inside" in line or "is the source" in line, line
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+
+
+def test_a_run_that_fails_midway_leaves_no_partial_folder_and_names_the_tensor(tiny_checkpoint, tmp_path):
+    """(break-it pass: a non-finite weight, or an unreadable shard the AR does not read, failed after the
+    copy began and left ``DEST.partial``, which the next run then blamed on an interruption.)"""
+    from mammoth_core.checkpoint import Checkpoint
+    from safetensors.torch import load_file, save_file
+    from stage_ar.fp8_checkpoint import fp8_weight_names
+
+    src = tmp_path / "nan"
+    shutil.copytree(tiny_checkpoint, src)
+    ckpt = Checkpoint(src)
+    name = fp8_weight_names(ckpt.llm_config)[0]
+    shard = src / ckpt.shard_of(name)
+    tensors = load_file(str(shard))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    line = _one_line_failure(_quantize(str(src), str(tmp_path / "out")))
+    assert name in line and "non-finite" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    # a missing parent folder is not created
+    line = _one_line_failure(_quantize(str(tiny_checkpoint), str(tmp_path / "no" / "such" / "q")))
+    assert "does not exist" in line, line
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_destination_that_is_a_file_or_a_link_is_refused_by_name(tiny_checkpoint, tmp_path):
+    (tmp_path / "afile").write_text("")
+    assert "is a file" in _one_line_failure(_quantize(str(tiny_checkpoint), str(tmp_path / "afile")))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert "symbolic link" in _one_line_failure(_quantize(str(tiny_checkpoint), str(tmp_path / "link")))
+    assert not (tmp_path / "link.partial").exists()
+    line = _one_line_failure(_quantize(str(tmp_path / "nothere"), str(tmp_path / "q")))
+    assert "nothere" in line and "does not exist" in line, line
