@@ -9,7 +9,6 @@ builds the `ImageJob` the engine client runs.
 from __future__ import annotations
 
 import contextlib
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
@@ -37,7 +36,6 @@ DEFAULT_OUTPUT_COMPRESSION = 25
 
 #: Exactly ``WIDTHxHEIGHT``: ASCII digits, no leading zero, nothing around (matched with ``fullmatch``:
 #: ``$`` would also let a trailing newline through).
-_SIZE_RE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 
 
 @dataclass
@@ -93,13 +91,13 @@ def parse_size(size: str | None, settings: GatewaySettings) -> tuple[int, int]:
     Raises:
         InvalidRequestError: with ``param="size"`` for any violation.
     """
-    text = settings.default_size if size in (None, "auto") else size
-    m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
-    if m is None:
+    text = settings.default_size if size in (None, "auto") else size  # default_size: checked at start
+    try:
+        width, height = limits.parse_image_size(text)
+    except limits.LimitError:
         raise InvalidRequestError(
             f"invalid size {size!r}: expected 'auto' or 'WIDTHxHEIGHT' with positive integers, "
-            "e.g. '1024x1024'", param="size", code="invalid_size")
-    width, height = int(m.group(1)), int(m.group(2))
+            "e.g. '1024x1024'", param="size", code="invalid_size") from None
     with limit_errors():
         limits.check_image(width, height, 1, limits.from_settings(settings))
     return width, height

@@ -234,24 +234,45 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def port_number(value: str) -> int:
-    """An argparse type: a TCP port, 0-65535 (0: any free one)."""
-    port = int(value)
+    """An argparse type: a TCP port, an integer 0-65535 (0: any free one).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints its message, not this function's name).
+    """
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
     if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: give 0-65535 (0: any free port)")
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give an integer 0-65535 (0: any free port)")
     return port
 
 
 def positive_seconds(value: str) -> float:
-    """An argparse type: a finite number of seconds above 0."""
-    seconds = float(value)
+    """An argparse type: a finite number of seconds above 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise argparse.ArgumentTypeError(f"{value}: give a number of seconds above 0")
     return seconds
 
 
 def finite_number(value: str) -> float:
-    """An argparse type: a finite float (no nan or inf, which JSON cannot carry)."""
-    number = float(value)
+    """An argparse type: a finite float (no nan or inf, which JSON cannot carry).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
     if not math.isfinite(number):
         raise argparse.ArgumentTypeError(f"{value}: give a finite number")
     return number

@@ -56,6 +56,7 @@ ENVELOPE_TOKEN_BOUND = 65
 NEGATIVE_ENVELOPE_TOKEN_BOUND = 52
 
 _GRID_RE = re.compile(r"^([0-9]{1,4})x([0-9]{1,4})$")
+_SIZE_RE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 
 
 def _limit(default: Any, help_text: str, *, crd: str | None = None, minimum: float | None = None,
@@ -161,6 +162,20 @@ def parse_ar_grid(text: str, param: str = "ar_grid") -> tuple[int, int] | None:
     if m is None or not (1 <= int(m.group(1)) <= MAX_GRID_SIDE and 1 <= int(m.group(2)) <= MAX_GRID_SIDE):
         raise LimitError(f"invalid ar_grid {text!r}: expected 'auto' or 'WxH' with W and H in "
                          f"[1, {MAX_GRID_SIDE}] grid cells, e.g. '32x32'", param)
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_image_size(text: str, param: str = "size") -> tuple[int, int]:
+    """``"WIDTHxHEIGHT"`` (ASCII digits, no sign or spaces) -> ``(width, height)`` in pixels; the
+    limits on them are `check_image`'s.
+
+    Raises:
+        LimitError: any other text (``param`` names the field, code ``invalid_size``).
+    """
+    m = _SIZE_RE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise LimitError(f"invalid size {text!r}: expected 'WIDTHxHEIGHT' with positive integers, e.g. '1024x1024'",
+                         param, code="invalid_size")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -340,3 +355,8 @@ def validate(table: RequestLimits, present: set[str] | None = None) -> None:
         parse_ar_grid(table.default_ar_grid)
     except LimitError as exc:
         raise ValueError(f"default_ar_grid: {exc.message}") from None
+    if present is None or "default_size" in present:  # what a request's size=auto means: a size it may have
+        try:
+            check_image(*parse_image_size(table.default_size), table.default_steps, table)
+        except LimitError as exc:
+            raise ValueError(f"default_size: {exc.message}") from None

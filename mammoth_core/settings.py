@@ -465,11 +465,16 @@ def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
     return flat
 
 
+def flag_name(name: str) -> str:
+    """The command-line flag of settings field ``name``: ``max_connections`` -> ``--max-connections``."""
+    return "--" + name.replace("_", "-")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     """Add one ``--flag`` per settings field (default SUPPRESS, so explicit flags are detectable)."""
     parser.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file")
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         help_text = f.metadata.get("help", "") + ("" if default in (None, [], "") else f" (default: {shown})")
@@ -516,7 +521,7 @@ def resolve_settings(
         env_key = ENV_PREFIX + name.upper()
         if env_key in env:
             values[name] = (env[env_key], f"env {env_key}")
-    values.update({name: (value, f"--{name}") for name, value in cli.items() if name in names})
+    values.update({name: (value, flag_name(name)) for name, value in cli.items() if name in names})
     settings = cls(**validate_values(cls, values))
     settings.validate()
     return settings

@@ -177,6 +177,10 @@ def test_a_stage_that_cannot_load_its_checkpoint_says_why_and_exits_cleanly(tmp_
     (("generate", "a fox", "--timeout", "0"), ("--timeout", "above 0")),
     (("generate", "a fox", "--guidance", "nan"), ("--guidance", "finite")),
     (("generate", "a fox", "--guidance", "inf"), ("--guidance", "finite")),
+    # not "invalid port_number value" (the name of a function of ours; break-it pass, 2026-12-07)
+    (("up", "--port", "80.5"), ("80.5", "0-65535")),
+    (("generate", "a fox", "--timeout", "soon"), ("--timeout", "above 0")),
+    (("generate", "a fox", "--guidance", "high"), ("--guidance", "finite")),
 ])
 def test_out_of_range_flag_values_are_refused_when_parsed(tmp_path, args, words):
     """Before: ``up --port 99999`` ended in ``OverflowError`` from ``bind``, ``--timeout -1`` in 60

@@ -38,6 +38,10 @@ def test_an_out_of_range_value_names_the_key_the_value_and_the_source():
 def test_a_port_outside_0_to_65535_is_refused_naming_the_key(cls):
     """A typo'd port is a settings error at start, not an OverflowError from the socket bind (the
     break-it pass of 2026-12-07); the metrics port also takes -1 (off), nothing below."""
+    msg = _error(cls, cli={"port": "70000"}, env={})
+    assert "'port'" in msg and "from --port:" in msg  # the flag as typed (was --metrics_port for metrics_port)
+    if hasattr(cls, "metrics_port"):
+        assert "from --metrics-port:" in _error(cls, cli={"metrics_port": "-2"}, env={})
     msg = _error(cls, cli={}, env={"MAMMOTH_PORT": "70000"})
     assert "'port'" in msg and "'70000'" in msg and "less than or equal to 65535" in msg
     msg = _error(cls, cli={}, env={"MAMMOTH_PORT": "-1"})
@@ -49,6 +53,17 @@ def test_a_port_outside_0_to_65535_is_refused_naming_the_key(cls):
         msg = _error(cls, cli={}, env={"MAMMOTH_METRICS_PORT": "-2"})
         assert "'metrics_port'" in msg and "greater than or equal to -1" in msg
         assert resolve_settings(cls, cli={}, env={"MAMMOTH_METRICS_PORT": "-1"}).metrics_port == -1
+
+
+@pytest.mark.parametrize("size,words", [("banana", "WIDTHxHEIGHT"), ("7x7", "multiple of 16"),
+                                        ("auto", "WIDTHxHEIGHT"), ("16384x16384", "pixels")])
+def test_a_default_size_requests_could_never_use_is_refused_at_start(size, words):
+    """The gateway's ``default_size`` (what ``size`` omitted or ``auto`` means) is checked by the same
+    rules as a request's size when the settings load (break-it pass, 2026-12-07: ``banana`` started a
+    gateway whose every request without a size got 400 "invalid size None")."""
+    msg = _error(GatewaySettings, cli={}, env={"MAMMOTH_DEFAULT_SIZE": size})
+    assert "default_size" in msg and size in msg and words in msg, msg
+    assert resolve_settings(GatewaySettings, cli={}, env={"MAMMOTH_DEFAULT_SIZE": "512x256"}).default_size == "512x256"
 
 
 def test_a_value_outside_the_choices_is_refused():
