@@ -55,17 +55,17 @@ def _refuse_destination(src: pathlib.Path, dst: pathlib.Path) -> None:
     """Raise ValueError for a destination the copy must not be written to (see `write_fp8_checkpoint`)."""
     if dst.is_symlink():
         raise ValueError(f"{dst} is a symbolic link: give a new folder or an empty real one")
+    where, source = dst.resolve(), src.resolve()
+    if where == source:
+        raise ValueError(f"{dst} is the source folder: give another folder")
+    if source in where.parents:
+        raise ValueError(f"{dst} is inside the source folder {src}: give a folder outside it")
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"{dst} is a file: give a new folder or an empty one")
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} exists and is not an empty folder")
     if not dst.parent.is_dir():
         raise ValueError(f"{dst.parent} does not exist: create it first")
-    where, source = dst.resolve(), src.resolve()
-    if where == source:
-        raise ValueError(f"{dst} is the source folder: give another folder")
-    if source in where.parents:
-        raise ValueError(f"{dst} is inside the source folder {src}: give a folder outside it")
     partial = dst.with_name(dst.name + ".partial")
     if partial.exists() or partial.is_symlink():
         raise ValueError(f"{partial} exists (an interrupted run?): remove it first")
