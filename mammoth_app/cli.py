@@ -248,16 +248,21 @@ def port_number(value: str) -> int:
     return port
 
 
+def _float_or_nan(value: str) -> float:
+    """``float(value)``, or nan where it is not a number (the argparse types below refuse nan)."""
+    try:
+        return float(value)
+    except ValueError:
+        return math.nan
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a finite number of seconds above 0.
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
+    seconds = _float_or_nan(value)
     if not (math.isfinite(seconds) and seconds > 0):
         raise argparse.ArgumentTypeError(f"{value}: give a number of seconds above 0")
     return seconds
@@ -269,10 +274,7 @@ def finite_number(value: str) -> float:
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    number = _float_or_nan(value)
     if not math.isfinite(number):
         raise argparse.ArgumentTypeError(f"{value}: give a finite number")
     return number
