@@ -104,12 +104,12 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
         linear_backend: `stage_ar.linear.BACKENDS` (``"auto"``: Triton GEMV on CUDA, torch on CPU).
         tensor_parallel: this rank's place among the stage's ranks: the weights are read into host
             memory, sharded there (`stage_ar.tensor_parallel.shard_ar_model_`), and only the rank's
-            shard goes to ``device``; the FP8 conversion then applies to the shard.
+            shard goes to ``device``; the FP8 conversion then applies to the shard (the codes of an
+            FP8 checkpoint are split instead, their row scales with the rows).
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
-        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; a checkpoint storing FP8
-            weights with ``tensor_parallel`` over several ranks; ``"fp8-w8a8"`` where the
+        ValueError: an unknown ``weights_dtype`` or ``linear_backend``; ``"fp8-w8a8"`` where the
             linear backend is not the GEMV (torch chosen, or no CUDA / triton: only the GEMV kernels
             quantize activations), before any weight is read; a ``MAMMOTH_GEMV_PICKS`` file that is
             not a picks file (`stage_ar.gemv.pinned_picks`).
@@ -132,9 +132,6 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
     ckpt = Checkpoint(path)
     sharded = tensor_parallel is not None and tensor_parallel.world_size > 1
     stored_fp8 = stores_fp8(ckpt.llm_config)
-    if stored_fp8 and sharded:
-        raise ValueError(f"{path} stores FP8 weights (llm_config.quantization_config), which the tensor-parallel "
-                         f"sharder does not split yet: load its bf16 checkpoint with weights_dtype 'fp8' instead")
     if stored_fp8 and weights_dtype == "auto":
         weights_dtype = "fp8"  # the checkpoint's own format: FP8 weights, activations in dtype
     load_device = "cpu" if sharded else device  # shard in host memory: the GPU sees only the shard

@@ -82,16 +82,20 @@ def _rank_rows(t: torch.Tensor, sizes: tuple[int, ...], tp: GroupRank) -> torch.
 
 
 def _shard_output_(linear: nn.Linear, sizes: tuple[int, ...], tp: GroupRank) -> None:
-    """Column parallel: keep this rank's rows of each stacked part of ``weight`` and ``bias``."""
+    """Column parallel: keep this rank's rows of each stacked part of ``weight`` and ``bias``, and of
+    the FP8 row scales ``weight_scale`` where the weight is stored as codes (an FP8 checkpoint)."""
     linear.weight = nn.Parameter(_rank_rows(linear.weight.data, sizes, tp), requires_grad=False)
     if linear.bias is not None:
         linear.bias = nn.Parameter(_rank_rows(linear.bias.data, sizes, tp), requires_grad=False)
+    if getattr(linear, "weight_scale", None) is not None:
+        linear.weight_scale = _rank_rows(linear.weight_scale, sizes, tp)
     linear.out_features = linear.weight.shape[0]
 
 
 def _shard_input_(linear: nn.Linear, tp: GroupRank) -> None:
     """Row parallel: keep this rank's input columns; the partial outputs are summed by a forward
-    hook (one all-reduce). A bias would be added ``N`` times, so there must be none."""
+    hook (one all-reduce). A bias would be added ``N`` times, so there must be none. FP8 row scales
+    stay whole: each output row's scale multiplies every rank's partial sum alike."""
     if linear.bias is not None:
         raise ValueError("a row-parallel projection with a bias is not supported")
     cols = linear.weight.data.chunk(tp.world_size, dim=1)[tp.rank].contiguous()

@@ -135,13 +135,36 @@ def test_the_command_refuses_a_copy_of_a_copy_and_a_full_destination(fp8_checkpo
     assert not (tmp_path / "again").exists() and not (tmp_path / "full.partial").exists()
 
 
-def test_an_fp8_checkpoint_with_tensor_parallelism_is_refused_before_loading(fp8_checkpoint, tmp_path):
-    """The sharder splits weights, not their row scales: refused, naming the way that works."""
+def test_with_tensor_parallelism_each_rank_loads_its_share_of_the_stored_codes_and_scales(fp8_checkpoint, tmp_path):
+    """An FP8 checkpoint on two ranks: column-parallel projections keep the rank's rows of each stacked
+    part, codes and row scales alike; row-parallel ones the rank's columns of the codes and every row
+    scale (a row's scale multiplies each rank's partial sum alike, so the all-reduce adds them right).
+    Before the sharder split ``weight_scale``, a column-parallel shard kept every scale."""
     from mammoth_core.distributed import GroupRank
     from stage_ar.loader import load_ar
 
-    with pytest.raises(ValueError, match=r"stores FP8 weights.*tensor-parallel.*weights_dtype 'fp8'"):
-        load_ar(str(fp8_checkpoint), str(tmp_path), "cpu", torch.float32, tensor_parallel=GroupRank(0, 2))
+    full = load_ar(str(fp8_checkpoint), str(tmp_path), "cpu", torch.float32).model
+    c = full.config
+    parts = {"qkv_proj": (c.num_attention_heads * c.head_dim, *(2 * [c.num_key_value_heads * c.head_dim])),
+             "gate_up_proj": (c.intermediate_size, c.intermediate_size)}
+    fp8 = {n: m for n, m in full.named_modules() if getattr(m, "weight_scale", None) is not None}
+    for rank in range(2):
+        shard = dict(load_ar(str(fp8_checkpoint), str(tmp_path), "cpu", torch.float32,
+                             tensor_parallel=GroupRank(rank=rank, world_size=2)).model.named_modules())
+        kinds = set()
+        for name, f in fp8.items():
+            s = shard[name]
+            codes, got = f.weight.view(torch.uint8), s.weight.view(torch.uint8)
+            sizes = next((v for k, v in parts.items() if name.endswith(k)), None)
+            if sizes is None:  # row parallel (o_proj, down_proj): this rank's columns, every row scale
+                assert torch.equal(got, codes.chunk(2, dim=1)[rank]) and torch.equal(s.weight_scale, f.weight_scale)
+                kinds.add("row")
+            else:  # column parallel: this rank's half of each stacked part, codes and scales alike
+                keep = torch.cat([torch.arange(start, start + size).chunk(2)[rank]
+                                  for start, size in zip(torch.tensor((0, *sizes)).cumsum(0).tolist(), sizes)])
+                assert torch.equal(got, codes[keep]) and torch.equal(s.weight_scale, f.weight_scale[keep]), name
+                kinds.add("column")
+        assert kinds == {"row", "column"}
 
 
 def _quantize(*args: str) -> subprocess.CompletedProcess:
