@@ -35,6 +35,10 @@ it is again (`quantizers_left_out`): the most any activation-scale scheme that r
 (a delayed or static scale written by the producer) could save, with the producers costing nothing.
 (Group ``cdf``, the sampler's cumulative sum in blocks of 256, went with that form: measured on the H100,
 2026-12-07, 12 us slower at batch 1 and 5 us faster in the served shape.)
+Group ``w8a8served`` (not in the default): W8A8 batch 1, then W8A8 in the served engine's padded shape
+(16 slots, one request, trimmed GEMV rows, the GEMV tuned again at its M first) ``rounds + 1`` times,
+then batch 1 again, each at image start and mid-image: what splits a `mammoth ar --weights-dtype
+fp8-w8a8` process's 1.052 x (H100, 2026-12-07) between the padded shape and the process.
 Group ``trim`` (not in the default): bf16 in the served engine's padded shape (16 slots, one request,
 the GEMV tuned again at its M first) without and with the runner's ``trim_gemv_rows`` (the GEMV
 launches compute only the live rows' bucket; the served default since 2026-12-07), ``rounds + 1`` times
@@ -120,7 +124,8 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``) ``rounds`` times over into the JSON at ``out``."""
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``, ``w8a8served``) ``rounds`` times over into the
+    JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
     def save() -> None:
@@ -202,7 +207,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant", "w8a8served"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -219,6 +224,12 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
     if "launch" in groups:
         launch_modes("w8a8_launch")
+    if "w8a8served" in groups:  # the served W8A8 shape against batch 1, batch 1 again last (the drift)
+        timed("w8a8_served_b1_0", "pdl", mid_image=True)
+        with served_gemv_picks():
+            for i in range(rounds + 1):
+                timed(f"w8a8_served_shape_{i}", "pdl", mid_image=True, padded=True, runner={"trim_gemv_rows": True})
+        timed("w8a8_served_b1_1", "pdl", mid_image=True)
     if "noquant" in groups:
         c = model.config
         widths = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)
