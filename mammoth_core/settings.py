@@ -275,7 +275,8 @@ class ARSettings(StageSettings):
     weights_dtype: str = field(
         default="auto",
         metadata=_doc(
-            "AR weight format: auto (the model dtype), fp8 (the projections and MLPs a visual token "
+            "AR weight format: auto (the model dtype; fp8 for a checkpoint that stores them in FP8, "
+            "written by mammoth quantize-checkpoint), fp8 (the projections and MLPs a visual token "
             "reads converted at load to E4M3 with one scale per output channel; activations and KV "
             "stay in dtype) or fp8-w8a8 (fp8, and each activation row those projections read quantized "
             "to E4M3 with its own scale: FP8 tensor-core products, the fastest AR and the furthest from "
