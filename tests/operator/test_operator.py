@@ -189,9 +189,14 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
 
     writes = child_writes(emulator, since)
     assert [w for w in writes if w["verb"] == "create"] == []
-    # the whole writes in the message: a flake once saw two patches to beta-ar (docs/TESTING.md)
+    # the whole writes in the message: a flake once saw two patches to beta-ar (docs/TESTING.md); with
+    # them the operator's Events since the restart (a repair posts "Repaired" as an Event, not to the
+    # operator's log, so the log alone could not tell a repair from a second reconcile)
+    events = [(w["body"].get("reason"), w["body"].get("message")) for w in emulator.writes[since:]
+              if w["resource"].endswith("/events") and w["verb"] == "create"]
     assert [(w["resource"], w["name"]) for w in writes] == [("apps/v1/deployments", "beta-ar")], json.dumps(
-        [{k: w.get(k) for k in ("verb", "name", "subresource", "body")} for w in writes])[:6000]
+        {"writes": [{k: w.get(k) for k in ("verb", "name", "subresource", "body")} for w in writes],
+         "events": events})[:8000]
     patch = writes[0]["body"]
     assert patch["spec"] == {"replicas": 3}
     assert "Patching failed with inconsistencies" not in operator_log.text()
