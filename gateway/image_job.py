@@ -34,8 +34,6 @@ NATURAL_GUIDANCE_FACTOR = 0.5
 #: JPEG/WebP ``output_compression`` when the request gives none (encoder quality 75).
 DEFAULT_OUTPUT_COMPRESSION = 25
 
-#: Exactly ``WIDTHxHEIGHT``: ASCII digits, no leading zero, nothing around (matched with ``fullmatch``:
-#: ``$`` would also let a trailing newline through).
 
 
 @dataclass

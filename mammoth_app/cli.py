@@ -243,8 +243,9 @@ def port_number(value: str) -> int:
         port = int(value)
     except ValueError:
         port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: give an integer 0-65535 (0: any free port)")
+    if not 0 <= port <= settings_mod.MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give an integer 0-{settings_mod.MAX_PORT} "
+                                         "(0: any free port)")
     return port
 
 

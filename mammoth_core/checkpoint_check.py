@@ -31,7 +31,7 @@ from mammoth_core.checkpoint import (
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 #: safetensors dtype of FP8 weight codes: accepted only for a ``<name>.weight`` whose ``<name>.weight_scale``
 #: the model expects (a checkpoint whose config says it stores FP8, `stage_ar.fp8.stores_fp8`).
-FP8_DTYPE = "F8_E4M3"
+FP8_CODES_DTYPE = "F8_E4M3"
 
 #: prefix (with its trailing dot) -> {state-dict key: shape}
 Shapes = dict[str, dict[str, tuple[int, ...]]]
@@ -128,9 +128,9 @@ def _check_tensors(prefix: str, expected: dict[str, tuple[int, ...]], infos: dic
         if key not in expected:
             continue
         if key.endswith(".weight") and f"{key}_scale" in expected:  # codes beside their row scales
-            if info.dtype != FP8_DTYPE:
+            if info.dtype != FP8_CODES_DTYPE:
                 report.add([f"tensor {prefix}{key} has dtype {info.dtype}; the checkpoint's quantization_config "
-                            f"stores it as {FP8_DTYPE} codes beside {prefix}{key}_scale"])
+                            f"stores it as {FP8_CODES_DTYPE} codes beside {prefix}{key}_scale"])
         elif info.dtype not in FLOAT_DTYPES:
             report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {sorted(FLOAT_DTYPES)}"])
 

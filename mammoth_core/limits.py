@@ -56,6 +56,8 @@ ENVELOPE_TOKEN_BOUND = 65
 NEGATIVE_ENVELOPE_TOKEN_BOUND = 52
 
 _GRID_RE = re.compile(r"^([0-9]{1,4})x([0-9]{1,4})$")
+#: Exactly ``WIDTHxHEIGHT``: ASCII digits, no leading zero, nothing around (matched with ``fullmatch``:
+#: ``$`` would also let a trailing newline through).
 _SIZE_RE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 
 

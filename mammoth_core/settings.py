@@ -53,9 +53,13 @@ def _doc(help_text: str, **kw: Any) -> dict[str, Any]:
     return {"help": help_text, **kw}
 
 
+#: The largest TCP port (settings' port fields and the ``mammoth`` command's ``--port`` flags).
+MAX_PORT = 65535
+
+
 def _port(default: int, help_text: str, lowest: int = 0) -> Any:
-    """A TCP port field: ``lowest`` (0: any free port; -1 where the field may also be off) to 65535."""
-    return field(default=default, metadata=_doc(help_text, ge=lowest, le=65535))
+    """A TCP port field: ``lowest`` (0: any free port; -1 where the field may also be off) to `MAX_PORT`."""
+    return field(default=default, metadata=_doc(help_text, ge=lowest, le=MAX_PORT))
 
 
 def _limit(name: str) -> Any:

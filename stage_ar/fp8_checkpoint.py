@@ -25,7 +25,7 @@ from collections import defaultdict
 
 from mammoth_core.checkpoint import AR_PREFIX, CONFIG_FILE, INDEX_FILE, Checkpoint
 from mammoth_core.checkpoint_check import verify_parts
-from stage_ar.checkpoint_part import CHECKPOINT_PART
+from stage_ar.checkpoint_part import CHECKPOINT_PART, expected_shapes
 from stage_ar.fp8 import QUANTIZATION_CONFIG, quantize_fp8_per_channel, stores_fp8
 
 __all__ = ["fp8_weight_names", "write_fp8_checkpoint"]
@@ -39,15 +39,10 @@ SCALE_SUFFIX = "_scale"
 def fp8_weight_names(llm_config: dict) -> list[str]:
     """The stored names (with the ``llm_model.`` prefix) of the weights a visual token reads, as the
     checkpoint names them (``q_proj``, ``k_proj``, ``v_proj`` apart): those an FP8 checkpoint stores
-    as codes. No tensor is allocated (the model is built on ``meta``)."""
-    from mammoth_core.meta_build import shapes_only
-    from stage_ar.modeling_mammoth_ar import MammothARForCausalLM
-
-    with shapes_only():
-        model = MammothARForCausalLM.from_llm_config(llm_config)
-        for linear in model.visual_token_linears():
-            linear.hold_fp8()
-        keys = list(model.state_dict())
+    as codes, i.e. those whose row scales `stage_ar.checkpoint_part.expected_shapes` expects for the
+    FP8 layout. No tensor is allocated (the model is built on ``meta``)."""
+    fp8 = {**llm_config, "quantization_config": dict(QUANTIZATION_CONFIG)}
+    keys = expected_shapes({"llm_config": fp8})[AR_PREFIX]
     return sorted(AR_PREFIX + k[: -len(SCALE_SUFFIX)] for k in keys if k.endswith(".weight" + SCALE_SUFFIX))
 
 
