@@ -33,6 +33,10 @@ as it is, then with the plain quantizer launches (o_proj's and down_proj's input
 the add + norm + quantize launches (qkv's and gate_up's inputs) left out too, ``rounds`` times, then as
 it is again (`quantizers_left_out`): the most any activation-scale scheme that removes those launches
 (a delayed or static scale written by the producer) could save, with the producers costing nothing.
+Group ``trimattn`` (not in the default): bf16 batch 1, then bf16 in the served engine's padded shape
+(16 slots, one request, trimmed GEMV rows, the batch-1 picks) with the fused attention launched over
+all 16 rows and over the live rows' bucket only (`stage_ar.runner.TRIM_ATTENTION` off and on) in
+turn, ``rounds + 1`` times each; then the same under W8A8; each at image start and mid-image.
 (Group ``cdf``, the sampler's cumulative sum in blocks of 256, went with that form: measured on the H100,
 2026-12-07, 12 us slower at batch 1 and 5 us faster in the served shape.)
 Group ``w8a8served`` (not in the default): W8A8 batch 1, then W8A8 in the served engine's padded shape
@@ -65,6 +69,7 @@ import ar_decode as A  # noqa: E402
 import torch  # noqa: E402
 
 from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linear  # noqa: E402
+from stage_ar import runner as runner_module  # noqa: E402
 from stage_ar.fp8 import FP8_DTYPE  # noqa: E402
 
 FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
@@ -124,7 +129,7 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``, ``w8a8served``) ``rounds`` times over into the
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``, ``w8a8served``, ``trimattn``) ``rounds`` times over into the
     JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
@@ -189,6 +194,20 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         with served_gemv_picks():
             settings(decode_attention, ("MERGE_CHUNK",), merge, "bf16_served_merge", mid_image=True, padded=True)
 
+    def trim_attention(tag: str) -> None:
+        """Batch 1, then the served shape with `TRIM_ATTENTION` off and on in turn (``rounds + 1`` times)."""
+        timed(f"{tag}_b1", "pdl", mid_image=True)
+        saved = runner_module.TRIM_ATTENTION
+        try:
+            for i, on in enumerate((False, True) * (rounds + 1)):
+                runner_module.TRIM_ATTENTION = on
+                timed(f"{tag}_served_trimattn{int(on)}_{i}", "pdl", mid_image=True, padded=True,
+                      runner={"trim_gemv_rows": True})
+        finally:
+            runner_module.TRIM_ATTENTION = saved
+
+    if "trimattn" in groups:
+        trim_attention("bf16")
     if "trim" in groups:  # the served shape's GEMVs over the live rows' bucket only, or over all 16
         with served_gemv_picks():
             for i, trim in enumerate((False, True) * (rounds + 1)):
@@ -207,7 +226,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     preload = tuple((t,) for t in PRELOAD_TILES) * rounds + ((0,),)
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
-    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant", "w8a8served"} & set(groups):
+    if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant", "w8a8served",
+            "trimattn"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -224,6 +244,8 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "w8a8_preload")
     if "launch" in groups:
         launch_modes("w8a8_launch")
+    if "trimattn" in groups:
+        trim_attention("w8a8")
     if "w8a8served" in groups:  # the served W8A8 shape against batch 1, batch 1 again last (the drift)
         timed("w8a8_served_b1_0", "pdl", mid_image=True)
         with served_gemv_picks():

@@ -139,11 +139,13 @@ class GEMMDecodeAttention(_SlotDecode):
 
 class TritonDecodeAttention(_SlotDecode):
     """`stage_ar.decode_attention.decode_attention` (split-KV, KV write fused) per layer; ``live``:
-    ``(b,)`` bool, the rows to compute (the others write no key/value and return zeros)."""
+    ``(b,)`` bool, the rows to compute (the others write no key/value and return zeros); ``rows``:
+    launch only rows ``[0, rows)`` (the served step's live bucket; the rest unspecified), or None."""
 
-    def __init__(self, *args, live: torch.Tensor | None = None, **kwargs) -> None:
+    def __init__(self, *args, live: torch.Tensor | None = None, rows: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.live = live
+        self.rows = rows
 
     @staticmethod
     def available(device: torch.device) -> bool:
@@ -159,7 +161,7 @@ class TritonDecodeAttention(_SlotDecode):
         b, _, heads, d = q.shape
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
                                              self.pos, self.key_start, self.length, self.scale, live=self.live,
-                                             amax_out=amax_out)
+                                             amax_out=amax_out, rows=self.rows)
         return out.view(b, 1, heads * d)
 
 

@@ -432,6 +432,7 @@ def decode_attention(
     scale: float,
     live: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Write this step's keys/values into the cache and attend over each row's key range.
 
@@ -453,6 +454,12 @@ def decode_attention(
         amax_out: ``(16,)`` int32 (`stage_ar.fp8_activations.amax_buffers`' ``amax``, ``b <= 16``) or
             None: each output row's largest magnitude is max-ed into it (float32 bits), for a W8A8
             o_proj that quantizes the rows in its prologue (`stage_ar.fp8_activations.RowsWithAmax`).
+        rows: launch programs for rows ``[0, rows)`` only (``1 <= rows <= b``; None: all ``b``), the
+            served step's bucket of live rows (`stage_ar.runner`'s ``trim_gemv_rows``): a row past it
+            reads and writes no key/value whatever its ``live`` flag, and its output is left as
+            allocated (unspecified). A computed row's bits do not depend on ``rows`` (every program is
+            one row's). Idle rows cost programs even when they exit at once: 16 rows x 4 KV heads x
+            64 splits per layer at 4,096 keys.
 
     Returns:
         ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
@@ -472,6 +479,9 @@ def decode_attention(
                                  or amax_out.device != q.device or b > 16):
         raise ValueError(f"amax_out must be (16,) int32 on {q.device} for at most 16 rows, got "
                          f"{tuple(amax_out.shape)} {amax_out.dtype} on {amax_out.device} for {b} rows")
+    if rows is not None and not 1 <= rows <= b:
+        raise ValueError(f"rows must be None or 1..{b} (the rows to compute), got {rows}")
+    computed = b if rows is None else rows
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
@@ -482,7 +492,7 @@ def decode_attention(
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
     pdl = pdl_flag(q.device)
-    _split_kernel[(b, kv_heads, n_splits)](
+    _split_kernel[(computed, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -491,7 +501,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILES=tiles_per_split(),
         PDL=pdl, LIVE=live is not None, EARLY_LOADS=EARLY_LOADS, **launch_options(pdl),
     )
-    _combine_kernel[(b, kv_heads, group)](
+    _combine_kernel[(computed, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
         amax_out if amax_out is not None else pos, n_splits, out.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,

@@ -63,6 +63,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_LENGTH_BUCKET = 512  # attention key-length granularity (positions)
+#: With ``trim_gemv_rows``, whether the fused attention's launches are trimmed to the live rows' bucket
+#: as well as the GEMVs' (`stage_ar.decode_attention.decode_attention`'s ``rows``): its idle rows'
+#: programs exit at once but still fill waves (16 rows x 4 KV heads x 64 splits per layer at 4,096
+#: keys). Read when a step is captured; `benchmarks/ar_inprocess_ab.py`'s ``trimattn`` group times both.
+TRIM_ATTENTION = True
 
 
 @dataclasses.dataclass
@@ -171,8 +176,9 @@ class ARModelRunner:
             only under Triton's interpreter (tests).
         trim_gemv_rows: with ``pad_to_max_bucket``, the GEMV launches of a step compute only the
             rows up to the last active slot, rounded up to a batch bucket (one graph per such row
-            bucket too); every other kernel still runs all rows, and a computed row's bits do not
-            change (`stage_ar.gemv.gemv`'s ``rows``), so rows stay batch-invariant. Idle slots' rows
+            bucket too), and the fused attention's alike (`TRIM_ATTENTION`); every other kernel
+            still runs all rows, and a computed row's bits do not change (`stage_ar.gemv.gemv`'s and
+            `stage_ar.decode_attention.decode_attention`'s ``rows``), so rows stay batch-invariant. Idle slots' rows
             are then garbage past the GEMVs (their attention reads and writes no KV; nothing reads
             them). Only with ``fused_attention`` (the GEMM path writes every row's KV): ignored
             otherwise. The engine's served (``batch_invariant``) mode turns it on: one request in
@@ -474,7 +480,7 @@ class ARModelRunner:
         else:
             trim = rows is not None and rows < b and self.fused_attention
             with self.model.linear_backend.rows_computed(rows if trim else None):
-                hidden = self._forward_batched(b, fed, pos, length)
+                hidden = self._forward_batched(b, fed, pos, length, rows if trim and TRIM_ATTENTION else None)
                 logits = self.model.compute_logits(hidden, self.vstart, self.vend)
         self.sampler.mark_seen(self.sampling, fed, active)
         tokens = self.sampler(logits, self.sampling, sort)
@@ -484,16 +490,19 @@ class ARModelRunner:
         self.sampling.sample_idx[:b] += step
         return hidden, fed, tokens
 
-    def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+    def _forward_batched(self, b: int, fed: torch.Tensor, pos: torch.Tensor, length: int,
+                         rows: int | None = None) -> torch.Tensor:
         """The model's forward over slots ``[0, b)``, one new (generation) token each at cache
-        position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``."""
+        position ``pos``, attending over key positions ``[0, length)`` of the pool; ``(b, H)``.
+        ``rows``: the fused attention launches rows ``[0, rows)`` only (`_step_impl`'s trim)."""
         # idle slots' rows read no KV and write none (`decode_attention`'s ``live``); their GEMV rows
         # still load their activations (a mask in the kernel measured slower, docs/PERFORMANCE.md),
-        # except past the live bucket with ``trim_gemv_rows`` (the graph's launches take fewer rows)
+        # except past the live bucket with ``trim_gemv_rows`` (the graph's launches take fewer rows,
+        # the attention's too)
         live = self.active[:b]
         if self.fused_attention:
             attention = TritonDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
-                                              self.scale, live=live)
+                                              self.scale, live=live, rows=rows)
         else:
             attention = GEMMDecodeAttention(self.pool.key, self.pool.value, pos, self.key_start[:b], length,
                                             self.scale, ops=self._ops)

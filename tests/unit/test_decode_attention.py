@@ -253,7 +253,7 @@ def test_padded_mode_buckets_key_lengths_with_the_fused_kernel_bit_for_bit(da, r
 
 
 def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypatch):
-    """``trim_gemv_rows`` (padded mode): in a pool of four slots the GEMV launches compute only the
+    """``trim_gemv_rows`` (padded mode): in a pool of four slots the GEMV and attention launches compute only the
     first bucket of rows that holds every live request (the rest of their output unwritten; the bucket
     follows requests leaving), and each request's rows are bit for bit the rows of the untrimmed padded
     decode, through the GEMV kernels (`GemvLinear`) and the fused attention, in Triton's interpreter."""
@@ -264,13 +264,19 @@ def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypa
 
     model, tokenizer = request.getfixturevalue("model"), request.getfixturevalue("tokenizer")
     computed: list[tuple[int, int | None]] = []
-    real_gemv = gemv_kernels.gemv
+    attended: list[tuple[int, int | None]] = []
+    real_gemv, real_attention = gemv_kernels.gemv, da.decode_attention
 
     def recording(x, weight, **kw):
         computed.append((x.shape[0] if isinstance(x, torch.Tensor) else -1, kw.get("rows")))
         return real_gemv(x, weight, **kw)
 
+    def recording_attention(q, *args, **kw):
+        attended.append((q.shape[0], kw.get("rows")))
+        return real_attention(q, *args, **kw)
+
     monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    monkeypatch.setattr(da, "decode_attention", recording_attention)
     saved = model.linear_backend
     set_linear_backend(model, GemvLinear())
     try:
@@ -279,11 +285,15 @@ def test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit(da, request, monkeypa
         # request in slot 0 covered again, at half of this test's 80 s in CI)
         for specs, bucket_rows in (([0, 4], {2, 1}),):
             computed.clear()
+            attended.clear()
             full, _ = _decode_padded(model, tokenizer, specs, num_slots=4, length_bucket=0)
             assert {rows for m, rows in computed if m == 4} == {None}  # every step's launches: all 4 padded rows
+            assert {rows for m, rows in attended if m == 4} == {None}
             computed.clear()
+            attended.clear()
             trimmed, _ = _decode_padded(model, tokenizer, specs, num_slots=4, length_bucket=0, trim_gemv_rows=True)
             assert {rows for m, rows in computed if m == 4} == bucket_rows  # (the prefills' launches are not the steps')
+            assert {rows for m, rows in attended if m == 4} == bucket_rows, "the attention launched idle rows"
             for i in specs:
                 assert torch.equal(trimmed[i], full[i]), f"request {i}: a live row's bits changed when idle rows were not computed"
     finally:
@@ -331,6 +341,29 @@ def test_idle_rows_write_no_cache_and_get_zeros(da):
             assert torch.equal(masked_k[i], k_cache[i]) and torch.equal(masked_v[i], v_cache[i])
     with pytest.raises(ValueError, match="live must be"):
         da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, live=live[:3])
+
+
+def test_rows_computes_only_the_first_rows_with_the_same_bits(da):
+    """``rows`` (the served step's live bucket, `stage_ar.runner`'s ``trim_gemv_rows``): the launches
+    cover rows ``[0, rows)`` only. Those rows get the untrimmed call's output and cache write bit for
+    bit; a row past them reads and writes no cache even with its live flag set, and its output is left
+    as allocated."""
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=4, seed=7)
+    pos, start = ids(200, 17, 99, 64), ids(0, 0, 40, 0)
+    live = torch.ones(4, dtype=torch.bool, device=DEVICE)
+    full_k, full_v = k_cache.clone(), v_cache.clone()
+    full = da.decode_attention(q, k_new, v_new, full_k, full_v, pos, start, 256, 0.1, live=live)
+    cut_k, cut_v = k_cache.clone(), v_cache.clone()
+    cut = da.decode_attention(q, k_new, v_new, cut_k, cut_v, pos, start, 256, 0.1, live=live, rows=2)
+    assert cut.shape == full.shape
+    for i in range(2):
+        assert torch.equal(cut[i], full[i]), f"row {i}"
+        assert torch.equal(cut_k[i], full_k[i]) and torch.equal(cut_v[i], full_v[i])
+    for i in (2, 3):
+        assert torch.equal(cut_k[i], k_cache[i]) and torch.equal(cut_v[i], v_cache[i]), f"row {i} wrote its cache"
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="rows must be"):
+            da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, rows=bad)
 
 
 def test_amax_out_gathers_each_rows_largest_magnitude(da):
