@@ -125,7 +125,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     setup_logging("gateway", s.log_format, s.log_level)
     from gateway.app import serve
 
-    asyncio.run(serve(s, ready_file=args.ready_file))
+    try:
+        asyncio.run(serve(s, ready_file=args.ready_file))
+    except StageStartError as exc:  # a port it cannot listen on: one error line, as the stages
+        logging.getLogger("mammoth_app.cli").error("%s", exc)
+        return 1
     return 0
 
 

@@ -69,7 +69,8 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
 
     Raises:
         StartupError: ``--generate``'s ``--output`` cannot be written (`client.output_problem`), or its
-            ``--size`` is one the gateway would refuse (`gateway.image_job.parse_size`).
+            ``--size`` or ``--steps`` is one the gateway would refuse (`gateway.image_job.parse_size`,
+            `mammoth_core.limits.check_steps`).
         CheckpointError: ``--checkpoint`` names no usable checkpoint folder.
         settings_mod.SettingsError: the ``--config`` file is missing or not a YAML mapping.
     """
@@ -101,6 +102,13 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
             parse_size(args.size, effective)
         except InvalidRequestError as exc:
             raise StartupError(f"--size {args.size}: {exc.message}") from None
+    if args.generate is not None and getattr(args, "steps", None) is not None:
+        from mammoth_core import limits
+
+        try:
+            limits.check_steps(args.steps, limits.from_settings(effective))  # the gateway's rule and limits
+        except limits.LimitError as exc:
+            raise StartupError(f"--steps {args.steps}: {exc.message}") from None
     return {"overrides": overrides, "effective": effective}
 
 

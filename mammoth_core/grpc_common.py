@@ -422,10 +422,19 @@ def channel_credentials(
 
 
 def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Listen on ``address`` (TLS when ``credentials`` is set); returns the bound port."""
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    """Listen on ``address`` (TLS when ``credentials`` is set); returns the bound port.
+
+    Raises:
+        mammoth_core.runtime.StageStartError: gRPC cannot bind ``address`` (`cannot_listen`, naming ``--port``).
+    """
+    from mammoth_core.runtime import cannot_listen
+
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..." (in use, not this machine's)
+        raise cannot_listen(address, "--port", exc) from exc
 
 
 class HealthReporter:

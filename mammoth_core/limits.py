@@ -268,6 +268,15 @@ def check_image(width: int, height: int, steps: int, limits: RequestLimits, para
     if not limits.min_pixels <= pixels <= limits.max_pixels:
         raise LimitError(f"invalid size {size!r}: {pixels} pixels is outside [{limits.min_pixels}, "
                          f"{limits.max_pixels}]", param, "invalid_size")
+    check_steps(steps, limits)
+
+
+def check_steps(steps: int, limits: RequestLimits) -> None:
+    """``1 <= steps <= max_steps`` (`check_image`'s rule for ``num_inference_steps``).
+
+    Raises:
+        LimitError: ``num_inference_steps`` names the violation.
+    """
     if not 1 <= steps <= limits.max_steps:
         raise LimitError(f"num_inference_steps must be in [1, {limits.max_steps}], got {steps}",
                          "num_inference_steps")

@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -18,8 +19,35 @@ from typing import Any, NoReturn
 
 class StageStartError(RuntimeError):
     """A stage could not start because of what it was given (an unusable checkpoint, a bad file, a
-    setting the model refuses): its entry point logs the message as one error line and exits 1, no
-    traceback (`mammoth_app.cli`). Raised by a stage's ``serve`` after it stopped its gRPC server."""
+    setting the model refuses, a port it cannot listen on): its entry point logs the message as one
+    error line and exits 1, no traceback (`mammoth_app.cli`). Raised by a stage's ``serve`` after it
+    stopped its gRPC server."""
+
+
+def cannot_listen(address: str, flag: str, exc: BaseException) -> StageStartError:
+    """The `StageStartError` for an ``address`` (``host:port``) a component cannot listen on: names
+    the address, the ``flag`` that set its port (``--port``, ``--metrics-port``) and why (``exc``'s
+    ``strerror``; gRPC's bind error carries none: "in use, or not an address of this machine")."""
+    reason = getattr(exc, "strerror", None) or "in use, or not an address of this machine"
+    return StageStartError(f"cannot listen on {address} ({flag}): {reason}; stop what holds it or give "
+                           f"another {flag} (0: any free port)")
+
+
+def listen_socket(host: str, port: int, flag: str = "--port", backlog: int = 2048) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (IPv6 where ``host`` has a colon; ``SO_REUSEADDR``), for
+    a server that takes sockets (uvicorn's ``serve(sockets=)``), so that a port in use is this
+    process's one-line error and not the server's exit. ``backlog``: uvicorn's default.
+
+    Raises:
+        StageStartError: the address cannot be listened on (`cannot_listen`).
+    """
+    from mammoth_core.addresses import format_address
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=backlog)
+    except OSError as exc:  # in use, not this machine's, a name that does not resolve
+        raise cannot_listen(format_address(host, port), flag, exc) from exc
 
 
 @contextlib.asynccontextmanager
@@ -78,9 +106,21 @@ def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = N
     ``port`` 0 picks a free port; a negative ``port`` disables the server and returns -1.
     ``routes`` maps extra paths (e.g. ``/debug/profile``) to WSGI apps served on the same port;
     every other path answers the metrics.
+
+    Raises:
+        StageStartError: ``host:port`` cannot be listened on (`cannot_listen`, naming ``--metrics-port``).
     """
     if port < 0:
         return -1
+    try:
+        return _start_metrics_server(port, host, routes)
+    except OSError as exc:  # in use, not this machine's
+        from mammoth_core.addresses import format_address
+
+        raise cannot_listen(format_address(host, port), "--metrics-port", exc) from exc
+
+
+def _start_metrics_server(port: int, host: str, routes: dict[str, Any] | None) -> int:
     if not routes:
         from prometheus_client import start_http_server
 

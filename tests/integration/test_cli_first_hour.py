@@ -80,6 +80,17 @@ def test_up_generate_with_a_size_the_gateway_refuses_is_refused_before_anything_
     assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("steps", ["0", "-1", "100000"])
+def test_up_generate_with_steps_the_gateway_refuses_is_refused_before_anything_starts(tmp_path, steps):
+    """``up --generate --steps`` outside the gateway's ``[1, max_steps]`` (the rule `check_image`
+    enforces) is refused before any process starts (break-it pass, 2026-12-07: the whole pipeline
+    started, about 10 s, then the gateway's 400, then a stop)."""
+    line = one_line(mammoth("up", "--generate", "a fox", "--steps", steps, "-o", "x.png", "--port", "0",
+                            cwd=tmp_path, MAMMOTH_CACHE_DIR=str(tmp_path / "cache")))
+    assert "--steps" in line and steps in line and "num_inference_steps" in line, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
+
+
 def test_download_model_without_a_scheme(tmp_path):
     line = one_line(mammoth("download-model", "org/repo", str(tmp_path / "dest")))
     assert "hf://org/repo" in line, line
@@ -246,3 +257,25 @@ def test_generate_against_a_server_that_is_not_a_gateway_says_so(tmp_path):
         server.shutdown()
     assert "501" in line and "mammoth gateway" in line and "--url" in line and "<" not in line, line
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("role,flag", [("ar", "--port"), ("ar", "--metrics-port"), ("dit", "--port"),
+                                       ("dit", "--metrics-port"), ("gateway", "--port")])
+def test_a_component_on_a_port_in_use_says_which_and_exits_cleanly(tmp_path, role, flag):
+    """``mammoth ar|dit|gateway`` (what a pod or a user's own supervisor runs) on a port something else
+    holds: exit 1 and one error line naming the port and its flag, no traceback (break-it pass,
+    2026-12-07: a 47-52 line ``OSError: [Errno 98] Address already in use`` or grpc ``Failed to bind``
+    traceback; the gateway exited 3). The port is checked before the checkpoint is read."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        ports = ({"--port": "0"} if role == "gateway" else {"--port": "0", "--metrics-port": "-1"}) | {flag: port}
+        stage = () if role == "gateway" else ("--checkpoint", str(tmp_path / "missing"), "--device", "cpu")
+        auth = () if role == "gateway" else ("--insecure-no-auth", "true")
+        proc = mammoth(role, *stage, "--host", "127.0.0.1", *(a for kv in ports.items() for a in kv), *auth,
+                       MAMMOTH_CACHE_DIR=str(tmp_path / "cache"), timeout=60)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]  # (gRPC's C core logs its own line)
+    assert len(errors) == 1 and port in errors[0] and flag in errors[0], proc.stderr[-3000:]
