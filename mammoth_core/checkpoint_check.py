@@ -4,8 +4,9 @@ A component (the AR's ``llm_model.*``, the DiT's ``gen_*``) says what it needs f
 a `CheckpointPart`: its files, the ``config.json`` sections its models are built from, the
 ``t2i_generation_config.json`` keys it reads, and a function giving the state-dict shapes of its
 models (built on PyTorch's ``meta`` device, so no weight is read or allocated: only the safetensors
-headers are). `check_parts` checks, in order: the files; that the configs have the sections; then
-every stored tensor under the parts' prefixes (name, shape, dtype) against those shapes. Each stage
+headers are, and the values of FP8 row scales, one float per output row). `check_parts` checks, in
+order: the files; that the configs have the sections; then every stored tensor under the parts'
+prefixes (name, shape, dtype) against those shapes, and that FP8 row scales are finite and > 0. Each stage
 runs `verify_parts` on its own part before loading (so the AR never builds the DiT); the whole
 checkpoint (``mammoth check-checkpoint``) is all parts, with ``strict_prefixes``.
 """
@@ -135,6 +136,33 @@ def _check_tensors(prefix: str, expected: dict[str, tuple[int, ...]], infos: dic
             report.add([f"tensor {prefix}{key} has dtype {info.dtype}; expected one of {sorted(FLOAT_DTYPES)}"])
 
 
+def _check_row_scales(ckpt: Checkpoint, prefix: str, expected: dict[str, tuple[int, ...]],
+                      infos: dict[str, TensorInfo], report: CheckReport) -> None:
+    """Report FP8 row scales (``<name>.weight_scale`` beside expected ``<name>.weight`` codes) holding a
+    value that is not finite and > 0: the codes times such a scale are not the weight."""
+    import torch
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for key in expected:
+        name = f"{prefix}{key}_scale"
+        if key.endswith(".weight") and f"{key}_scale" in expected and name in infos \
+                and infos[name].dtype in FLOAT_DTYPES:
+            by_file.setdefault(infos[name].file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(ckpt.path / file), framework="pt") as handle:
+                for name in names:
+                    scale = handle.get_tensor(name).float()
+                    bad = (~(torch.isfinite(scale) & (scale > 0))).nonzero().flatten()
+                    if len(bad):
+                        row = int(bad[0])
+                        report.add([f"tensor {name} holds {len(bad)} row scale(s) that are not finite and > 0 "
+                                    f"(row {row}: {float(scale[row])})"])
+        except Exception as exc:  # noqa: BLE001 - a shard that cannot be read is a finding, not a crash
+            report.add([f"shard {file} is unreadable: {' '.join(str(exc).split())[:200]}"])
+
+
 def check_parts(path: str | os.PathLike, parts: Sequence[CheckpointPart], *,
                 strict_prefixes: bool = False) -> CheckReport:
     """Validate the checkpoint folder ``path`` for ``parts``; never raises for a bad checkpoint.
@@ -162,6 +190,7 @@ def check_parts(path: str | os.PathLike, parts: Sequence[CheckpointPart], *,
                         for n in sorted(infos) if not n.startswith(known)])
         for prefix, expected in shapes.items():
             _check_tensors(prefix, expected, infos, report)
+            _check_row_scales(ckpt, prefix, expected, infos, report)
         for key in dict.fromkeys(k for part in parts for k in part.generation_keys):
             if key not in ckpt.generation_config:
                 report.add([f"t2i_generation_config.json: missing {key!r}"])
@@ -177,7 +206,8 @@ def verify_parts(path: str | os.PathLike, parts: Sequence[CheckpointPart]) -> Ch
     """Run `check_parts` before a stage loads weights; raise when anything is wrong.
 
     Raises:
-        CheckpointError: with every problem of the report (files, configs, tensor names/shapes/dtypes).
+        CheckpointError: with every problem of the report (files, configs, tensor names/shapes/dtypes,
+            FP8 row scales not finite and > 0).
     """
     report = check_parts(path, parts)
     if not report.ok:

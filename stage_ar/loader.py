@@ -108,7 +108,8 @@ def load_ar(checkpoint: str, cache_dir: str, device: str, dtype: torch.dtype, *,
             FP8 checkpoint are split instead, their row scales with the rows).
 
     Raises:
-        mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files.
+        mammoth_core.checkpoint.CheckpointError: missing/unexpected/mis-shaped tensors or files; FP8 row
+            scales that are not finite and > 0 (`mammoth_core.checkpoint_check.check_parts`).
         ValueError: an unknown ``weights_dtype`` or ``linear_backend``; ``"fp8-w8a8"`` where the
             linear backend is not the GEMV (torch chosen, or no CUDA / triton: only the GEMV kernels
             quantize activations), before any weight is read; a ``MAMMOTH_GEMV_PICKS`` file that is

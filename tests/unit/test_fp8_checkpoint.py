@@ -230,3 +230,33 @@ def test_a_destination_that_is_a_file_or_a_link_is_refused_by_name(tiny_checkpoi
     assert "TMP/link is a symbolic link" in words(str(tiny_checkpoint), str(tmp_path / "link"))
     assert not (tmp_path / "link.partial").exists()
     assert "TMP/nothere does not exist" in words(str(tmp_path / "nothere"), str(tmp_path / "q"))
+
+
+def test_row_scales_that_are_not_finite_and_positive_are_refused_by_the_check_and_the_loader(fp8_checkpoint,
+                                                                                             tmp_path):
+    """(break-it pass, 2026-12-07: a ``weight_scale`` holding NaN, Inf, 0 or a negative value passed the
+    check and loaded; NaN then failed every request with an unhelpful message, 0 or negative silently
+    gave garbage.) The check reads the row scales (small: one float per output row) and names the tensor;
+    the loader runs the check first, so it refuses too."""
+    from mammoth_core.checkpoint import Checkpoint, CheckpointError
+    from mammoth_core.checkpoint_check import check_parts
+    from safetensors.torch import load_file, save_file
+    from stage_ar.checkpoint_part import CHECKPOINT_PART
+    from stage_ar.fp8_checkpoint import fp8_weight_names
+    from stage_ar.loader import load_ar
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_checkpoint, bad)
+    ckpt = Checkpoint(bad)
+    name = fp8_weight_names(ckpt.llm_config)[-1] + "_scale"
+    shard = bad / ckpt.shard_of(name)
+    original = load_file(str(shard))
+    for value in (float("nan"), float("inf"), 0.0, -0.5):
+        tensors = dict(original)
+        tensors[name] = tensors[name].clone()
+        tensors[name][1] = value
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        problems = check_parts(bad, [CHECKPOINT_PART]).problems
+        assert len(problems) == 1 and name in problems[0] and "finite" in problems[0], (value, problems)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_ar(str(bad), str(tmp_path), "cpu", torch.float32)
