@@ -79,7 +79,9 @@ class Checkpoint:
         path: the checkpoint folder.
 
     Raises:
-        CheckpointError: ``config.json`` or the safetensors files are missing or unreadable.
+        CheckpointError: ``config.json`` or the safetensors files are missing or unreadable; a JSON
+            file (``config.json``, ``t2i_generation_config.json``, the index) that does not parse to an
+            object, named.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -87,27 +89,37 @@ class Checkpoint:
         problems: list[str] = []
         if not self.path.is_dir():
             raise CheckpointError(self.path, ["not a directory"])
-        config_path = self.path / CONFIG_FILE
-        if not config_path.is_file():
+        if not (self.path / CONFIG_FILE).is_file():
             raise CheckpointError(self.path, [f"missing file {CONFIG_FILE}"])
-        try:
-            self.config: dict[str, Any] = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(self.path, [f"{CONFIG_FILE} is not valid JSON: {exc}"]) from exc
-        gen_path = self.path / GENERATION_CONFIG_FILE
+        self.config: dict[str, Any] = self._read_json(CONFIG_FILE)
         self.generation_config: dict[str, Any] = (
-            json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+            self._read_json(GENERATION_CONFIG_FILE) if (self.path / GENERATION_CONFIG_FILE).is_file() else {}
         )
         self._index = self._read_index(problems)
         if problems:
             raise CheckpointError(self.path, problems)
 
+    def _read_json(self, name: str) -> dict[str, Any]:
+        """The JSON object in the folder's file ``name``; a `CheckpointError` naming the file otherwise."""
+        try:
+            data = json.loads((self.path / name).read_text(encoding="utf-8"))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(self.path, [f"{name} is not valid JSON: {exc}"]) from None
+        except OSError as exc:
+            raise CheckpointError(self.path, [f"{name} cannot be read: {exc.strerror or exc}"]) from None
+        if not isinstance(data, dict):
+            raise CheckpointError(self.path, [f"{name} does not hold a JSON object (it holds a "
+                                              f"{type(data).__name__})"])
+        return data
+
     # -- index --------------------------------------------------------------------------------
 
     def _read_index(self, problems: list[str]) -> dict[str, str]:
-        index_path = self.path / INDEX_FILE
-        if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        if (self.path / INDEX_FILE).is_file():
+            weight_map = self._read_json(INDEX_FILE).get("weight_map", {})
+            if not isinstance(weight_map, dict):
+                problems.append(f"{INDEX_FILE}: weight_map is not an object of tensor name -> shard file")
+                return {}
             for shard in sorted(set(weight_map.values())):
                 if not (self.path / shard).is_file():
                     problems.append(f"shard {shard} listed in {INDEX_FILE} is missing")

@@ -126,8 +126,8 @@ def test_check_checkpoint_accepts_a_good_one(tiny_checkpoint):
 
 
 def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) -> str:
-    """Copy ``tiny_checkpoint`` to ``broken`` with its first shard damaged; returns the name the
-    report must give (the renamed tensor, or the damaged shard's file)."""
+    """Copy ``tiny_checkpoint`` to ``broken`` with its first shard damaged (or a JSON file); returns the
+    name the report must give (the renamed tensor, or the damaged shard's or JSON file)."""
     shutil.copytree(tiny_checkpoint, broken)
     index_path = broken / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -137,6 +137,11 @@ def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) ->
         index["weight_map"][key + "_x"] = index["weight_map"].pop(key)
         index_path.write_text(json.dumps(index))
         return key
+    if damage.endswith("_not_json"):  # (break-it pass, 2026-12-07: a JSONDecodeError traceback, no file named)
+        name = {"index": "model.safetensors.index.json", "generation_config": "t2i_generation_config.json",
+                "config": "config.json"}[damage[: -len("_not_json")]]
+        (broken / name).write_text("{oops")
+        return name
     if damage == "truncated_shard":
         data = (broken / shard).read_bytes()
         (broken / shard).write_bytes(data[: len(data) // 2])
@@ -145,7 +150,8 @@ def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) ->
     return shard
 
 
-@pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard"])
+@pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard", "index_not_json",
+                                    "generation_config_not_json", "config_not_json"])
 def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, damage):
     """In this process, what ``mammoth check-checkpoint`` runs (an exception here would be the
     command's traceback); the command itself is the next test."""

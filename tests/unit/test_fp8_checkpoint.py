@@ -260,3 +260,15 @@ def test_row_scales_that_are_not_finite_and_positive_are_refused_by_the_check_an
         assert len(problems) == 1 and name in problems[0] and "finite" in problems[0], (value, problems)
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         load_ar(str(bad), str(tmp_path), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "t2i_generation_config.json", "config.json"])
+def test_a_json_file_that_does_not_parse_is_named_in_one_line(tiny_checkpoint, tmp_path, name):
+    """(break-it pass, 2026-12-07: ``{oops`` in the index or the generation config gave the parser's
+    message without the file's name.)"""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint, src)
+    (src / name).write_text("{oops")
+    line = _one_line_failure(_quantize(str(src), str(tmp_path / "out")))
+    assert f"{name} is not valid JSON" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
