@@ -48,6 +48,14 @@ BUILTIN_SCHEME = "builtin://"
 BUILTIN_FORMAT_VERSION = 2
 
 
+def _is_shard_name(shard: Any) -> bool:
+    """Whether ``shard`` (a ``weight_map`` value of the index) names a file in the checkpoint folder
+    itself: a non-empty string without path separators, not ``.`` or ``..`` (so not absolute either).
+    Anything else would read, and a copy would write, outside the folder."""
+    return (isinstance(shard, str) and shard not in ("", ".", "..") and "\0" not in shard
+            and not any(sep in shard for sep in (os.sep, os.altsep, "/", "\\") if sep))
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing files or has wrong, missing, unexpected or mis-shaped tensors.
 
@@ -81,7 +89,8 @@ class Checkpoint:
     Raises:
         CheckpointError: ``config.json`` or the safetensors files are missing or unreadable; a JSON
             file (``config.json``, ``t2i_generation_config.json``, the index) that does not parse to an
-            object, named.
+            object, named; an index whose ``weight_map`` places a tensor in a shard that is not a file
+            name in the folder (a path with folders, ``..`` or absolute), the entry named.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -120,7 +129,14 @@ class Checkpoint:
             if not isinstance(weight_map, dict):
                 problems.append(f"{INDEX_FILE}: weight_map is not an object of tensor name -> shard file")
                 return {}
-            for shard in sorted(set(weight_map.values())):
+            outside: dict[str, list[str]] = defaultdict(list)
+            for name, shard in weight_map.items():
+                if not _is_shard_name(shard):
+                    outside[repr(shard)].append(name)
+            for shard, names in sorted(outside.items()):
+                problems.append(f"{INDEX_FILE}: shard {shard} (of {len(names)} tensor(s), e.g. {min(names)}) "
+                                "is not a file name in the checkpoint folder")
+            for shard in sorted({s for s in weight_map.values() if _is_shard_name(s)}):
                 if not (self.path / shard).is_file():
                     problems.append(f"shard {shard} listed in {INDEX_FILE} is missing")
             return dict(weight_map)

@@ -126,8 +126,9 @@ def test_check_checkpoint_accepts_a_good_one(tiny_checkpoint):
 
 
 def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) -> str:
-    """Copy ``tiny_checkpoint`` to ``broken`` with its first shard damaged (or a JSON file); returns the
-    name the report must give (the renamed tensor, or the damaged shard's or JSON file)."""
+    """Copy ``tiny_checkpoint`` to ``broken`` with its first shard damaged (or a JSON file, or the
+    index placing the first shard outside the folder); returns the name the report must give (the
+    renamed tensor, the damaged shard's or JSON file, or the index's shard entry as quoted)."""
     shutil.copytree(tiny_checkpoint, broken)
     index_path = broken / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -142,6 +143,13 @@ def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) ->
                 "config": "config.json"}[damage[: -len("_not_json")]]
         (broken / name).write_text("{oops")
         return name
+    if damage.startswith("shard_path_"):  # (break-it pass: quantize-checkpoint rewrote such a shard in place)
+        outside = broken.parent / "outside.safetensors"
+        (broken / shard).rename(outside)
+        where = "../outside.safetensors" if damage == "shard_path_relative" else str(outside)
+        index["weight_map"] = {k: where if v == shard else v for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index))
+        return repr(where)
     if damage == "truncated_shard":
         data = (broken / shard).read_bytes()
         (broken / shard).write_bytes(data[: len(data) // 2])
@@ -151,7 +159,8 @@ def _damage(tiny_checkpoint: pathlib.Path, broken: pathlib.Path, damage: str) ->
 
 
 @pytest.mark.parametrize("damage", ["index_only_rename", "truncated_shard", "junk_shard", "index_not_json",
-                                    "generation_config_not_json", "config_not_json"])
+                                    "generation_config_not_json", "config_not_json", "shard_path_relative",
+                                    "shard_path_absolute"])
 def test_damaged_files_give_a_report_not_a_traceback(tiny_checkpoint, tmp_path, damage):
     """In this process, what ``mammoth check-checkpoint`` runs (an exception here would be the
     command's traceback); the command itself is the next test."""

@@ -262,6 +262,28 @@ def test_row_scales_that_are_not_finite_and_positive_are_refused_by_the_check_an
         load_ar(str(bad), str(tmp_path), "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_an_index_placing_a_shard_outside_the_folder_is_refused_and_the_shard_left_alone(tiny_checkpoint, tmp_path,
+                                                                                         where):
+    """(break-it pass, 2026-12-07: a weight_map entry ``../x.safetensors`` or an absolute path made the copy
+    write outside DEST, rewriting that source shard in place, and the check said OK.) A shard is a file
+    name in the checkpoint folder: the index is refused where it is read, naming the entry."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "outside.safetensors"
+    (src / shard).rename(outside)
+    entry = "../outside.safetensors" if where == "relative" else str(outside)
+    index["weight_map"] = {k: entry if v == shard else v for k, v in index["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = outside.read_bytes()
+    line = _one_line_failure(_quantize(str(src), str(tmp_path / "out")))
+    assert repr(entry) in line and "model.safetensors.index.json" in line, line
+    assert outside.read_bytes() == before
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
 @pytest.mark.parametrize("name", ["model.safetensors.index.json", "t2i_generation_config.json", "config.json"])
 def test_a_json_file_that_does_not_parse_is_named_in_one_line(tiny_checkpoint, tmp_path, name):
     """(break-it pass, 2026-12-07: ``{oops`` in the index or the generation config gave the parser's
