@@ -28,12 +28,14 @@ from mammoth_core.checkpoint_check import verify_parts
 from stage_ar.checkpoint_part import CHECKPOINT_PART, expected_shapes
 from stage_ar.fp8 import QUANTIZATION_CONFIG, quantize_fp8_per_channel, stores_fp8
 
-__all__ = ["fp8_weight_names", "write_fp8_checkpoint"]
+__all__ = ["fp8_weight_names", "partial_folder", "write_fp8_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 #: Suffix of a weight's row scales beside its codes (``<name>.weight`` -> ``<name>.weight_scale``).
 SCALE_SUFFIX = "_scale"
+#: The partial folder's name inside an existing destination folder (`partial_folder`).
+PARTIAL_NAME = ".quantize-checkpoint.partial"
 
 
 def fp8_weight_names(llm_config: dict) -> list[str]:
@@ -57,21 +59,72 @@ def _refuse_destination(src: pathlib.Path, dst: pathlib.Path) -> None:
         raise ValueError(f"{dst} is inside the source folder {src}: give a folder outside it")
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"{dst} is a file: give a new folder or an empty one")
-    if dst.exists() and any(dst.iterdir()):
+    if dst.exists() and any(entry.name != PARTIAL_NAME for entry in dst.iterdir()):  # (_create_partial names that)
         raise ValueError(f"{dst} exists and is not an empty folder")
     if not dst.parent.is_dir():
         raise ValueError(f"{dst.parent} does not exist: create it first")
-    partial = dst.with_name(dst.name + ".partial")
-    if partial.exists() or partial.is_symlink():
-        raise ValueError(f"{partial} exists (an interrupted run?): remove it first")
+
+
+def partial_folder(destination: str | os.PathLike) -> pathlib.Path:
+    """Where `write_fp8_checkpoint` writes the copy to ``destination`` until it is complete.
+
+    Beside a new folder, ``<destination>.partial``, renamed to ``destination`` at the end; inside an
+    existing (empty) folder, the hidden ``<destination>/.quantize-checkpoint.partial``, whose entries are
+    moved up into ``destination`` at the end, so that a folder that cannot be removed or renamed (a
+    volume's mount point) is filled where it is. A run creates it exclusively and removes only the one
+    it created: while it exists, another run to the same destination refuses to start.
+    """
+    dst = pathlib.Path(os.path.abspath(destination))
+    return dst / PARTIAL_NAME if dst.is_dir() else dst.with_name(dst.name + ".partial")
+
+
+def _create_partial(dst: pathlib.Path) -> pathlib.Path:
+    """Create `partial_folder` of ``dst`` (exclusively); ValueError when it exists."""
+    partial = partial_folder(dst)
+    try:
+        partial.mkdir()
+    except FileExistsError:
+        raise ValueError(f"{partial} exists: another run is writing {dst}, or one was killed (then remove it)") \
+            from None
+    return partial
+
+
+def _publish(partial: pathlib.Path, dst: pathlib.Path) -> None:
+    """Move the complete copy in ``partial`` (`partial_folder`) to ``dst``: a rename beside it, the entries
+    one by one (``os.replace``, same file system) from inside it; on failure, what was moved is removed.
+
+    Raises:
+        ValueError: ``dst`` got other entries while the copy was written.
+        OSError: a rename failed (``dst`` filled meanwhile by another writer: ENOTEMPTY).
+    """
+    if partial.parent != dst:
+        os.rename(partial, dst)  # also replaces an empty folder made meanwhile; refuses a filled one
+        return
+    others = sorted(entry.name for entry in dst.iterdir() if entry.name != PARTIAL_NAME)
+    if others:
+        raise ValueError(f"{dst} got other entries ({', '.join(others[:3])}) while the copy was written")
+    moved: list[pathlib.Path] = []
+    try:
+        for name in sorted(os.listdir(partial)):
+            os.replace(partial / name, dst / name)
+            moved.append(dst / name)
+        partial.rmdir()
+    except BaseException:
+        for path in moved:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        raise
 
 
 def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> pathlib.Path:
     """Write the FP8 copy of the checkpoint folder ``source`` to ``destination`` (module docstring).
 
-    The copy is written to ``<destination>.partial`` and renamed when complete; a failure this code
-    sees removes the partial folder (an interrupted process leaves it, and the next run refuses to
-    start until it is removed). Peak host memory: one shard of ``source``.
+    The copy is written to `partial_folder` (beside a new destination, or inside an existing empty one,
+    which is neither removed nor renamed) and moved into place when complete; a failure this code sees,
+    or SIGINT, removes the partial folder (a killed process leaves it, and the next run refuses to start
+    until it is removed). Peak host memory: one shard of ``source``.
 
     Args:
         source: a checkpoint folder the AR can load (checked first, headers only).
@@ -79,16 +132,16 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
             the source nor inside it.
 
     Returns:
-        ``destination`` as a path.
+        ``destination`` as an absolute path.
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: ``source`` is not a checkpoint the AR loads.
         ValueError: ``source`` stores FP8 weights already; a destination refused as above (or its
-            ``.partial`` folder exists); a shard of ``source`` that cannot be read; a visual-token
-            weight holding a non-finite value (named).
+            partial folder exists: another run's); a shard of ``source`` that cannot be read; a
+            visual-token weight holding a non-finite value (named).
         OSError: reading or writing failed.
     """
-    src, dst = pathlib.Path(source), pathlib.Path(destination)
+    src, dst = pathlib.Path(source), pathlib.Path(os.path.abspath(destination))
     if not src.is_dir():
         raise ValueError(f"{src} does not exist or is not a folder: give a checkpoint folder")
     verify_parts(src, [CHECKPOINT_PART])
@@ -96,28 +149,26 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     if stores_fp8(ckpt.llm_config):
         raise ValueError(f"{src} stores FP8 weights already (llm_config.quantization_config)")
     _refuse_destination(src, dst)
-    partial = dst.with_name(dst.name + ".partial")
+    partial = _create_partial(dst)
     try:
         converted = _write(ckpt, src, partial)
+        _publish(partial, dst)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)  # this run's own (created above)
         raise
-    if dst.exists():
-        dst.rmdir()
-    partial.rename(dst)
     logger.info("FP8 checkpoint at %s: %d weights as E4M3 codes with row scales", dst, converted)
     return dst
 
 
 def _write(ckpt: Checkpoint, src: pathlib.Path, partial: pathlib.Path) -> int:
-    """The copy into ``partial`` (created); returns how many weights it stored as codes."""
+    """The copy into ``partial`` (created, empty); returns how many weights it stored as codes."""
     import torch
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
     names = set(fp8_weight_names(ckpt.llm_config))
     shutil.copytree(src, partial, ignore=lambda _d, files: [f for f in files if f.endswith(".safetensors")
-                                                          or f == INDEX_FILE])
+                                                          or f == INDEX_FILE], dirs_exist_ok=True)
     config = dict(ckpt.config)
     config["llm_config"] = {**ckpt.llm_config, "quantization_config": dict(QUANTIZATION_CONFIG)}
     (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))

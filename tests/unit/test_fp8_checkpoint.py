@@ -167,10 +167,10 @@ def test_with_tensor_parallelism_each_rank_loads_its_share_of_the_stored_codes_a
         assert kinds == {"row", "column"}
 
 
-def _quantize(*args: str) -> subprocess.CompletedProcess:
+def _quantize(*args: str, **popen) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
     return subprocess.run([sys.executable, "-m", "mammoth_app.cli", "quantize-checkpoint", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120, **popen)
 
 
 def _one_line_failure(proc: subprocess.CompletedProcess) -> str:
@@ -294,3 +294,118 @@ def test_a_json_file_that_does_not_parse_is_named_in_one_line(tiny_checkpoint, t
     line = _one_line_failure(_quantize(str(src), str(tmp_path / "out")))
     assert f"{name} is not valid JSON" in line, line
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def _drop_permission_overrides() -> None:
+    """preexec_fn: drop the capabilities that let root ignore file permissions (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH, CAP_FOWNER) from the child's bounding set, so that the program it executes
+    (with no inheritable capabilities) obeys a folder's mode as any other user does."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _as_a_user(tmp_path: pathlib.Path):
+    """The preexec_fn under which a child obeys file permissions: none for a user, the capability drop
+    for root (which writes into read-only folders: a read-only case could not be staged). Checked with
+    a probe, so the read-only cases below test what they say."""
+    preexec = _drop_permission_overrides if os.geteuid() == 0 else None
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    probe.chmod(0o555)
+    try:
+        proc = subprocess.run([sys.executable, "-c", f"open({str(probe / 'x')!r}, 'w')"], preexec_fn=preexec,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        probe.chmod(0o755)
+        shutil.rmtree(probe)
+    assert "PermissionError" in proc.stderr, ("a read-only folder cannot be staged here", proc.stderr)
+    return preexec
+
+
+def _same_files(a: pathlib.Path, b: pathlib.Path) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("parent", ["writable", "read-only"])
+def test_an_existing_empty_destination_folder_is_filled_where_it_is(fp8_checkpoint, tiny_checkpoint, tmp_path, parent):
+    """(break-it pass, 2026-12-07: DEST an existing empty folder that cannot be removed or renamed, such as
+    a Kubernetes emptyDir or PVC mount point (EBUSY): the copy went to ``DEST.partial`` beside it, and the
+    final ``rmdir(DEST)`` and rename failed, leaving ``DEST.partial``.) The copy is written into a hidden
+    folder inside DEST and moved up entry by entry; DEST itself is neither removed nor renamed. A
+    read-only parent stands for the mount point (``rmdir(DEST)`` fails there with EACCES)."""
+    dest = tmp_path / "mnt" / "dest"
+    dest.mkdir(parents=True)
+    preexec = _as_a_user(tmp_path)
+    if parent == "read-only":
+        dest.parent.chmod(0o555)
+    try:
+        proc = _quantize(str(tiny_checkpoint), str(dest), preexec_fn=preexec)
+    finally:
+        dest.parent.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in dest.parent.iterdir()] == ["dest"]
+    _same_files(dest, fp8_checkpoint)  # the same copy as into a new folder, nothing hidden left
+
+
+#: A process that copies SOURCE to DEST for each ``SOURCE<TAB>DEST`` line it reads, answering ``ok`` or
+#: ``failed <message>``: torch imported once, and two such processes start a copy within a millisecond.
+_COPIER = """
+import sys
+from stage_ar.fp8_checkpoint import write_fp8_checkpoint
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        write_fp8_checkpoint(*line.rstrip("\\n").split("\\t"))
+        print("ok", flush=True)
+    except Exception as exc:
+        print("failed", " ".join(str(exc).split()), flush=True)
+"""
+
+
+def test_two_runs_to_one_destination_at_once_leave_one_complete_copy(fp8_checkpoint, tiny_checkpoint, tmp_path):
+    """(break-it pass, 2026-12-07: of two runs started at once to one DEST, the loser's clean-up removed the
+    winner's partial folder, and the winner exited 0 with a copy lacking config.json and the tokenizer, or
+    failed too.) The partial folder is created exclusively and a run removes only the folder it created:
+    each time, one run succeeds with a complete copy and the other is refused, leaving nothing behind.
+    Two real processes, each told to start by one line on its stdin, written to both at once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    copiers = [subprocess.Popen([sys.executable, "-c", _COPIER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        assert [c.stdout.readline() for c in copiers] == ["ready\n"] * 2
+        for attempt in range(10):
+            dest = tmp_path / f"q{attempt}"
+            for c in copiers:
+                c.stdin.write(f"{tiny_checkpoint}\t{dest}\n")
+            for c in copiers:
+                c.stdin.flush()
+            answers = sorted(c.stdout.readline().strip() for c in copiers)
+            assert answers[0].startswith("failed") and answers[1] == "ok", (attempt, answers)
+            _same_files(dest, fp8_checkpoint)
+            assert sorted(p.name for p in tmp_path.iterdir()) == [f"q{i}" for i in range(attempt + 1)]
+    finally:
+        for c in copiers:
+            c.stdin.close()
+            c.wait(timeout=60)
+
+
+def test_another_runs_partial_folder_is_refused_and_left_alone(tiny_checkpoint, tmp_path):
+    """The partial folder of a run under way (or killed: SIGKILL cannot be cleaned up after), beside a new
+    DEST or inside an empty one, makes the next run refuse, naming it, and stay away from it."""
+    from stage_ar.fp8_checkpoint import partial_folder
+
+    for dest in (tmp_path / "new", tmp_path / "empty"):
+        if dest.name == "empty":
+            dest.mkdir()
+        partial = partial_folder(dest)
+        partial.mkdir()
+        (partial / "theirs").write_text("")
+        line = _one_line_failure(_quantize(str(tiny_checkpoint), str(dest)))
+        assert f"{partial} exists" in line, line
+        assert [p.name for p in partial.iterdir()] == ["theirs"]
