@@ -160,6 +160,21 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     return dst
 
 
+def _copy_contents(src: pathlib.Path, partial: pathlib.Path) -> None:
+    """Copy every file of ``src`` but its safetensors shards and index into ``partial`` (existing), folders
+    included, contents only: a read-only source's modes (0444 files, a 0555 folder, as a read-only
+    volume gives them) would make the copy one this code cannot finish, nor remove."""
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    for folder, _dirs, files in os.walk(src, onerror=fail, followlinks=True):
+        here = partial / os.path.relpath(folder, src)
+        here.mkdir(exist_ok=True)
+        for name in files:
+            if not (name.endswith(".safetensors") or name == INDEX_FILE):
+                shutil.copyfile(os.path.join(folder, name), here / name)
+
+
 def _write(ckpt: Checkpoint, src: pathlib.Path, partial: pathlib.Path) -> int:
     """The copy into ``partial`` (created, empty); returns how many weights it stored as codes."""
     import torch
@@ -167,8 +182,7 @@ def _write(ckpt: Checkpoint, src: pathlib.Path, partial: pathlib.Path) -> int:
     from safetensors.torch import save_file
 
     names = set(fp8_weight_names(ckpt.llm_config))
-    shutil.copytree(src, partial, ignore=lambda _d, files: [f for f in files if f.endswith(".safetensors")
-                                                          or f == INDEX_FILE], dirs_exist_ok=True)
+    _copy_contents(src, partial)
     config = dict(ckpt.config)
     config["llm_config"] = {**ckpt.llm_config, "quantization_config": dict(QUANTIZATION_CONFIG)}
     (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))

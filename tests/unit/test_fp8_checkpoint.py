@@ -409,3 +409,23 @@ def test_another_runs_partial_folder_is_refused_and_left_alone(tiny_checkpoint, 
         line = _one_line_failure(_quantize(str(tiny_checkpoint), str(dest)))
         assert f"{partial} exists" in line, line
         assert [p.name for p in partial.iterdir()] == ["theirs"]
+
+
+def test_a_read_only_source_is_copied_into_a_writable_copy(fp8_checkpoint, tiny_checkpoint, tmp_path):
+    """(break-it pass, 2026-12-07: with the source's files 0444 or its folder 0555, as a read-only volume
+    mounts them, the copy took their modes, so the tool could not write its own config.json into it, and
+    a 0555 partial folder could not be removed.) Contents are copied, not modes."""
+    preexec = _as_a_user(tmp_path)
+    src = tmp_path / "src"
+    shutil.copytree(tiny_checkpoint, src)
+    for f in src.iterdir():
+        f.chmod(0o444)
+    src.chmod(0o555)
+    try:
+        proc = _quantize(str(src), str(tmp_path / "out"), preexec_fn=preexec)
+    finally:
+        src.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    _same_files(tmp_path / "out", fp8_checkpoint)
+    assert all(f.stat().st_mode & 0o200 for f in [tmp_path / "out", *(tmp_path / "out").iterdir()])
