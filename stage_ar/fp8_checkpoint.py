@@ -139,7 +139,8 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
         ValueError: ``source`` stores FP8 weights already; a destination refused as above (or its
             partial folder exists: another run's); a shard of ``source`` that cannot be read; a
             visual-token weight holding a non-finite value (named).
-        OSError: reading or writing failed.
+        OSError: reading or writing failed (a full disk, say): one line naming ``destination`` and the
+            error.
     """
     src, dst = pathlib.Path(source), pathlib.Path(os.path.abspath(destination))
     if not src.is_dir():
@@ -153,8 +154,10 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     try:
         converted = _write(ckpt, src, partial)
         _publish(partial, dst)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(partial, ignore_errors=True)  # this run's own (created above)
+        if isinstance(exc, OSError):  # a full disk, say: one line naming the destination
+            raise OSError(f"the copy to {dst} failed, nothing left there: {' '.join(str(exc).split())}") from exc
         raise
     logger.info("FP8 checkpoint at %s: %d weights as E4M3 codes with row scales", dst, converted)
     return dst
@@ -207,8 +210,10 @@ def _write(ckpt: Checkpoint, src: pathlib.Path, partial: pathlib.Path) -> int:
                         out[name] = tensor.contiguous()
         except SafetensorError as exc:
             raise ValueError(f"{src / file} cannot be read: {' '.join(str(exc).split())[:200]}") from None
-        (partial / file).parent.mkdir(parents=True, exist_ok=True)
-        save_file(out, str(partial / file), metadata={"format": "pt"})
+        try:
+            save_file(out, str(partial / file), metadata={"format": "pt"})
+        except SafetensorError as exc:  # I/O errors (ENOSPC, EFBIG) come as this
+            raise OSError(f"{file} cannot be written: {' '.join(str(exc).split())[:200]}") from None
         os.chmod(partial / file, 0o644)
         for name, tensor in out.items():
             weight_map[name] = file

@@ -429,3 +429,24 @@ def test_a_read_only_source_is_copied_into_a_writable_copy(fp8_checkpoint, tiny_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
     _same_files(tmp_path / "out", fp8_checkpoint)
     assert all(f.stat().st_mode & 0o200 for f in [tmp_path / "out", *(tmp_path / "out").iterdir()])
+
+
+@pytest.mark.parametrize("dest_exists", [False, True])
+def test_a_full_disk_is_one_line_naming_the_destination(tiny_checkpoint, tmp_path, dest_exists):
+    """(break-it pass, 2026-12-07: a write failing for want of space gave safetensors' SafetensorError as a
+    traceback.) The disk is filled for real, as far as the process is concerned: RLIMIT_FSIZE of 1 MiB
+    lets the small files through and makes the first shard's write fail (EFBIG, "File too large"). An
+    existing empty DEST is left as it was found, a new one is not made."""
+    import resource
+
+    dest = tmp_path / "out"
+    if dest_exists:
+        dest.mkdir()
+
+    def small_files_only() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    line = _one_line_failure(_quantize(str(tiny_checkpoint), str(dest), preexec_fn=small_files_only))
+    assert str(dest) in line and "File too large" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if dest_exists else [])
+    assert not dest_exists or not any(dest.iterdir())
