@@ -16,12 +16,14 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import asyncio
 import logging
 import os
+import signal
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from mammoth_core import settings as settings_mod
 from mammoth_core.logging import setup_logging
@@ -168,13 +170,35 @@ def cmd_check_checkpoint(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+@contextlib.contextmanager
+def _ending_signals_unwind() -> Iterator[None]:
+    """Within: SIGTERM (how Kubernetes ends a pod) and SIGHUP (a closed terminal) raise
+    ``SystemExit(128 + signal)`` as SIGINT raises KeyboardInterrupt, so that the command's clean-up runs
+    (a partial copy removed) before the process exits with the status a shell gives a process that
+    signal ended. A second one during the clean-up is ignored; the previous handlers are restored."""
+    ending = (signal.SIGTERM, signal.SIGHUP)
+
+    def unwind(signum: int, _frame: object) -> None:
+        for sig in ending:
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, unwind) for sig in ending}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_quantize_checkpoint(args: argparse.Namespace) -> int:
     setup_logging("cli", "text", "info")
     from mammoth_core.checkpoint import CheckpointError
     from stage_ar.fp8_checkpoint import write_fp8_checkpoint
 
     try:
-        path = write_fp8_checkpoint(args.source, args.dest)
+        with _ending_signals_unwind():
+            path = write_fp8_checkpoint(args.source, args.dest)
     except CheckpointError as exc:
         raise CommandError(f"{exc.path}: " + "; ".join(exc.problems[:3])
                            + (f" (and {len(exc.problems) - 3} more: mammoth check-checkpoint)"

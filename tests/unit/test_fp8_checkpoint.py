@@ -9,8 +9,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -357,6 +359,7 @@ def test_an_existing_empty_destination_folder_is_filled_where_it_is(fp8_checkpoi
 #: ``failed <message>``: torch imported once, and two such processes start a copy within a millisecond.
 _COPIER = """
 import sys
+import time
 from stage_ar.fp8_checkpoint import write_fp8_checkpoint
 print("ready", flush=True)
 for line in sys.stdin:
@@ -450,3 +453,32 @@ def test_a_full_disk_is_one_line_naming_the_destination(tiny_checkpoint, tmp_pat
     assert str(dest) in line and "File too large" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if dest_exists else [])
     assert not dest_exists or not any(dest.iterdir())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_ended_by_sigterm_or_sighup_removes_its_partial_folder(tiny_checkpoint, tmp_path, signum):
+    """(break-it pass, 2026-12-07: SIGTERM, as Kubernetes ends a pod, or SIGHUP, a closed terminal, during
+    a copy left ``DEST.partial``, and every later run refused to start; SIGINT was handled.) The signal
+    is sent to a real run while it writes: stopped (SIGSTOP) once its partial folder appears, so the
+    signal surely lands mid-copy, then continued. The run exits 128 + the signal's number and leaves
+    nothing; a rerun succeeds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")}
+    dest, partial = tmp_path / "out", tmp_path / "out.partial"
+    run = subprocess.Popen([sys.executable, "-m", "mammoth_app.cli", "quantize-checkpoint", str(tiny_checkpoint),
+                            str(dest)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not partial.exists():
+            assert run.poll() is None, run.communicate()
+            time.sleep(0.001)
+        run.send_signal(signal.SIGSTOP)
+        assert partial.exists() and not dest.exists()  # stopped mid-copy
+        run.send_signal(signum)
+        run.send_signal(signal.SIGCONT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 128 + signum, (run.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    assert _quantize(str(tiny_checkpoint), str(dest)).returncode == 0
