@@ -482,3 +482,16 @@ def test_a_run_ended_by_sigterm_or_sighup_removes_its_partial_folder(tiny_checkp
     assert "Traceback" not in err, err[-2000:]
     assert list(tmp_path.iterdir()) == []
     assert _quantize(str(tiny_checkpoint), str(dest)).returncode == 0
+
+
+def test_dest_dot_is_the_current_folder(fp8_checkpoint, tiny_checkpoint, tmp_path):
+    """(break-it pass, 2026-12-07: ``quantize-checkpoint SRC .`` in an empty folder failed with
+    "PosixPath('.') has an empty name".)"""
+    here = tmp_path / "here"
+    here.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAMMOTH_")} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "mammoth_app.cli", "quantize-checkpoint", str(tiny_checkpoint), "."],
+                          cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(here)
+    _same_files(here, fp8_checkpoint)
