@@ -59,7 +59,7 @@ def _refuse_destination(src: pathlib.Path, dst: pathlib.Path) -> None:
         raise ValueError(f"{dst} is inside the source folder {src}: give a folder outside it")
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"{dst} is a file: give a new folder or an empty one")
-    if dst.exists() and any(entry.name != PARTIAL_NAME for entry in dst.iterdir()):  # (_create_partial names that)
+    if dst.exists() and any(entry.name != PARTIAL_NAME for entry in dst.iterdir()):  # a partial one: _create_partial
         raise ValueError(f"{dst} exists and is not an empty folder")
     if not dst.parent.is_dir():
         raise ValueError(f"{dst.parent} does not exist: create it first")
@@ -123,8 +123,9 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
 
     The copy is written to `partial_folder` (beside a new destination, or inside an existing empty one,
     which is neither removed nor renamed) and moved into place when complete; a failure this code sees,
-    or SIGINT, removes the partial folder (a killed process leaves it, and the next run refuses to start
-    until it is removed). Peak host memory: one shard of ``source``.
+    or SIGINT (SIGTERM and SIGHUP too under ``mammoth quantize-checkpoint``), removes the partial folder
+    (a killed process leaves it, and the next run refuses to start until it is removed). Peak host
+    memory: one shard of ``source``.
 
     Args:
         source: a checkpoint folder the AR can load (checked first, headers only).
