@@ -8,7 +8,9 @@ per output in the epilogue).
 
 Error of one weight (round to nearest even in E4M3's 3 mantissa bits): at most 2^-4 of its
 magnitude in the normal range, at most ``2^-10 * scale[n]`` below it (subnormals, values under
-``2^-6 * scale[n]``); zero rows get scale 1 and stay exactly zero.
+``2^-6 * scale[n]``); zero rows get scale 1 and stay exactly zero. A scale is never below `MIN_SCALE`
+(float32's smallest normal number): a row whose largest magnitude is under ``448 * MIN_SCALE``
+(about 5.3e-36) keeps the floor and uses fewer codes, its error still at most ``2^-10 * MIN_SCALE``.
 
 A checkpoint may hold the visual-token projections in this layout already (`stage_ar.fp8_checkpoint`
 writes one): each such weight under its checkpoint name (``...q_proj.weight``) as ``F8_E4M3`` codes,
@@ -25,6 +27,10 @@ import torch
 #: E4M3 ("fn": finite, no infinities) largest finite magnitude.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 FP8_DTYPE = torch.float8_e4m3fn
+#: The smallest row scale (float32's smallest normal number, 2^-126): ``amax / 448`` of a row of tiny
+#: float32 weights (largest magnitude 1e-44, say) underflows to 0, which would make its codes NaN, and a
+#: subnormal scale would lose bits (and be flushed to zero by GPU kernels).
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 #: ``llm_config["quantization_config"]`` of a checkpoint storing the visual-token projections as E4M3
 #: codes with per-output-channel scales (the layout above; activations are not stored quantized: W8A16
 #: or, with ``weights_dtype: fp8-w8a8``, quantized per row at run time).
@@ -60,8 +66,8 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
         weight: ``(N, K)`` floating-point weight (bfloat16, float16 or float32), any device.
 
     Returns:
-        ``(w_fp8, scale)``: ``w_fp8 (N, K)`` ``torch.float8_e4m3fn`` (contiguous), ``scale (N,)`` float32,
-        both on ``weight``'s device.
+        ``(w_fp8, scale)``: ``w_fp8 (N, K)`` ``torch.float8_e4m3fn`` (contiguous, finite), ``scale (N,)``
+        float32, each at least `MIN_SCALE` (1 for an all-zero row), both on ``weight``'s device.
 
     Raises:
         ValueError: ``weight`` is not 2-D or holds a non-finite value.
@@ -80,7 +86,7 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
         if not torch.isfinite(rows).all():
             raise ValueError(f"weight rows {lo}..{lo + rows.shape[0] - 1} hold a non-finite value")
         amax = rows.abs().amax(dim=1)
-        row_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        row_scale = torch.where(amax > 0, (amax / FP8_MAX).clamp_(min=MIN_SCALE), torch.ones_like(amax))
         w_fp8[lo : lo + rows.shape[0]] = (rows / row_scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         scale[lo : lo + rows.shape[0]] = row_scale
     return w_fp8, scale

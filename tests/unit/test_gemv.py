@@ -426,6 +426,22 @@ def test_fp8_round_trip_error_is_within_e4m3_rounding():
         assert torch.equal(back[5], torch.zeros(300))
 
 
+def test_fp8_a_row_of_tiny_weights_gets_a_positive_scale_and_finite_codes():
+    """A float32 row whose largest magnitude is positive but tiny (1e-44, a subnormal): ``amax / 448``
+    underflows to 0, which gave the row scale 0 and NaN codes (break-it pass, 2026-12-07). The scale is
+    floored at float32's smallest normal number, so the codes are finite and the row comes back within
+    ``2^-10`` of that floor."""
+    from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
+
+    w = torch.tensor([[1e-44, -5e-45, 0.0, 3e-45], [1.0, -2.0, 0.5, 448.0], [1e-30, 0.0, -1e-31, 0.0]])
+    w8, scale = quantize_fp8_per_channel(w)
+    assert torch.isfinite(w8.float()).all() and (scale > 0).all(), (w8.float(), scale)
+    assert scale[0] == torch.finfo(torch.float32).tiny
+    assert torch.equal(scale[1:], w[1:].abs().amax(1) / 448)  # rows above the floor as before
+    back = dequantize_fp8_per_channel(w8, scale, torch.float32)
+    assert ((back - w).abs() <= 2.0**-4 * w.abs() + 2.0**-10 * scale[:, None]).all()
+
+
 def test_fp8_values_on_the_grid_round_trip_exactly():
     from stage_ar.fp8 import dequantize_fp8_per_channel, quantize_fp8_per_channel
 
