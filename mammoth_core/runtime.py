@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import os
@@ -29,25 +30,33 @@ def cannot_listen(address: str, flag: str, exc: BaseException) -> StageStartErro
     the address, the ``flag`` that set its port (``--port``, ``--metrics-port``) and why (``exc``'s
     ``strerror``; gRPC's bind error carries none: "in use, or not an address of this machine")."""
     reason = getattr(exc, "strerror", None) or "in use, or not an address of this machine"
-    return StageStartError(f"cannot listen on {address} ({flag}): {reason}; stop what holds it or give "
-                           f"another {flag} (0: any free port)")
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno != errno.EADDRINUSE:
+        hint = "give --host an address of this machine"  # not this machine's, a name that does not resolve
+    else:
+        hint = f"stop what holds it or give another {flag} (0: any free port)"
+    return StageStartError(f"cannot listen on {address} ({flag}): {reason}; {hint}")
 
 
 def listen_socket(host: str, port: int, flag: str = "--port", backlog: int = 2048) -> socket.socket:
-    """A TCP socket listening on ``host:port`` (IPv6 where ``host`` has a colon; ``SO_REUSEADDR``), for
-    a server that takes sockets (uvicorn's ``serve(sockets=)``), so that a port in use is this
-    process's one-line error and not the server's exit. ``backlog``: uvicorn's default.
+    """A TCP socket listening on ``host:port``, bound as uvicorn binds its own (IPv6 where ``host`` has
+    a colon, the system's dual-stack default left as it is, so ``::`` still takes IPv4 too;
+    ``SO_REUSEADDR``; ``backlog`` uvicorn's default), for a server that takes sockets (uvicorn's
+    ``serve(sockets=)``), so that a port in use is this process's one-line error, not the server's exit.
 
     Raises:
         StageStartError: the address cannot be listened on (`cannot_listen`).
     """
     from mammoth_core.addresses import format_address
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return socket.create_server((host, port), family=family, backlog=backlog)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
     except OSError as exc:  # in use, not this machine's, a name that does not resolve
+        sock.close()
         raise cannot_listen(format_address(host, port), flag, exc) from exc
+    return sock
 
 
 @contextlib.asynccontextmanager
