@@ -35,7 +35,7 @@ from gateway.slow_clients import guarded_protocol, quiet_logs
 from mammoth_core import grpc_common, tracing
 from mammoth_core.logging import request_id_var
 from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
-from mammoth_core.runtime import listen_socket, write_ready_file
+from mammoth_core.runtime import listen_sockets, write_ready_file
 from mammoth_core.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
                             log_config=None, access_log=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5, http=protocol)
     server = _Server(config)
-    sock = listen_socket(settings.host, settings.port)  # a port in use: one line (`cannot_listen`), not uvicorn's exit
+    socks = listen_sockets(settings.host, settings.port)  # a port in use: one line (`cannot_listen`), not uvicorn's exit
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None
 
@@ -344,7 +344,7 @@ async def serve(settings: GatewaySettings, ready_file: str | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, on_signal, sig)
-    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    serve_task = asyncio.create_task(server.serve(sockets=socks))
     try:
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.02)

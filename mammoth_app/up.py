@@ -105,8 +105,13 @@ def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, objec
     if args.generate is not None and getattr(args, "steps", None) is not None:
         from mammoth_core import limits
 
+        # the rule and limits of both components that enforce them: the gateway's, then the DiT's
+        # (a config file's ``dit:`` section may set its own max_steps)
+        dit = settings_mod.resolve_settings(settings_mod.DiTSettings, env=env, config_file=args.config,
+                                            warn_unknown_keys=False)
         try:
-            limits.check_steps(args.steps, limits.from_settings(effective))  # the gateway's rule and limits
+            for component in (effective, dit):
+                limits.check_steps(args.steps, limits.from_settings(component))
         except limits.LimitError as exc:
             raise StartupError(f"--steps {args.steps}: {exc.message}") from None
     return {"overrides": overrides, "effective": effective}

@@ -27,36 +27,56 @@ class StageStartError(RuntimeError):
 
 def cannot_listen(address: str, flag: str, exc: BaseException) -> StageStartError:
     """The `StageStartError` for an ``address`` (``host:port``) a component cannot listen on: names
-    the address, the ``flag`` that set its port (``--port``, ``--metrics-port``) and why (``exc``'s
-    ``strerror``; gRPC's bind error carries none: "in use, or not an address of this machine")."""
-    reason = getattr(exc, "strerror", None) or "in use, or not an address of this machine"
-    if isinstance(exc, OSError) and exc.errno is not None and exc.errno != errno.EADDRINUSE:
-        hint = "give --host an address of this machine"  # not this machine's, a name that does not resolve
-    else:
+    the address, the ``flag`` that set its port (``--port``, ``--metrics-port``), why (``exc``'s
+    ``strerror``) and what to change. gRPC's bind error carries no errno (its own log line, printed
+    before ours, has the cause), so its hint names every usual cause."""
+    reason = getattr(exc, "strerror", None)
+    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    if code == errno.EADDRINUSE:
         hint = f"stop what holds it or give another {flag} (0: any free port)"
+    elif code == errno.EACCES:
+        hint = f"ports below 1024 need privileges: give another {flag} (0: any free port)"
+    elif code is not None:  # not an address of this machine, a name that does not resolve
+        hint = "give --host an address of this machine"
+    else:
+        reason = reason or "the port is in use or privileged, or the host is not of this machine"
+        hint = f"give another {flag} (0: any free port) or --host"
     return StageStartError(f"cannot listen on {address} ({flag}): {reason}; {hint}")
 
 
-def listen_socket(host: str, port: int, flag: str = "--port", backlog: int = 2048) -> socket.socket:
-    """A TCP socket listening on ``host:port``, bound as uvicorn binds its own (IPv6 where ``host`` has
-    a colon, the system's dual-stack default left as it is, so ``::`` still takes IPv4 too;
-    ``SO_REUSEADDR``; ``backlog`` uvicorn's default), for a server that takes sockets (uvicorn's
-    ``serve(sockets=)``), so that a port in use is this process's one-line error, not the server's exit.
+def listen_sockets(host: str, port: int, flag: str = "--port", backlog: int = 2048) -> list[socket.socket]:
+    """TCP sockets listening on ``host:port``, bound as asyncio's ``loop.create_server`` binds them
+    (what uvicorn used when it bound its own): one per address ``host`` resolves to (``''``: every
+    interface, IPv4 and IPv6), ``IPV6_V6ONLY`` on an IPv6 socket, ``SO_REUSEADDR``; ``backlog``
+    uvicorn's default. For a server that takes sockets (uvicorn's ``serve(sockets=)``), so that a port
+    in use is this process's one-line error, not the server's exit.
 
     Raises:
-        StageStartError: the address cannot be listened on (`cannot_listen`).
+        StageStartError: ``host`` does not resolve, or an address cannot be listened on (`cannot_listen`).
     """
     from mammoth_core.addresses import format_address
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    where = format_address(host, port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError as exc:  # in use, not this machine's, a name that does not resolve
-        sock.close()
-        raise cannot_listen(format_address(host, port), flag, exc) from exc
-    return sock
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:  # socket.gaierror: a name that does not resolve
+        raise cannot_listen(where, flag, exc) from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _name, address in dict.fromkeys(
+                (i[0], i[1], i[2], i[3], i[4]) for i in infos):  # unique, in resolver order
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+    except OSError as exc:  # in use, privileged, not this machine's
+        for sock in sockets:
+            sock.close()
+        raise cannot_listen(where, flag, exc) from exc
+    return sockets
 
 
 @contextlib.asynccontextmanager

@@ -91,6 +91,18 @@ def test_up_generate_with_steps_the_gateway_refuses_is_refused_before_anything_s
     assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
 
 
+def test_up_generate_with_steps_only_the_dit_refuses_is_refused_before_anything_starts(tmp_path):
+    """The DiT enforces its own ``max_steps`` (a config file's ``dit:`` section); ``up`` checks ``--steps``
+    against it too (break-it pass, 2026-12-07: with ``dit: {max_steps: 10}`` and ``--steps 11`` the whole
+    pipeline started, then the DiT refused the request)."""
+    config = tmp_path / "dit.yaml"
+    config.write_text("dit:\n  max_steps: 10\n")
+    line = one_line(mammoth("up", "--config", str(config), "--generate", "a fox", "--steps", "11", "-o", "x.png",
+                            "--port", "0", cwd=tmp_path, MAMMOTH_CACHE_DIR=str(tmp_path / "cache")))
+    assert "--steps 11" in line and "[1, 10]" in line, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
+
+
 def test_download_model_without_a_scheme(tmp_path):
     line = one_line(mammoth("download-model", "org/repo", str(tmp_path / "dest")))
     assert "hf://org/repo" in line, line
