@@ -139,16 +139,19 @@ def _check_tensors(prefix: str, expected: dict[str, tuple[int, ...]], infos: dic
 def _check_row_scales(ckpt: Checkpoint, prefix: str, expected: dict[str, tuple[int, ...]],
                       infos: dict[str, TensorInfo], report: CheckReport) -> None:
     """Report FP8 row scales (``<name>.weight_scale`` beside expected ``<name>.weight`` codes) holding a
-    value that is not finite and > 0: the codes times such a scale are not the weight."""
-    import torch
-    from safetensors import safe_open
-
+    value that is not finite and > 0: the codes times such a scale are not the weight. Reads (and
+    imports torch for) nothing where there are no row scales."""
     by_file: dict[str, list[str]] = {}
     for key in expected:
         name = f"{prefix}{key}_scale"
         if key.endswith(".weight") and f"{key}_scale" in expected and name in infos \
                 and infos[name].dtype in FLOAT_DTYPES:
             by_file.setdefault(infos[name].file, []).append(name)
+    if not by_file:
+        return
+    import torch
+    from safetensors import safe_open
+
     for file, names in sorted(by_file.items()):
         try:
             with safe_open(str(ckpt.path / file), framework="pt") as handle:
