@@ -55,13 +55,26 @@ def _say(text: str, err: bool = False) -> None:
 
 
 def local_gateway_settings(checkpoint: str, env: dict[str, str], config: str | None) -> dict[str, object]:
-    """`LOCAL_REQUEST_DEFAULTS` not set by the environment or the config file (built-in only)."""
+    """`LOCAL_REQUEST_DEFAULTS` not set by the environment or the config file (built-in only); the
+    local ``default_steps`` at most the ``max_steps`` the environment or the file sets (else the
+    gateway would refuse a default the user never set)."""
     if not checkpoint.startswith(BUILTIN_SCHEME):
         return {}
     config = config or env.get(settings_mod.ENV_PREFIX + "CONFIG")
     in_file = settings_mod.read_config_file(config, "gateway") if config else {}
-    return {k: v for k, v in LOCAL_REQUEST_DEFAULTS.items()
-            if k not in in_file and settings_mod.ENV_PREFIX + k.upper() not in env}
+
+    def user_value(key: str) -> object:
+        return env.get(settings_mod.ENV_PREFIX + key.upper(), in_file.get(key))
+
+    local = {k: v for k, v in LOCAL_REQUEST_DEFAULTS.items() if user_value(k) is None}
+    if "default_steps" in local:
+        try:
+            cap = int(str(user_value("max_steps")))
+        except ValueError:  # not set (None), or not a number: the gateway's validation says so
+            cap = 0
+        if cap >= 1:  # (below 1 the gateway refuses max_steps itself)
+            local["default_steps"] = min(int(local["default_steps"]), cap)
+    return local
 
 
 def _preflight(args: argparse.Namespace, env: dict[str, str]) -> dict[str, object]:

@@ -91,6 +91,22 @@ def test_up_generate_with_steps_the_gateway_refuses_is_refused_before_anything_s
     assert not (tmp_path / "cache").exists() and not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("where", ["file", "env"])
+def test_up_with_a_max_steps_below_its_local_default_steps_keeps_to_it(tmp_path, where):
+    """``up`` sets ``default_steps: 20`` for the built-in checkpoint where the user did not; with a
+    ``max_steps`` of 10 (config file or environment) it now takes 10, and ``--steps 11`` is refused by
+    that limit (break-it pass, 2026-12-07: ``mammoth up: default_steps must not exceed max_steps``, a
+    setting the user never set, even for a valid ``--steps 5``)."""
+    config = tmp_path / "flat.yaml"
+    config.write_text("max_steps: 10\n")
+    args = ("--config", str(config)) if where == "file" else ()
+    env = {} if where == "file" else {"MAMMOTH_MAX_STEPS": "10"}
+    line = one_line(mammoth("up", *args, "--generate", "a fox", "--steps", "11", "-o", "x.png", "--port", "0",
+                            cwd=tmp_path, MAMMOTH_CACHE_DIR=str(tmp_path / "cache"), **env))
+    assert "--steps 11" in line and "[1, 10]" in line, line
+    assert "default_steps" not in line, line
+
+
 def test_up_generate_with_steps_only_the_dit_refuses_is_refused_before_anything_starts(tmp_path):
     """The DiT enforces its own ``max_steps`` (a config file's ``dit:`` section); ``up`` checks ``--steps``
     against it too (break-it pass, 2026-12-07: with ``dit: {max_steps: 10}`` and ``--steps 11`` the whole
