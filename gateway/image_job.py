@@ -35,7 +35,6 @@ NATURAL_GUIDANCE_FACTOR = 0.5
 DEFAULT_OUTPUT_COMPRESSION = 25
 
 
-
 @dataclass
 class ImageJob:
     """A validated request with every default applied (the parameters actually used)."""

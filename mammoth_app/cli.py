@@ -16,10 +16,10 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import asyncio
+import contextlib
 import logging
+import math
 import os
 import signal
 import sys

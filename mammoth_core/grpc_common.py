@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from mammoth_core.logging import RateLimitFilter
+from mammoth_core.runtime import cannot_listen
 
 logger = logging.getLogger(__name__)
 #: Refused stage calls (no or a wrong token, a role that may not call the method): one WARNING per
@@ -427,8 +428,6 @@ def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCred
     Raises:
         mammoth_core.runtime.StageStartError: gRPC cannot bind ``address`` (`cannot_listen`, naming ``--port``).
     """
-    from mammoth_core.runtime import cannot_listen
-
     try:
         if credentials is None:
             return server.add_insecure_port(address)

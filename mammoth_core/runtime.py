@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from mammoth_core.addresses import format_address
+
 
 class StageStartError(RuntimeError):
     """A stage could not start because of what it was given (an unusable checkpoint, a bad file, a
@@ -54,8 +56,6 @@ def listen_sockets(host: str, port: int, flag: str = "--port", backlog: int = 20
     Raises:
         StageStartError: ``host`` does not resolve, or an address cannot be listened on (`cannot_listen`).
     """
-    from mammoth_core.addresses import format_address
-
     where = format_address(host, port)
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -144,8 +144,6 @@ def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = N
     try:
         return _start_metrics_server(port, host, routes)
     except OSError as exc:  # in use, not this machine's
-        from mammoth_core.addresses import format_address
-
         raise cannot_listen(format_address(host, port), "--metrics-port", exc) from exc
 
 
