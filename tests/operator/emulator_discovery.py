@@ -141,13 +141,18 @@ class DiscoveryMixin:
         return payload
 
     async def _serve_list(self, request: kmock.Request) -> Any:
-        """Lists carry ``kind``/``apiVersion`` and a real ``resourceVersion`` (kubectl decodes them)."""
+        """Lists carry ``kind``/``apiVersion`` and a real ``resourceVersion`` (kubectl decodes them).
+
+        The version is taken before the snapshot: a write made meanwhile is in the listing and also
+        after the version, so a watch from it sends that write again (at least once), never not at all.
+        """
+        version = str(next(RESOURCE_VERSIONS))
         payload = await super()._serve_list(request)
         info = self.resources[self._key(request)]
         r = request.resource
         payload["kind"] = f"{info.kind}List"
         payload["apiVersion"] = f"{r.group}/{r.version}" if r.group else r.version
-        payload["metadata"] = {"resourceVersion": str(next(RESOURCE_VERSIONS))}
+        payload["metadata"] = {"resourceVersion": version}
         for item in payload["items"]:
             item.setdefault("kind", info.kind)
             item.setdefault("apiVersion", payload["apiVersion"])

@@ -21,12 +21,12 @@ What a real control plane does around deletion, done synchronously after every w
 from __future__ import annotations
 
 import datetime
-import itertools
 from collections.abc import Callable
 from typing import Any
 
 from kmock._internal import enums, k8s
 
+from emulator_discovery import RESOURCE_VERSIONS
 from emulator_semantics import changed_owner_references, new_blocking_owners
 
 #: (apiGroup, resource[/subresource], verb, namespace or None) of one authorization check.
@@ -35,7 +35,7 @@ FOREGROUND = "foregroundDeletion"
 ORPHAN = "orphan"
 NAMESPACE_FINALIZER = "kubernetes"
 NAMESPACES = "v1/namespaces"
-_RV = itertools.count(500000)
+_RV = RESOURCE_VERSIONS  # the one counter of every write (watches order by it)
 
 
 def request_permission(request: Any) -> Permission | None:

@@ -22,7 +22,11 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
   to ``kubectl get`` (printer columns), deletion propagation, garbage collection, finalizers,
   namespace termination and per-subject authorization with owner-reference permission enforcement
   (``emulator_lifecycle``); ``stall`` delays chosen requests (timeouts of a stuck server);
-* a watch that misses no write made while it sends its listing (`MammothEmulator._serve_watch`);
+* a watch that misses no write made while it sends its listing, and a watch from a
+  ``resourceVersion`` that sends only the changes after it, from a bounded history of events
+  (the API server's watch cache; ``410 Gone`` for a version older than the history), not the whole
+  state again (`MammothEmulator._serve_watch`, :class:`WatchCache`); one version counter for every
+  write, and a deletion's event carries a version of its own;
 * a write that leaves an object as it was stores nothing: the same ``resourceVersion`` in the answer,
   no watch event (still logged in ``writes``: the client sent it).
 """
@@ -30,6 +34,7 @@ of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubect
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import datetime
 import ipaddress
@@ -41,7 +46,7 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
-from kmock._internal import dicts, enums, k8s, parsing
+from kmock._internal import aiobus, dicts, enums, k8s, parsing
 
 import emulator_protobuf
 from emulator_discovery import (BUILTIN_RESOURCES, EXTRA_BUILTINS, RESOURCE_VERSIONS, VERBS,  # noqa: F401 (re-exported)
@@ -111,6 +116,54 @@ def _removal_patch(old: Any, new: Any) -> Any:
     return patch
 
 
+def _version(event: dict[str, Any]) -> int:
+    return int((event.get("object") or {}).get("metadata", {}).get("resourceVersion") or 0)
+
+
+@attrs.mutable(weakref_slot=True)
+class WatchCache(aiobus.Bus[Any]):
+    """KMock's event bus of one resource that also keeps its last ``limit`` events, as the API
+    server's watch cache does, so a watch can start from a ``resourceVersion``.
+
+    A ``DELETED`` event gets a version of its own (the API server's deletion is a write; KMock sent
+    the object's last version). Every ``put`` happens under the emulator's lock, so the history is
+    in version order.
+    """
+
+    limit: int = 10_000
+    history: collections.deque[dict[str, Any]] = attrs.field(init=False)
+    #: The version of the newest event dropped from ``history`` (0: none dropped).
+    expired: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self.history = collections.deque()
+
+    async def put(self, *items: Any) -> None:
+        stamped = []
+        for event in items:
+            if isinstance(event, dict) and event.get("type") == "DELETED":
+                obj = copy.deepcopy(event["object"])
+                obj.setdefault("metadata", {})["resourceVersion"] = str(next(_RV))
+                event = {"type": "DELETED", "object": obj}
+            if isinstance(event, dict):
+                self.history.append(event)
+                while len(self.history) > self.limit:
+                    self.expired = _version(self.history.popleft())
+            stamped.append(event)
+        await super().put(*stamped)
+
+    def since(self, version: str) -> list[dict[str, Any]] | None:
+        """The events after ``version`` in order, or None when the history no longer reaches back to it.
+
+        Raises:
+            ValueError: ``version`` is not a number (the API server answers 400 then; so does the watch).
+        """
+        after = int(version)
+        if after < self.expired:
+            return None
+        return [event for event in self.history if _version(event) > after]
+
+
 @attrs.define(kw_only=True)
 class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     """KMock's emulator plus metadata, status subresources, discovery, CRD validation, defaulting,
@@ -134,32 +187,70 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
     _cluster_ips: Any = attrs.field(factory=lambda: iter(ipaddress.ip_network("10.96.0.0/16").hosts()))
     #: ids of the requests being answered whose write leaves the stored object as it was
     _unchanged: set[int] = attrs.field(factory=set)
+    #: Events each resource's watch cache keeps (:class:`WatchCache`).
+    watch_history: int = 10_000
+    #: Resource keys (``"apps/v1/deployments"``) whose watch events are held back, in order, until the
+    #: key is removed: a lagging watch (the API server's or the network's), which the ``stall`` of
+    #: requests cannot make because a watch's events flow long after its request was answered.
+    watch_lag: set[str] = attrs.field(factory=set)
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        """KMock's watch without its gap: the listing's snapshot and the subscription to the event
-        bus are taken under one hold of the lock every write takes, so a write made while the
-        listing is being sent reaches the watcher after it (KMock released the lock after the
-        snapshot and subscribed only once the listing was sent, so such a write never arrived; a
-        real API server's watch misses nothing after the state it lists)."""
+        """A watch as the API server serves it (KMock's had two gaps).
+
+        * No ``resourceVersion`` (or ``"0"``): the state now as ``ADDED`` events, then every change.
+          The listing's snapshot and the subscription to the event bus are taken under one hold of
+          the lock every write takes, so a write made while the listing is being sent reaches the
+          watcher after it (KMock subscribed only once the listing was sent: such a write was lost).
+        * A ``resourceVersion``: only the changes after it, from the resource's :class:`WatchCache`,
+          then every change; ``ERROR 410 Expired`` when the cache no longer reaches back to it (the
+          client lists again). KMock sent the whole state as ``ADDED`` events instead, so every
+          watch a client (re)started from its listing's version replayed old state as new events.
+        """
         yield b""
         bus = self._buses[request.resource]
+        version = request.params.get("resourceVersion") or "0"
         async with self._lock:
-            objs = self._KubernetesEmulator__get_objs(request, strict=False)
-            listing = [{"type": "ADDED", "object": obj.raw} for obj in objs if not obj.deleted]
+            if version == "0":
+                objs = self._KubernetesEmulator__get_objs(request, strict=False)
+                backlog: list[dict[str, Any]] | None = [{"type": "ADDED", "object": obj.raw} for obj in objs
+                                                        if not obj.deleted]
+            else:
+                try:
+                    backlog = bus.since(version)
+                except ValueError:
+                    backlog = []
+                    version = ""
             marker = await bus.mark()
         try:
-            for event in listing:
-                yield event
+            if not version:
+                yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                   "reason": "BadRequest", "code": 400,
+                                                   "message": "resourceVersion: not a resource version"}}
+                return
+            if backlog is None:
+                yield {"type": "ERROR", "object": {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410,
+                    "message": f"too old resource version: {version} ({bus.expired})"}}
+                return
+            for event in backlog:
+                if self._watched(request, event):
+                    yield event
             async for event in bus.stream(since=marker):
-                meta = event.get("object", {}).get("metadata", {})
-                if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
-                                                   strict=False):
+                while self._key(request) in self.watch_lag:
+                    await asyncio.sleep(0.02)
+                if self._watched(request, event):
                     yield event
         finally:
             await bus.unmark(marker)
 
+    def _watched(self, request: kmock.Request, event: dict[str, Any]) -> bool:
+        meta = event.get("object", {}).get("metadata", {})
+        return bool(self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
+                                                    strict=False))
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self._buses = collections.defaultdict(lambda: WatchCache(limit=self.watch_history))
         for key, kind, namespaced, short, subresources in BUILTIN_RESOURCES:
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=VERBS,

@@ -77,7 +77,7 @@ def test_finalizers_block_namespace_deletion_until_removed(api, crd_installed, k
     result = kubectl("delete", "ns", "team-x", "--timeout=2s", check=False)
     assert result.returncode != 0  # a finalizer nobody removes holds the namespace
     assert api.get("/api/v1/namespaces/team-x")["status"]["phase"] == "Terminating"
-    assert api.create(f"/api/v1/namespaces/team-x/configmaps", {"metadata": {"name": "x"}}).status_code == 403
+    assert api.create("/api/v1/namespaces/team-x/configmaps", {"metadata": {"name": "x"}}).status_code == 403
     api.patch(f"{base}/held", {"metadata": {"finalizers": None}})
     wait_for(lambda: api.get("/api/v1/namespaces/team-x") is None, what="namespace gone")
     assert NAMESPACE == "default"
@@ -167,3 +167,69 @@ def test_a_write_that_changes_nothing_keeps_the_resource_version_and_sends_no_ev
     events = [line for line in received.split(b"\n") if b'"type"' in line and b"steady" in line]
     modified = [e for e in events if b"MODIFIED" in e]
     assert len(modified) == 1, [e[:200] for e in modified]
+
+
+def _watch(api, query: str, until, timeout: float = 10.0) -> list[dict]:
+    """The events of ``GET CONFIGMAPS?watch=true&<query>`` until ``until(events)`` holds or ``timeout``."""
+    import time
+
+    import httpx
+
+    events: list[dict] = []
+    deadline = time.monotonic() + timeout
+    with api.http.stream("GET", f"{CONFIGMAPS}?watch=true&{query}", timeout=httpx.Timeout(timeout, read=1.0)) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        while not until(events) and time.monotonic() < deadline:
+            try:
+                line = next(lines)
+            except (httpx.ReadTimeout, StopIteration):
+                break
+            if line.strip():
+                events.append(json.loads(line))
+    return events
+
+
+def _summary(events: list[dict]) -> list[tuple[str, str, str | None]]:
+    return [(e["type"], e["object"].get("metadata", {}).get("name"), (e["object"].get("data") or {}).get("v"))
+            for e in events]
+
+
+def test_a_watch_from_a_resource_version_sends_only_the_changes_after_it(api, emulator_thread):
+    """kopf lists a kind, then watches it from the listing's ``resourceVersion``: a real API server
+    sends only the changes after that version (from its watch cache), in order, and nothing of the
+    state the listing already held; a version older than it keeps answers 410 Gone. The emulator
+    ignored the version and began every watch (every restart and reconnect of kopf's watches) with
+    the whole current state as ADDED events, each one a child event to the operator (a repair run)
+    and, when the state was read before the operator's own write but delivered after it, one that
+    patched the child a second time (the restart test's two or three patches to beta-ar)."""
+    for name in ("a", "b"):
+        assert api.create(CONFIGMAPS, {"metadata": {"name": name}, "data": {"v": "1"}}).status_code in (200, 201)
+    listed = api.get(CONFIGMAPS)["metadata"]["resourceVersion"]
+    assert api.patch(f"{CONFIGMAPS}/a", {"data": {"v": "2"}}).status_code == 200  # between list and watch
+    assert api.http.delete(f"{CONFIGMAPS}/b").status_code == 200
+
+    events = _watch(api, f"resourceVersion={listed}", until=lambda e: len(e) >= 2, timeout=3.0)
+    assert _summary(events) == [("MODIFIED", "a", "2"), ("DELETED", "b", "1")], _summary(events)
+    deleted_at = int(events[1]["object"]["metadata"]["resourceVersion"])
+    assert deleted_at > int(events[0]["object"]["metadata"]["resourceVersion"]) > int(listed)
+
+    # resourceVersion "0" or none: the state now, as ADDED events (the watch-cache's "any" semantics)
+    for query in ("resourceVersion=0", "allowWatchBookmarks=true"):
+        events = _watch(api, query, until=lambda e: len(e) >= 1, timeout=3.0)
+        assert _summary(events) == [("ADDED", "a", "2")], (query, _summary(events))
+
+
+def test_a_watch_from_a_version_older_than_the_watch_cache_is_gone(api):
+    """A version the watch cache no longer reaches back to answers ``ERROR 410 Expired`` (kopf and
+    client-go then list again), not a silent gap and not the whole state as new events."""
+    api.emulator.watch_history = 2  # before the first write of the resource creates its cache
+    listed = api.get(CONFIGMAPS)["metadata"]["resourceVersion"]
+    for name in ("a", "b", "c"):
+        assert api.create(CONFIGMAPS, {"metadata": {"name": name}, "data": {"v": "1"}}).status_code in (200, 201)
+    events = _watch(api, f"resourceVersion={listed}", until=lambda e: len(e) >= 1, timeout=3.0)
+    assert [(e["type"], e["object"].get("code"), e["object"].get("reason")) for e in events] == [("ERROR", 410, "Expired")]
+    later = api.get(CONFIGMAPS)["metadata"]["resourceVersion"]
+    assert api.patch(f"{CONFIGMAPS}/c", {"data": {"v": "2"}}).status_code == 200
+    events = _watch(api, f"resourceVersion={later}", until=lambda e: len(e) >= 1, timeout=3.0)
+    assert _summary(events) == [("MODIFIED", "c", "2")]
