@@ -13,7 +13,9 @@ One concern per handler:
 * :func:`observe_child`, one handler per child kind (``observe_<plural>``): a child changed or went
   away, so converge that child of its pipeline again (a Secret: every child) and write the status,
   so a child deleted or edited by hand is repaired within seconds and the status follows the
-  Deployments' status. No timer and no deletion handler: kopf puts no finalizer on pipelines, so
+  Deployments' status. Every convergence reads a child the operator wrote itself from that write
+  while the child's watch still delivers older states (:class:`~mammoth_operator.observed.OwnWrites`:
+  a late event is no drift). No periodic timer and no deletion handler: kopf puts no finalizer on pipelines, so
   deleting a pipeline (or its namespace, or the CRD) never waits for the operator.
 * :func:`probe_progress` (liveness): fails when no reconcile or API call succeeded for
   ``probe_stale_seconds`` or one run takes that long, so the kubelet restarts a stuck operator.
@@ -25,7 +27,7 @@ the tests) choose the settings; nothing registers on import.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -34,7 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from mammoth_operator import builders, kube, metrics, observed
 from mammoth_operator import reconcile as convergence
 from mammoth_operator.config import GROUP, PLURAL, VERSION, OperatorConfig
-from mammoth_operator.coordination import Health, Serializer
+from mammoth_operator.coordination import Health, Rechecks, Serializer
 from mammoth_operator.spec import InvalidSpec
 
 FINALIZER = f"{GROUP}/finalizer"  # kept for the settings; no handler requires a finalizer
@@ -67,6 +69,21 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: Operator
     memo.children = kube.Children(kube.new_api_client(), timeout=config.request_timeout)
     memo.serializer = Serializer()
     memo.health = Health()
+    memo.own_writes = observed.OwnWrites()
+    # a child read from the operator's own write whose newness is uncertain is converged again later
+    memo.rechecks = Rechecks(lambda key, children: _request_repair(memo, key[0], key[1], children))
+
+
+def close(memo: kopf.Memo, **_: Any) -> None:
+    """Cleanup: no recheck runs after the operator stopped."""
+    rechecks: Rechecks | None = getattr(memo, "rechecks", None)
+    if rechecks is not None:
+        rechecks.close()
+
+
+def _recheck_later(memo: kopf.Memo, view: observed.View, namespace: str, name: str) -> None:
+    if view.rechecks:
+        memo.rechecks.schedule((namespace, name), view.rechecks, max(view.rechecks.values()))
 
 
 def _announce(body: kopf.Body, outcome: convergence.Outcome, name: str) -> None:
@@ -94,8 +111,9 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
     """
     config: OperatorConfig = memo.config
     with memo.serializer.exclusive((namespace, name)), memo.health.running():
+        memo.indices = observed.indices_of(kwargs)  # the same kopf.Index objects in every handler call
+        view = observed.View(memo.children, memo.indices, memo.own_writes)
         try:
-            view = observed.View(memo.children, observed.indices_of(kwargs))
             outcome = convergence.converge(view, body, config.images)
         except InvalidSpec as e:
             kopf.warn(body, reason="InvalidSpec", message=str(e))
@@ -111,6 +129,8 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
             raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
         except Exception as e:  # timeouts, connection errors
             raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
+        finally:
+            _recheck_later(memo, view, namespace, name)
     memo.health.succeeded()
     _announce(body, outcome, name)
     changed = [r for r in outcome.results if r.action != "unchanged"]
@@ -126,8 +146,23 @@ def owner_name(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str, changed: frozenset[Any],
-            logger: logging.Logger) -> None:
+def _request_repair(memo: kopf.Memo, namespace: str, name: str, children: Iterable[Any],
+                    logger: logging.Logger | None = None) -> None:
+    """Converge ``children`` of pipeline ``namespace/name`` now, or after the convergence in flight
+    (:class:`~mammoth_operator.coordination.Serializer`); a failure is logged, not raised (the status
+    says Degraded/ApplyFailed; the next event or recheck repairs)."""
+    log = logger or logging.getLogger(__name__)
+
+    def run(changed: frozenset[Any]) -> None:
+        try:
+            _repair(memo, namespace, name, changed, log)
+        except Exception as e:  # noqa: BLE001 - reported; a later event or recheck repairs
+            log.warning("Repairing %s/%s failed: %s", namespace, name, convergence.describe(e))
+
+    memo.serializer.request((namespace, name), list(children), run)
+
+
+def _repair(memo: kopf.Memo, namespace: str, name: str, changed: frozenset[Any], logger: logging.Logger) -> None:
     config: OperatorConfig = memo.config
     with memo.health.running():
         body = memo.children.read_pipeline(namespace, name)
@@ -135,12 +170,14 @@ def _repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str,
             return
         if (body.get("status") or {}).get("observedGeneration") != int(body["metadata"].get("generation") or 1):
             return  # the pipeline's own handler has this generation (with kopf's retries)
+        view = observed.View(memo.children, memo.indices, memo.own_writes)
         try:
-            view = observed.View(memo.children, indices)
             outcome = convergence.converge(view, body, config.images, only=changed)
         except (InvalidSpec, kube.NameConflict) as e:
             logger.warning("Pipeline %s/%s not repaired: %s", namespace, name, e)
             return
+        finally:
+            _recheck_later(memo, view, namespace, name)
     memo.health.succeeded()
     for result in outcome.results:
         if result.action != "unchanged":
@@ -155,13 +192,11 @@ def observe_child(type: str | None, body: kopf.Body, namespace: str, memo: kopf.
     name = owner_name(body) or (body.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/instance")
     if type is None or not name:
         return  # the initial listing: resume handlers converge every pipeline anyway
-    indices = observed.indices_of(kwargs)
+    memo.indices = observed.indices_of(kwargs)  # the same kopf.Index objects in every handler call
     child = (str(body.get("kind")), str(body["metadata"]["name"]))
-    try:
-        memo.serializer.request((namespace, name), [child],
-                                lambda changed: _repair(memo, indices, namespace, name, changed, logger))
-    except Exception as e:  # the status says Degraded/ApplyFailed; the next event or retry repairs
-        logger.warning("Repairing %s/%s failed: %s", namespace, name, convergence.describe(e))
+    if type == "DELETED":
+        memo.own_writes.forget((child[0], namespace, child[1]))
+    _request_repair(memo, namespace, name, [child], logger)
 
 
 def probe_progress(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
@@ -203,6 +238,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> kopf.Op
         configure(settings=settings, memo=memo, config=config, **kwargs)
 
     kopf.on.startup(registry=registry, id="configure")(configure_operator)
+    kopf.on.cleanup(registry=registry, id="close")(close)
     # A registry of our own gets no default login handler: authenticate like the API client does
     # (in-cluster service account, else the kubeconfig).
     kopf.on.login(registry=registry, id="login")(kopf.login_via_client)

@@ -107,7 +107,7 @@ def _apply(view: View, body: Mapping[str, Any], targets: list[builders.Child], u
     results = []
     for child in targets:
         result = kube.apply(view.children, child, observed[(child.kind, child.name)], uid)
-        view.wrote(child.kind, namespace, child.name, result.obj)
+        view.wrote(child.kind, namespace, child.name, result.obj, sent=result.action != "unchanged")
         results.append(result)
     gone = [(ref, view.indexed(ref.kind, namespace, ref.name)) for ref in unwanted]
     deleted = kube.delete_unwanted(view.children, namespace, uid, gone)

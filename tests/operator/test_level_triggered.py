@@ -217,3 +217,41 @@ def test_a_finalizer_left_by_an_older_operator_is_removed(api, running_operator,
     wait_applied(api, "tiny", 1)
     wait_for(lambda: not api.pipeline("tiny")["metadata"].get("finalizers"), what="legacy finalizer removed")
     kubectl("delete", "mmp", "tiny", "--timeout=20s")
+
+
+def _observed(log, since: int, kind_plural: str, name: str) -> int:
+    """How many of ``name``'s events kopf's ``observe_<plural>`` handler finished after ``log.records[since]``."""
+    return sum(1 for r in log.records[since:] if (getattr(r, "k8s_ref", None) or {}).get("name") == name
+               and r.getMessage() == f"Handler 'observe_{kind_plural}' succeeded.")
+
+
+def test_a_late_event_older_than_the_operators_own_write_repairs_nothing(api, running_operator, emulator, operator_log):
+    """A watch delivers a child's events late (in order): here the Deployment controller's status write
+    to tiny-ar, made before the operator patched the replicas, arrives after the reconcile finished.
+    The operator took the event's object (replicas 1) for drift and patched the replicas a second
+    time, with a ``Repaired`` Warning saying the child had drifted from the spec, which it had not.
+    The operator now knows what it wrote and repairs nothing from an event older than that write."""
+    from test_operator import handled
+
+    assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
+    wait_applied(api, "tiny", 1)
+    wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
+    logged = len(operator_log.records)
+    emulator.watch_lag.add("apps/v1/deployments")
+    try:
+        api.mark_ready("tiny-ar")  # the Deployment controller's write: its event is held back
+        since = len(emulator.writes)
+        patch_spec(api, "tiny", {"ar": {"replicas": 3}})
+        wait_applied(api, "tiny", 2)
+    finally:
+        emulator.watch_lag.discard("apps/v1/deployments")
+    # both held events of tiny-ar handled: the status write's (spec as before) and the operator's patch's
+    wait_for(lambda: _observed(operator_log, logged, "deployments", "tiny-ar") >= 2, timeout=30,
+             what="both late events of tiny-ar handled")
+    time.sleep(1.0)  # a repair runs inside the event's handler, or right after the run it waited for
+    writes = [(w["verb"], w["name"], w.get("subresource")) for w in emulator.writes[since:]
+              if w["resource"] == "apps/v1/deployments"]
+    warnings = [w["body"].get("message") for w in emulator.writes[since:]
+                if w["resource"].endswith("/events") and w["body"].get("reason") == "Repaired"]
+    assert (writes, warnings) == ([("patch", "tiny-ar", None)], []), (writes, warnings)
+    assert api.child("Deployment", "tiny-ar")["spec"]["replicas"] == 3
