@@ -115,8 +115,12 @@ W8A8_SPLIT_MAX_COLUMNS = 4096
 #: step): 4 ranges 3.186, unsplit **3.086**, 4 ranges 3.192, unsplit **3.089**; on the H200 (2026-12-06, the
 #: same command with ``split,attn``): 4 ranges 2.425 / 2.425, unsplit **2.362 / 2.362**.
 W8A8_SPLIT_K = 1
-#: The interpreter's fixed launch (it has no timing to tune on).
-INTERPRETER_CONFIG = GemvConfig(16, 4, 1)
+#: The interpreter's fixed launch (it has no timing to tune on). It runs the programs one after another
+#: and pays per program, so wide column blocks: 128 columns took the CPU tests' interpreted decodes
+#: to about half their time at 16 (2026-12-07, 2-core host: `test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit`
+#: 44.6 -> 24.0 s, the W8A8 batch-invariance test 28.4 -> 19.6 s); 512 was slower again (38.7 s).
+#: Column blocks do not change a row's bits (each column's reduction order is set by the K tiles).
+INTERPRETER_CONFIG = GemvConfig(128, 4, 1)
 _SMEM_BUDGET = 200 * 1024
 
 
