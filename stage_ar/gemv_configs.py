@@ -119,7 +119,8 @@ W8A8_SPLIT_K = 1
 #: and pays per program, so wide column blocks: 128 columns took the CPU tests' interpreted decodes
 #: to about half their time at 16 (2026-12-07, 2-core host: `test_trimmed_gemv_rows_keep_every_live_row_bit_for_bit`
 #: 44.6 -> 24.0 s, the W8A8 batch-invariance test 28.4 -> 19.6 s); 512 was slower again (38.7 s).
-#: Column blocks do not change a row's bits (each column's reduction order is set by the K tiles).
+#: Every interpreted test runs this one launch (numpy's matmul, the interpreter's ``tl.dot``, may sum
+#: in a shape-dependent order, so the interpreter's bits are compared only within it).
 INTERPRETER_CONFIG = GemvConfig(128, 4, 1)
 _SMEM_BUDGET = 200 * 1024
 

@@ -189,9 +189,9 @@ def test_restart_with_existing_pipelines_applies_exactly_one_update(api, crd_ins
 
     writes = child_writes(emulator, since)
     assert [w for w in writes if w["verb"] == "create"] == []
-    # the whole writes in the message: a flake once saw two patches to beta-ar (docs/TESTING.md); with
-    # them the operator's Events since the restart (a repair posts "Repaired" as an Event, not to the
-    # operator's log, so the log alone could not tell a repair from a second reconcile)
+    # the whole writes in the message, with the operator's Events since the restart (a repair posts
+    # "Repaired" as an Event, not to the operator's log). Two or three patches to beta-ar were a late
+    # child event taken for drift (docs/TESTING.md, "Timing-sensitive tests")
     events = [(w["body"].get("reason"), w["body"].get("message")) for w in emulator.writes[since:]
               if w["resource"].endswith("/events") and w["verb"] == "create"]
     assert [(w["resource"], w["name"]) for w in writes] == [("apps/v1/deployments", "beta-ar")], json.dumps(
