@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 import concurrent.futures
-import time
 
 import httpx
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
