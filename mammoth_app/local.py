@@ -22,6 +22,7 @@ import time
 from typing import Sequence
 
 from mammoth_app.make_checkpoint import materialize_checkpoint
+from mammoth_core.addresses import format_address
 from mammoth_core.settings import default_cache_dir
 from mammoth_app.supervise import WorkFolder, kill_now, port_holder
 
@@ -63,23 +64,24 @@ class Component:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Raise `StartupError` with a one-line reason when ``host:port`` cannot be bound."""
-    import socket
+    """Raise `StartupError` with a one-line reason when the gateway could not listen on ``host:port``:
+    binds the sockets the gateway will (`mammoth_core.runtime.listen_sockets`: every address ``host``
+    resolves to, IPv6 too) and closes them; a port in use also names the process holding it."""
+    import errno
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            message = f"cannot listen on {host}:{port} ({exc.strerror})"
-            holder = port_holder(port)
-            if holder:
-                kind = "a stale mammoth component" if "mammoth" in holder[1] else "another process"
-                message += (f": {kind} holds it (pid {holder[0]}: {holder[1][:120]}); stop it with "
-                            f"`kill {holder[0]}` or choose another port with --port")
-            else:
-                message += "; choose another port with --port"
-            raise StartupError(message) from None
+    from mammoth_core.runtime import StageStartError, listen_sockets
+
+    try:
+        sockets = listen_sockets(host, port, "--port")
+    except StageStartError as exc:
+        message = str(exc)
+        holder = port_holder(port) if getattr(exc.__cause__, "errno", None) == errno.EADDRINUSE else None
+        if holder:
+            kind = "a stale mammoth component" if "mammoth" in holder[1] else "another process"
+            message += f" ({kind} holds it, pid {holder[0]}: {holder[1][:120]}; `kill {holder[0]}` frees it)"
+        raise StartupError(message) from None
+    for sock in sockets:
+        sock.close()
 
 
 def cache_dir(env: dict[str, str]) -> str:
@@ -124,12 +126,23 @@ def _auth_configured(env: dict[str, str], config: str | None) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (bound and released: another process could take it)."""
-    import socket
+    """A TCP port free on ``host`` now (bound and released: another process could take it), on every
+    address ``host`` resolves to (`mammoth_core.runtime.listen_sockets`; IPv6 too).
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    Raises:
+        StartupError: ``host`` does not resolve, or nothing can be bound on it (the message says which).
+    """
+    from mammoth_core.runtime import StageStartError, listen_sockets
+
+    try:
+        sockets = listen_sockets(host, 0, "--host")
+    except StageStartError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        return int(sockets[0].getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:
@@ -172,7 +185,7 @@ def start_pipeline(
     if not _auth_configured(env, config):
         env.update(generate_role_tokens(workdir))
     # The DiT's port is chosen up front: the AR dials only the DiT it was told about.
-    dit_address = f"{host}:{free_port(host)}"
+    dit_address = format_address(host, free_port(host))
     common = ["--host", host, "--log-level", log_level]
     if config:
         common += ["--config", config]

@@ -169,7 +169,13 @@ def _start_metrics_server(port: int, host: str, routes: dict[str, Any] | None) -
         def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
             pass
 
-    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    class _Server(ThreadingWSGIServer):
+        # the family ``host`` resolves to (the server class is IPv4 otherwise: ``--host ::1`` failed
+        # with "Address family for hostname not supported"), as prometheus_client's own server picks it
+        address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                            flags=socket.AI_PASSIVE)[0][0]
+
+    server = make_server(host, port, app, _Server, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)
 

@@ -27,7 +27,7 @@ import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import yaml
 

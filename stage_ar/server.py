@@ -24,6 +24,7 @@ from typing import AsyncIterator
 import grpc
 
 from mammoth_core import decoding, drain, errors, grpc_common, limits, tracing, transport_metrics
+from mammoth_core.addresses import format_address
 from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.runtime import start_metrics_server, starting, write_ready_file
@@ -238,7 +239,8 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     pb_grpc.add_ARServicer_to_server(servicer, server)
     transport_metrics.export("send")  # this stage's side of the transport series only
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)  # (a port in use: before gRPC starts)
-    port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
+    port = grpc_common.add_port(server, format_address(settings.host, settings.port),
+                                 settings.grpc_server_credentials())
     await server.start()
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()
@@ -278,7 +280,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     )
     await health.set_serving()
     logger.info("AR serving (model loaded in %.1f s)", time.perf_counter() - t0)
-    write_ready_file(ready_file, f"{settings.host}:{port}", metrics_port=metrics_port)
+    write_ready_file(ready_file, format_address(settings.host, port), metrics_port=metrics_port)
     await drained.wait()
     await server.wait_for_termination()
     engine.stop()

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 from mammoth_core import drain, errors, grpc_common, limits, tracing, transport_metrics
+from mammoth_core.addresses import format_address
 from mammoth_core.errors import Reason
 from mammoth_core.logging import request_id_var
 from mammoth_core.profiling import PROFILE_PATH, StageProfiler, guarded
@@ -311,7 +312,8 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
                            request_limits=limits.from_settings(settings))
     add_dit_servicer(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
-    port = grpc_common.add_port(server, f"{settings.host}:{settings.port}", settings.grpc_server_credentials())
+    port = grpc_common.add_port(server, format_address(settings.host, settings.port),
+                                 settings.grpc_server_credentials())
     await server.start()
     drained = drain.install_drain_handler(
         server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,
@@ -342,7 +344,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
     servicer.on_engine_failure = health.on_fatal_error(asyncio.get_running_loop())
     servicer.set_model(pipeline, pool)
     await health.set_serving()
-    address = f"{settings.host}:{port}"
+    address = format_address(settings.host, port)
     logger.info("DiT serving on %s (slots=%d, batch=%d, hidden=%d, metrics port %s)",
                 address, capacity.slots, capacity.max_batch_requests, hidden_size, metrics_port)
     write_ready_file(ready_file, address, port=port, metrics_port=metrics_port)

@@ -307,3 +307,29 @@ def test_a_component_on_a_port_in_use_says_which_and_exits_cleanly(tmp_path, rol
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]  # (gRPC's C core logs its own line)
     assert len(errors) == 1 and port in errors[0] and flag in errors[0], proc.stderr[-3000:]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_up_on_an_ipv6_host_serves_an_image(tmp_path):
+    """``mammoth up --host ::1``: before, it failed at once ("cannot listen on --host ::1 --port 0 (Address
+    family for hostname not supported)"): the DiT's port was chosen on an IPv4 socket; past that the AR's
+    gRPC address was ``::1:PORT`` (gRPC read it as ``[::0.1.0.0]:443``), the DiT's metrics server was
+    IPv4-only, and the banner printed ``grpc://::1:PORT``."""
+    proc = mammoth("up", "--host", "::1", "--port", "0", "--generate", "a red boat", "--size", "256x256",
+                   "--steps", "2", "-o", "boat.png", cwd=tmp_path, timeout=240,
+                   MAMMOTH_CACHE_DIR=str(tmp_path / "cache"))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert (tmp_path / "boat.png").read_bytes().startswith(b"\x89PNG")
+    banner = proc.stdout + proc.stderr
+    for scheme in ("http", "grpc"):
+        assert f"{scheme}://[::1]:" in banner, banner
+    assert "://::1:" not in banner, banner

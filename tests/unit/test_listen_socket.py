@@ -66,3 +66,30 @@ def test_the_sockets_are_the_ones_asyncio_create_server_binds(host):
         assert sorted((s.family, _v6only(s)) for s in ours) == expected
     finally:
         _close(ours)
+
+
+@pytest.mark.parametrize("host", ["::1", "127.0.0.1", ""])
+def test_ups_port_check_binds_as_the_gateway_will(host):
+    """`mammoth up` checks the gateway's port before the stages spend time loading. The check bound an
+    IPv4 socket only, so ``--host ::1`` failed there ("Address family for hostname not supported;
+    choose another port with --port") though the gateway listens on IPv6 (`listen_sockets`)."""
+    from mammoth_app.local import _check_port_free
+
+    held = listen_sockets(host, 0)
+    port = held[0].getsockname()[1]
+    _close(held)
+    _check_port_free(host, port)  # free: no error
+
+
+def test_ups_port_check_names_the_host_for_an_address_not_of_this_machine_and_the_holder_of_a_port_in_use():
+    from mammoth_app.local import StartupError, _check_port_free
+
+    with pytest.raises(StartupError, match=r"no-such-host\.invalid.*--host"):
+        _check_port_free("no-such-host.invalid", 8000)
+    held = listen_sockets("127.0.0.1", 0)
+    try:
+        port = held[0].getsockname()[1]
+        with pytest.raises(StartupError, match=rf"127\.0\.0\.1:{port}.*(holds it|another --port)"):
+            _check_port_free("127.0.0.1", port)
+    finally:
+        _close(held)
