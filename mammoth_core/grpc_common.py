@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from mammoth_core.addresses import format_address
 from mammoth_core.logging import RateLimitFilter
 from mammoth_core.runtime import cannot_listen
 
@@ -422,12 +423,15 @@ def channel_credentials(
     )
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
-    """Listen on ``address`` (TLS when ``credentials`` is set); returns the bound port.
+def add_port(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on ``host:port`` (TLS when ``credentials`` is set); returns the bound port. ``host``
+    ``''`` is every interface: gRPC's ``[::]``, which takes IPv6 and IPv4 (IPv4 alone where the host
+    has no IPv6), so a pod of an IPv6 cluster is reached on its address.
 
     Raises:
-        mammoth_core.runtime.StageStartError: gRPC cannot bind ``address`` (`cannot_listen`, naming ``--port``).
+        mammoth_core.runtime.StageStartError: gRPC cannot bind it (`cannot_listen`, naming ``--port``).
     """
+    address = format_address(host or "::", port)
     try:
         if credentials is None:
             return server.add_insecure_port(address)

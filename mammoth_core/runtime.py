@@ -65,13 +65,18 @@ def listen_sockets(host: str, port: int, flag: str = "--port", backlog: int = 20
     try:
         for family, kind, proto, _name, address in dict.fromkeys(
                 (i[0], i[1], i[2], i[3], i[4]) for i in infos):  # unique, in resolver order
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this host lacks (IPv6 disabled): skipped, as asyncio skips it
+                continue
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             sock.listen(backlog)
+        if not sockets:
+            raise OSError(errno.EAFNOSUPPORT, "no address family of this host can listen on it")
     except OSError as exc:  # in use, privileged, not this machine's
         for sock in sockets:
             sock.close()
@@ -132,9 +137,9 @@ def exit_after_drain(code: int = 0) -> NoReturn:
 def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = None) -> int:
     """Serve Prometheus metrics (default registry) on ``host:port``; returns the bound port.
 
-    ``port`` 0 picks a free port; a negative ``port`` disables the server and returns -1.
-    ``routes`` maps extra paths (e.g. ``/debug/profile``) to WSGI apps served on the same port;
-    every other path answers the metrics.
+    ``port`` 0 picks a free port; a negative ``port`` disables the server and returns -1. ``host``
+    ``''`` is every interface of both families (`metrics_server_family`). ``routes`` maps extra paths
+    (e.g. ``/debug/profile``) to WSGI apps served on the same port; every other path answers the metrics.
 
     Raises:
         StageStartError: ``host:port`` cannot be listened on (`cannot_listen`, naming ``--metrics-port``).
@@ -142,17 +147,32 @@ def start_metrics_server(port: int, host: str, routes: dict[str, Any] | None = N
     if port < 0:
         return -1
     try:
-        return _start_metrics_server(port, host, routes)
-    except OSError as exc:  # in use, not this machine's
+        return _start_metrics_server(port, host, routes or {})
+    except OSError as exc:  # in use, not this machine's, a name that does not resolve
         raise cannot_listen(format_address(host, port), "--metrics-port", exc) from exc
 
 
-def _start_metrics_server(port: int, host: str, routes: dict[str, Any] | None) -> int:
-    if not routes:
-        from prometheus_client import start_http_server
+def metrics_server_family(host: str, port: int) -> tuple[int, bool]:
+    """(address family, dual-stack) of the metrics server's socket for ``host``: the family ``host``
+    resolves to first (the server class is IPv4 otherwise, and ``--host ::1`` failed with "Address
+    family for hostname not supported"), as prometheus_client's own server picks it; for ``''`` (every
+    interface) one IPv6 socket that also takes IPv4 (``IPV6_V6ONLY`` off), so a pod of an IPv6
+    cluster is scraped on its address, or IPv4 alone where the host has no IPv6.
 
-        server, _thread = start_http_server(port, addr=host)
-        return int(server.server_port)
+    Raises:
+        OSError: ``host`` does not resolve (`socket.gaierror`).
+    """
+    if not host and socket.has_ipv6:
+        try:
+            socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+            return socket.AF_INET6, True
+        except OSError:  # IPv6 disabled in this kernel or network namespace
+            pass
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0], False
+
+
+def _start_metrics_server(port: int, host: str, routes: dict[str, Any]) -> int:
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -160,6 +180,7 @@ def _start_metrics_server(port: int, host: str, routes: dict[str, Any] | None) -
     from prometheus_client.exposition import ThreadingWSGIServer
 
     metrics_app = make_wsgi_app()
+    family, dual_stack = metrics_server_family(host, port)
 
     def app(environ, start_response):
         handler = routes.get(environ.get("PATH_INFO", ""))
@@ -170,12 +191,14 @@ def _start_metrics_server(port: int, host: str, routes: dict[str, Any] | None) -
             pass
 
     class _Server(ThreadingWSGIServer):
-        # the family ``host`` resolves to (the server class is IPv4 otherwise: ``--host ::1`` failed
-        # with "Address family for hostname not supported"), as prometheus_client's own server picks it
-        address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                            flags=socket.AI_PASSIVE)[0][0]
+        address_family = family
 
-    server = make_server(host, port, app, _Server, handler_class=_Quiet)
+        def server_bind(self) -> None:
+            if dual_stack:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            super().server_bind()
+
+    server = make_server(host or ("::" if dual_stack else ""), port, app, _Server, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)
 

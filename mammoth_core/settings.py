@@ -75,7 +75,7 @@ def _limit(name: str) -> Any:
 class BaseSettings:
     """Settings every component has."""
 
-    host: str = field(default="127.0.0.1", metadata=_doc("address to listen on"))
+    host: str = field(default="127.0.0.1", metadata=_doc("address to listen on (\"\": every interface, IPv4 and IPv6)"))
     log_format: str = field(default="text", metadata=_doc("log format", choices=("text", "json")))
     log_level: str = field(default="info", metadata=_doc("log level (debug, info, warning, error)"))
     max_message_bytes: int = field(

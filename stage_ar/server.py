@@ -239,8 +239,7 @@ async def serve(settings: ARSettings, ready_file: str | None = None) -> None:
     pb_grpc.add_ARServicer_to_server(servicer, server)
     transport_metrics.export("send")  # this stage's side of the transport series only
     metrics_port = start_metrics_server(settings.metrics_port, settings.host)  # (a port in use: before gRPC starts)
-    port = grpc_common.add_port(server, format_address(settings.host, settings.port),
-                                 settings.grpc_server_credentials())
+    port = grpc_common.add_port(server, settings.host, settings.port, settings.grpc_server_credentials())
     await server.start()
     logger.info("AR gRPC on %s:%d (metrics %s), loading the model...", settings.host, port, metrics_port)
     t0 = time.perf_counter()

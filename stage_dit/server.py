@@ -312,8 +312,7 @@ async def serve(settings: DiTSettings, *, ready_file: str | None = None, pipelin
                            request_limits=limits.from_settings(settings))
     add_dit_servicer(servicer, server)
     health = grpc_common.HealthReporter(server, [SERVICE_NAME])
-    port = grpc_common.add_port(server, format_address(settings.host, settings.port),
-                                 settings.grpc_server_credentials())
+    port = grpc_common.add_port(server, settings.host, settings.port, settings.grpc_server_credentials())
     await server.start()
     drained = drain.install_drain_handler(
         server, health, settings.drain_grace_seconds, on_drain=servicer.start_drain,

@@ -35,7 +35,6 @@ from stage_dit.modules import (
     apply_rotary_emb_complex,
     masked_attention,
     rotary_axis_table,
-    rotary_complex,
 )
 
 

@@ -51,15 +51,52 @@ def rendered_config(tmp: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def k8s_stages(tiny_checkpoint, tmp_path_factory):
+    """DiT and AR started from the rendered ``pipeline.yaml``, listening on the host it gives the pods
+    (the harness's ``--host 127.0.0.1`` overridden by it); dialled on 127.0.0.1."""
     tmp = tmp_path_factory.mktemp("k8s-auth")
     config, tokens = rendered_config(tmp)
-    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--config", str(config)), ("ar", "--config", str(config)))
+    host = ["--host", yaml.safe_load(config.read_text())["host"]]
+    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--config", str(config), *host),
+                       ("ar", "--config", str(config), *host))
     try:
         (_, dit), (_, ar) = stages
-        yield {"dit": dit["address"], "ar": ar["address"], "tokens": tokens}
+        ports = {role: (int(info["address"].rsplit(":", 1)[1]), info["metrics_port"])
+                 for role, info in (("dit", dit), ("ar", ar))}
+        yield {"dit": f"127.0.0.1:{ports['dit'][0]}", "ar": f"127.0.0.1:{ports['ar'][0]}", "tokens": tokens,
+               "ports": ports}
     finally:
         for proc, _ in stages:
             stop(proc)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+async def test_stage_pods_answer_on_ipv4_and_ipv6(k8s_stages):
+    """A pod of an IPv6 (single-stack) cluster has only an IPv6 address: the stages must listen on it
+    as well as on IPv4, their gRPC port (the kubelet's probes, the gateway, the AR's push) and their
+    metrics port (Prometheus). The operator rendered ``host: 0.0.0.0``, IPv4 only: ``[::1]`` stands in
+    for the pod's IPv6 address here, and was refused."""
+    import httpx
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for role, (port, metrics_port) in k8s_stages["ports"].items():
+        for host in ("127.0.0.1", "[::1]"):
+            async with grpc.aio.insecure_channel(f"{host}:{port}") as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, (role, host)
+            async with httpx.AsyncClient(timeout=10) as client:
+                metrics = await client.get(f"http://{host}:{metrics_port}/metrics")
+                assert metrics.status_code == 200 and b"# HELP" in metrics.content, (role, host, metrics.status_code)
 
 
 async def test_stage_rpcs_refuse_callers_without_the_generated_tokens(k8s_stages):

@@ -31,7 +31,9 @@ def pipeline_config(spec: PipelineSpec) -> dict[str, Any]:
     """
     rd = spec.request_defaults
     config: dict[str, Any] = {
-        "host": "0.0.0.0",
+        # every interface of both families (IPv4 and IPv6): a pod of an IPv6 or dual-stack cluster is
+        # reached on its IPv6 address too ("0.0.0.0" is IPv4 alone; runtime.listen_sockets, add_port)
+        "host": "",
         "device": spec.device,
         "dtype": spec.dtype,
         "chunk_rows": spec.transport.chunk_rows,
