@@ -49,15 +49,29 @@ def rendered_config(tmp: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
     return path, tokens
 
 
+def pod_host(role: str, config: pathlib.Path) -> str:
+    """The address a stage pod listens on: the image's ``MAMMOTH_HOST`` (``Dockerfile.<role>``; the
+    environment beats the settings file), else the rendered ``pipeline.yaml``'s ``host``."""
+    import re
+    import shlex
+
+    text = (ROOT / f"Dockerfile.{role}").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.strip().startswith("ENV "):
+            for word in shlex.split(line.strip()[4:]):
+                if (found := re.fullmatch(r"MAMMOTH_HOST=(.*)", word)) is not None:
+                    return found.group(1)
+    return yaml.safe_load(config.read_text())["host"]
+
+
 @pytest.fixture(scope="module")
 def k8s_stages(tiny_checkpoint, tmp_path_factory):
-    """DiT and AR started from the rendered ``pipeline.yaml``, listening on the host it gives the pods
-    (the harness's ``--host 127.0.0.1`` overridden by it); dialled on 127.0.0.1."""
+    """DiT and AR started from the rendered ``pipeline.yaml``, listening on the host their pods would
+    (`pod_host`: the harness's ``--host 127.0.0.1`` overridden by it); dialled on 127.0.0.1."""
     tmp = tmp_path_factory.mktemp("k8s-auth")
     config, tokens = rendered_config(tmp)
-    host = ["--host", yaml.safe_load(config.read_text())["host"]]
-    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--config", str(config), *host),
-                       ("ar", "--config", str(config), *host))
+    stages = spawn_all(tiny_checkpoint, tmp, ("dit", "--config", str(config), "--host", pod_host("dit", config)),
+                       ("ar", "--config", str(config), "--host", pod_host("ar", config)))
     try:
         (_, dit), (_, ar) = stages
         ports = {role: (int(info["address"].rsplit(":", 1)[1]), info["metrics_port"])
