@@ -15,8 +15,8 @@ One concern per handler:
   so a child deleted or edited by hand is repaired within seconds and the status follows the
   Deployments' status. Every convergence reads a child the operator wrote itself from that write
   while the child's watch still delivers older states (:class:`~mammoth_operator.observed.OwnWrites`:
-  a late event is no drift). No periodic timer and no deletion handler: kopf puts no finalizer on pipelines, so
-  deleting a pipeline (or its namespace, or the CRD) never waits for the operator.
+  a late event is no drift). No kopf timer and no deletion handler: kopf puts no finalizer on
+  pipelines, so deleting a pipeline (or its namespace, or the CRD) never waits for the operator.
 * :func:`probe_progress` (liveness): fails when no reconcile or API call succeeded for
   ``probe_stale_seconds`` or one run takes that long, so the kubelet restarts a stuck operator.
 
