@@ -16,7 +16,7 @@ from typing import Any
 
 import kmock
 
-from emulator_semantics import TABLE_ACCEPT, to_table
+from emulator_semantics import TABLE_ACCEPT, label_selector, selected, to_table
 
 #: One counter for every resourceVersion the emulator hands out (objects and lists).
 RESOURCE_VERSIONS = itertools.count(1000)
@@ -153,6 +153,8 @@ class DiscoveryMixin:
         payload["kind"] = f"{info.kind}List"
         payload["apiVersion"] = f"{r.group}/{r.version}" if r.group else r.version
         payload["metadata"] = {"resourceVersion": version}
+        matches = label_selector(request.params.get("labelSelector"))
+        payload["items"] = [item for item in payload["items"] if selected(matches, item)]
         for item in payload["items"]:
             item.setdefault("kind", info.kind)
             item.setdefault("apiVersion", payload["apiVersion"])

@@ -196,3 +196,52 @@ def new_blocking_owners(new: dict[str, Any], old: dict[str, Any] | None) -> list
     """Owner references of ``new`` with ``blockOwnerDeletion: true`` that ``old`` did not already block."""
     before = {ref.get("uid") for ref in _refs(old) if ref.get("blockOwnerDeletion")}
     return [ref for ref in _refs(new) if ref.get("blockOwnerDeletion") and ref.get("uid") not in before]
+
+
+_SET_TERM = re.compile(r"^\s*(!?)\s*([^\s!=,()]+)\s*(?:(=|==|!=)\s*([^\s,()]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
+def label_selector(text: str | None) -> Any:
+    """A predicate on an object's labels for a ``labelSelector`` query (``k=v``, ``k==v``, ``k!=v``,
+    ``k``, ``!k``, ``k in (a,b)``, ``k notin (a,b)``, comma-separated: all must hold); None for none.
+
+    Raises:
+        ValueError: a term the API server would refuse (it answers 400).
+    """
+    if not text:
+        return None
+    terms = []
+    for raw in re.split(r",(?![^()]*\))", text):
+        match = _SET_TERM.match(raw)
+        if match is None:
+            raise ValueError(f"invalid label selector term {raw!r}")
+        negate, key, op, value, set_op, values = match.groups()
+        terms.append((negate, key, op, value, set_op, {v.strip() for v in (values or "").split(",") if v.strip()}))
+
+    def matches(labels: dict[str, str] | None) -> bool:
+        labels = labels or {}
+        for negate, key, op, value, set_op, values in terms:
+            if negate:
+                ok = key not in labels
+            elif op in ("=", "=="):
+                ok = labels.get(key) == value
+            elif op == "!=":
+                ok = labels.get(key) != value
+            elif set_op == "in":
+                ok = labels.get(key) in values
+            elif set_op == "notin":
+                ok = labels.get(key) not in values
+            else:
+                ok = key in labels
+            if not ok:
+                return False
+        return True
+
+    return matches
+
+
+def selected(matches: Any, obj: dict[str, Any] | None) -> bool:
+    """Whether ``obj`` passes the predicate from `label_selector` (every object when it is None)."""
+    if obj is None:
+        return False
+    return matches is None or matches((obj.get("metadata") or {}).get("labels"))

@@ -4,7 +4,8 @@ KMock 0.8's emulator stores objects and serves list/watch/get/create/patch/delet
 of Kubernetes semantics. This subclass adds what the operator, kopf and ``kubectl`` rely on:
 
 * ``metadata.uid``, ``resourceVersion`` (a global counter), ``generation`` (bumped when anything but
-  ``metadata``/``status`` changes), ``creationTimestamp``, the namespace from the URL;
+  ``metadata``/``status`` changes) for the kinds whose API strategy keeps one (`has_generation`:
+  not ConfigMaps, Secrets, Services), ``creationTimestamp``, the namespace from the URL;
 * the status subresource: a patch to ``.../status`` changes only ``status``, a patch to the object
   ignores ``status`` (for the CRD and Deployments, as declared);
 * declared resources with full discovery info (kinds, verbs, namespaced, short names), including the
@@ -52,7 +53,7 @@ import emulator_protobuf
 from emulator_discovery import (BUILTIN_RESOURCES, EXTRA_BUILTINS, RESOURCE_VERSIONS, VERBS,  # noqa: F401 (re-exported)
                                 DiscoveryMixin)
 from emulator_lifecycle import LifecycleMixin, Permission, request_permission, resource_key  # noqa: F401 (re-exported)
-from emulator_semantics import default_builtin
+from emulator_semantics import default_builtin, label_selector, selected
 from mammoth_operator.validation import validate_custom_resource
 
 _original_parse_path = parsing.parse_path
@@ -116,6 +117,18 @@ def _removal_patch(old: Any, new: Any) -> Any:
     return patch
 
 
+#: Groups and resources whose objects carry ``metadata.generation`` on a real API server (their
+#: registry strategy sets and raises it); custom resources always do. Core ``v1`` objects here
+#: (ConfigMaps, Secrets, Services, Namespaces, Events) have none.
+_GENERATION_PREFIXES = ("apps/", "batch/", "policy/", "autoscaling/", "networking.k8s.io/",
+                        "apiextensions.k8s.io/")
+
+
+def has_generation(key: str, custom: bool) -> bool:
+    """Whether objects of resource ``key`` (``group/version/plural``) carry ``metadata.generation``."""
+    return custom or key.startswith(_GENERATION_PREFIXES)
+
+
 def _version(event: dict[str, Any]) -> int:
     return int((event.get("object") or {}).get("metadata", {}).get("resourceVersion") or 0)
 
@@ -126,14 +139,17 @@ class WatchCache(aiobus.Bus[Any]):
     server's watch cache does, so a watch can start from a ``resourceVersion``.
 
     A ``DELETED`` event gets a version of its own (the API server's deletion is a write; KMock sent
-    the object's last version). Every ``put`` happens under the emulator's lock, so the history is
-    in version order.
+    the object's last version). Each event carries the object's previous state under ``_prev`` (for
+    a watch's label selector, see `MammothEmulator._serve_watch`; not sent). Every ``put`` happens
+    under the emulator's lock, so the history is in version order.
     """
 
     limit: int = 10_000
     history: collections.deque[dict[str, Any]] = attrs.field(init=False)
     #: The version of the newest event dropped from ``history`` (0: none dropped).
     expired: int = attrs.field(init=False, default=0)
+    #: (namespace, name) -> the object as its last event left it (each event's ``_prev``)
+    last: dict[tuple[Any, Any], dict[str, Any]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.history = collections.deque()
@@ -146,6 +162,13 @@ class WatchCache(aiobus.Bus[Any]):
                 obj.setdefault("metadata", {})["resourceVersion"] = str(next(_RV))
                 event = {"type": "DELETED", "object": obj}
             if isinstance(event, dict):
+                meta = (event.get("object") or {}).get("metadata") or {}
+                where = (meta.get("namespace"), meta.get("name"))
+                event = dict(event, _prev=self.last.get(where))
+                if event["type"] == "DELETED":
+                    self.last.pop(where, None)
+                else:
+                    self.last[where] = copy.deepcopy(event["object"])
                 self.history.append(event)
                 while len(self.history) > self.limit:
                     self.expired = _version(self.history.popleft())
@@ -209,6 +232,10 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
         yield b""
         bus = self._buses[request.resource]
         version = request.params.get("resourceVersion") or "0"
+        try:
+            matches = label_selector(request.params.get("labelSelector"))
+        except ValueError:
+            matches, version = None, ""
         async with self._lock:
             if version == "0":
                 objs = self._KubernetesEmulator__get_objs(request, strict=False)
@@ -216,7 +243,7 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
                                                         if not obj.deleted]
             else:
                 try:
-                    backlog = bus.since(version)
+                    backlog = bus.since(version) if version else []
                 except ValueError:
                     backlog = []
                     version = ""
@@ -225,7 +252,7 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
             if not version:
                 yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                                    "reason": "BadRequest", "code": 400,
-                                                   "message": "resourceVersion: not a resource version"}}
+                                                   "message": "resourceVersion or labelSelector: not valid"}}
                 return
             if backlog is None:
                 yield {"type": "ERROR", "object": {
@@ -233,20 +260,38 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
                     "message": f"too old resource version: {version} ({bus.expired})"}}
                 return
             for event in backlog:
-                if self._watched(request, event):
-                    yield event
+                if (seen := self._watched(request, matches, event)) is not None:
+                    yield seen
             async for event in bus.stream(since=marker):
                 while self._key(request) in self.watch_lag:
                     await asyncio.sleep(0.02)
-                if self._watched(request, event):
-                    yield event
+                if (seen := self._watched(request, matches, event)) is not None:
+                    yield seen
         finally:
             await bus.unmark(marker)
 
-    def _watched(self, request: kmock.Request, event: dict[str, Any]) -> bool:
-        meta = event.get("object", {}).get("metadata", {})
-        return bool(self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
-                                                    strict=False))
+    def _watched(self, request: kmock.Request, matches: Any, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The event as this watch sees it (None: not at all): its namespace and name, and its label
+        selector as the API server's watch cache applies it: an object that starts matching is
+        ``ADDED``, one that stops matching ``DELETED`` (its previous content, the event's version)."""
+        obj = event.get("object", {})
+        meta = obj.get("metadata", {})
+        if not self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
+                                               strict=False):
+            return None
+        kind, prev = event.get("type"), event.get("_prev")
+        if kind not in ("ADDED", "MODIFIED", "DELETED") or matches is None:
+            return {"type": kind, "object": obj}
+        now_ok, before_ok = selected(matches, obj), selected(matches, prev)
+        if kind == "DELETED":
+            return {"type": kind, "object": obj} if now_ok else None
+        if now_ok:
+            return {"type": "MODIFIED" if kind == "MODIFIED" and before_ok else "ADDED", "object": obj}
+        if before_ok:
+            gone = copy.deepcopy(prev)
+            gone.setdefault("metadata", {})["resourceVersion"] = meta.get("resourceVersion")
+            return {"type": "DELETED", "object": gone}
+        return None
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -329,7 +374,9 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.setdefault("uid", str(uuid.uuid4()))
             meta["resourceVersion"] = str(next(_RV))
-            meta["generation"] = 1
+            meta.pop("generation", None)
+            if has_generation(key, key in self.crds):
+                meta["generation"] = 1
             meta["creationTimestamp"] = _now()
             final = self._default(key, self._admit(key, copy.deepcopy(data), meta.get("name", ""), request))
             self._enforce_owner_references(request, final, None)
@@ -357,10 +404,13 @@ class MammothEmulator(LifecycleMixin, DiscoveryMixin, kmock.KubernetesEmulator):
             final = self._default(key, final)
             self._enforce_owner_references(request, final, old)
         strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
-        generation = int(old.get("metadata", {}).get("generation", 1))
-        if strip(final) != strip(old):
-            generation += 1
-        final["metadata"]["generation"] = generation
+        if has_generation(key, key in self.crds):
+            generation = int(old.get("metadata", {}).get("generation", 1))
+            if strip(final) != strip(old):
+                generation += 1
+            final["metadata"]["generation"] = generation
+        else:
+            final["metadata"].pop("generation", None)
         self.writes.append({"verb": "patch", "resource": key, "namespace": request.namespace, "name": request.name,
                             "subresource": request.subresource, "body": logged})
         final["metadata"]["resourceVersion"] = old.get("metadata", {}).get("resourceVersion")

@@ -233,3 +233,44 @@ def test_a_watch_from_a_version_older_than_the_watch_cache_is_gone(api):
     assert api.patch(f"{CONFIGMAPS}/c", {"data": {"v": "2"}}).status_code == 200
     events = _watch(api, f"resourceVersion={later}", until=lambda e: len(e) >= 1, timeout=3.0)
     assert _summary(events) == [("MODIFIED", "c", "2")]
+
+
+def test_configmaps_secrets_and_services_carry_no_generation(api):
+    """A real API server sets ``metadata.generation`` only for kinds whose strategy keeps one
+    (Deployments, PDBs, HPAs, NetworkPolicies, custom resources); a ConfigMap, a Secret or a Service
+    has none. The emulator gave every kind one, so the operator's path for kinds without one (a
+    late event it cannot order against its own write) never ran in the tests (break-it pass:
+    ``{'ConfigMap': 1, 'Service': 1}``)."""
+    bodies = {"ConfigMap": (CONFIGMAPS, {"metadata": {"name": "x"}, "data": {"a": "1"}}),
+              "Secret": ("/api/v1/namespaces/default/secrets", {"metadata": {"name": "x"}, "data": {"a": "MQ=="}}),
+              "Service": ("/api/v1/namespaces/default/services", {"metadata": {"name": "x"},
+                                                                  "spec": {"ports": [{"port": 80}]}}),
+              "Deployment": (DEPLOYMENTS, _deployment("x", replicas=1))}
+    for kind, (path, body) in bodies.items():
+        assert api.create(path, body).status_code in (200, 201), kind
+    assert api.patch(f"{CONFIGMAPS}/x", {"data": {"a": "2"}}).status_code == 200
+    assert api.patch(f"{DEPLOYMENTS}/x", {"spec": {"replicas": 2}}).status_code == 200
+    found = {kind: api.get(f"{path}/x")["metadata"].get("generation") for kind, (path, _) in bodies.items()}
+    assert found == {"ConfigMap": None, "Secret": None, "Service": None, "Deployment": 2}, found
+
+
+def test_a_label_selector_filters_lists_and_watches_and_an_object_leaving_it_is_deleted_for_the_watch(api):
+    """The API server filters lists and watches by ``labelSelector``, and a watch sees an object that
+    stops matching as ``DELETED`` (its previous content, the new version) and one that starts matching
+    as ``ADDED``: how the operator, watching its children by its ``managed-by`` label, sees a child
+    whose label was removed by hand. KMock ignored the selector: the watch sent the edit as
+    ``MODIFIED``, which the operator's client-side filter then dropped, so it saw nothing."""
+    for name, team in (("a", "x"), ("b", "y")):
+        assert api.create(CONFIGMAPS, {"metadata": {"name": name, "labels": {"team": team}},
+                                       "data": {"v": "1"}}).status_code in (200, 201)
+    listing = api.get(f"{CONFIGMAPS}?labelSelector=team%3Dx")
+    assert [i["metadata"]["name"] for i in listing["items"]] == ["a"]
+    assert [i["metadata"]["name"] for i in api.get(f"{CONFIGMAPS}?labelSelector=team%21%3Dx,team")["items"]] == ["b"]
+    listed = listing["metadata"]["resourceVersion"]
+    assert api.patch(f"{CONFIGMAPS}/b", {"data": {"v": "2"}}).status_code == 200  # not selected: no event
+    assert api.patch(f"{CONFIGMAPS}/a", {"metadata": {"labels": {"team": None}}}).status_code == 200
+    assert api.patch(f"{CONFIGMAPS}/b", {"metadata": {"labels": {"team": "x"}}}).status_code == 200
+    events = _watch(api, f"resourceVersion={listed}&labelSelector=team%3Dx", until=lambda e: len(e) >= 2, timeout=3.0)
+    seen = [(e["type"], e["object"]["metadata"]["name"], (e["object"]["metadata"].get("labels") or {}).get("team"))
+            for e in events]
+    assert seen == [("DELETED", "a", "x"), ("ADDED", "b", "x")], seen
