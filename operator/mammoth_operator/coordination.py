@@ -2,17 +2,19 @@
 in a thread pool).
 
 :class:`Serializer` runs at most one convergence per pipeline at a time; the child events that arrive
-meanwhile coalesce, with the children they name, into one more run. :class:`Rechecks` runs a
-convergence of some children later (at most one timer per pipeline). :class:`Health` is what the
+meanwhile coalesce, with the children they name, into one more run. :class:`Retries` runs a failed
+convergence of some children again after a backoff (at most one timer per pipeline). :class:`Health` is what the
 liveness probe reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any
 
 Key = tuple[str, str]
 
@@ -65,37 +67,61 @@ class Serializer:
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._locks: dict[Key, threading.Lock] = {}
+        #: key -> [its lock, the callers using it]; forgotten when the last one leaves with nothing pending
+        self._locks: dict[Key, list[Any]] = {}
         self._pending: dict[Key, set[Hashable]] = {}
         self._runs: dict[Key, Callable[[frozenset[Hashable]], None]] = {}
 
-    def _lock(self, key: Key) -> threading.Lock:
+    def _enter(self, key: Key) -> threading.Lock:
         with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+            return entry[0]
+
+    def _leave(self, key: Key) -> None:
+        with self._guard:
+            entry = self._locks[key]
+            entry[1] -= 1
+            if entry[1] == 0 and not self._pending.get(key):
+                del self._locks[key]
+                self._pending.pop(key, None)
+                self._runs.pop(key, None)
+
+    @property
+    def keys(self) -> int:
+        """How many keys the serializer holds state for (in use or with items pending)."""
+        with self._guard:
+            return len(self._locks)
 
     @contextlib.contextmanager
     def exclusive(self, key: Key) -> Iterator[None]:
         """Wait for the key's running convergence, then hold it (it converges every child: the items
         pending now are dropped); when it ends, also by an exception, run the items handed over
         meanwhile (see the class)."""
-        lock = self._lock(key)
-        lock.acquire()
-        with self._guard:
-            self._pending.pop(key, None)
+        lock = self._enter(key)
         try:
-            yield
+            lock.acquire()
+            with self._guard:
+                self._pending.pop(key, None)
+            try:
+                yield
+            finally:
+                self._drain(key, lock, held=True)
         finally:
-            self._drain(key, lock, held=True)
+            self._leave(key)
 
     def request(self, key: Key, items: Iterable[Hashable], run: Callable[[frozenset[Hashable]], None]) -> None:
         """Run ``run(items)`` now, or, when a run of ``key`` is in flight, make it run once more with
         them. ``run`` should handle its own errors: one it raises ends this call (and is raised here)
         and leaves the items that came meanwhile to the next request."""
-        lock = self._lock(key)
-        with self._guard:
-            self._pending.setdefault(key, set()).update(items)
-            self._runs[key] = run
-        self._drain(key, lock, held=False)
+        lock = self._enter(key)
+        try:
+            with self._guard:
+                self._pending.setdefault(key, set()).update(items)
+                self._runs[key] = run
+            self._drain(key, lock, held=False)
+        finally:
+            self._leave(key)
 
     def _drain(self, key: Key, lock: threading.Lock, held: bool) -> None:
         """Run the pending items of ``key`` until none are left, holding its lock (``held``: already
@@ -121,47 +147,69 @@ class Serializer:
             return frozenset(items) if items else None
 
 
-class Rechecks:
-    """Convergences of some children of a pipeline to run later, one timer per key at a time: the
-    children scheduled while a timer waits join its run, at the time asked for the first of them
-    (a convergence that still finds a child uncertain schedules it again).
-
-    ``run(key, children)`` runs on the timer's thread; it should handle its own errors.
+class Retries:
+    """Failed convergences of some children of a pipeline, run again after a backoff: 2, 4, 8 ... s
+    (``first_delay`` doubled per failure of the key in a row, at most ``max_delay``), reset by
+    :meth:`succeeded`. One timer per key at a time: children failing while it waits join its run,
+    with the ``run`` given last. ``run(children)`` runs on the timer's thread, in a copy of the
+    context variables of the :meth:`retry` call (kopf keeps its settings in one: ``kopf.warn`` and
+    ``kopf.adopt`` need it), and should handle its own errors (a failure calls :meth:`retry` again).
     """
 
-    def __init__(self, run: Callable[[Key, frozenset[Hashable]], None]) -> None:
-        self._run = run
+    def __init__(self, first_delay: float = 2.0, max_delay: float = 300.0) -> None:
+        self._first_delay, self._max_delay = first_delay, max_delay
         self._guard = threading.Lock()
         self._due: dict[Key, set[Hashable]] = {}
+        self._runs: dict[Key, tuple[Callable[[frozenset[Hashable]], None], contextvars.Context]] = {}
         self._timers: dict[Key, threading.Timer] = {}
+        self._failures: dict[Key, int] = {}
         self._closed = False
 
-    def schedule(self, key: Key, children: Iterable[Hashable], delay: float) -> None:
-        """Converge ``children`` of ``key`` in ``delay`` seconds (joining a timer already waiting)."""
+    def retry(self, key: Key, children: Iterable[Hashable], run: Callable[[frozenset[Hashable]], None]) -> float:
+        """A run of ``children`` of ``key`` failed: run them with ``run`` after the key's next delay
+        (joining a timer already waiting); returns that delay in seconds."""
         with self._guard:
+            failures = self._failures.get(key, 0)
+            self._failures[key] = failures + 1
+            delay = min(self._first_delay * 2 ** failures, self._max_delay)
             if self._closed:
-                return
+                return delay
             self._due.setdefault(key, set()).update(children)
-            if key in self._timers:
-                return
-            timer = threading.Timer(delay, self._fire, args=(key,))
-            timer.daemon = True
-            self._timers[key] = timer
-            timer.start()
+            self._runs[key] = (run, contextvars.copy_context())
+            if key not in self._timers:
+                timer = threading.Timer(delay, self._fire, args=(key,))
+                timer.daemon = True
+                self._timers[key] = timer
+                timer.start()
+        return delay
+
+    def succeeded(self, key: Key) -> None:
+        """A run of ``key`` succeeded: its next failure is retried after the first delay again."""
+        with self._guard:
+            self._failures.pop(key, None)
+
+    @property
+    def waiting(self) -> int:
+        """How many keys have a retry waiting or a failure count kept."""
+        with self._guard:
+            return len(self._timers.keys() | self._failures.keys())
 
     def _fire(self, key: Key) -> None:
         with self._guard:
             self._timers.pop(key, None)
             children = frozenset(self._due.pop(key, set()))
-            if self._closed or not children:
+            entry = self._runs.pop(key, None)
+            if self._closed or not children or entry is None:
                 return
-        self._run(key, children)
+        run, context = entry
+        context.run(run, children)
 
     def close(self) -> None:
-        """Cancel every waiting timer and schedule nothing more (the operator is stopping)."""
+        """Cancel every waiting timer and retry nothing more (the operator is stopping)."""
         with self._guard:
             self._closed = True
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
             self._due.clear()
+            self._runs.clear()

@@ -36,7 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from mammoth_operator import builders, kube, metrics, observed
 from mammoth_operator import reconcile as convergence
 from mammoth_operator.config import GROUP, PLURAL, VERSION, OperatorConfig
-from mammoth_operator.coordination import Health, Rechecks, Serializer
+from mammoth_operator.coordination import Health, Retries, Serializer
 from mammoth_operator.spec import InvalidSpec
 
 FINALIZER = f"{GROUP}/finalizer"  # kept for the settings; no handler requires a finalizer
@@ -65,25 +65,29 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: Operator
     settings.posting.reporting_component = "mammoth-operator"
     settings.execution.max_workers = 8
     settings.scanning.disabled = not config.scan_cluster
+    # The children's lists and watches filtered by the API server on our label: the operator holds
+    # only its own children (not every Secret of a namespace), and a child that loses the label is
+    # seen as DELETED (the watch cache's rule for an object leaving a selector), so it is repaired.
+    # kopf's handler filters alone saw an unlabelled child as not ours and never repaired it.
+    children = {(kind.api_version, kind.plural) for kind in observed.CHILD_KINDS}
+    selector = f"app.kubernetes.io/managed-by={builders.MANAGED_BY}"
+    settings.watching.label_selectors[
+        lambda resource: (f"{resource.group}/{resource.version}" if resource.group else resource.version,
+                          resource.plural) in children] = selector
     memo.config = config
     memo.children = kube.Children(kube.new_api_client(), timeout=config.request_timeout)
     memo.serializer = Serializer()
     memo.health = Health()
+    # shared by every handler call (kopf hands each a shallow copy of this memo: set nothing on those)
     memo.own_writes = observed.OwnWrites()
-    # a child read from the operator's own write whose newness is uncertain is converged again later
-    memo.rechecks = Rechecks(lambda key, children: _request_repair(memo, key[0], key[1], children))
+    memo.retries = Retries(APPLY_RETRY_DELAY, MAX_RETRY_DELAY)
 
 
 def close(memo: kopf.Memo, **_: Any) -> None:
-    """Cleanup: no recheck runs after the operator stopped."""
-    rechecks: Rechecks | None = getattr(memo, "rechecks", None)
-    if rechecks is not None:
-        rechecks.close()
-
-
-def _recheck_later(memo: kopf.Memo, view: observed.View, namespace: str, name: str) -> None:
-    if view.rechecks:
-        memo.rechecks.schedule((namespace, name), view.rechecks, max(view.rechecks.values()))
+    """Cleanup: no retry of a repair runs after the operator stopped."""
+    retries: Retries | None = getattr(memo, "retries", None)
+    if retries is not None:
+        retries.close()
 
 
 def _announce(body: kopf.Body, outcome: convergence.Outcome, name: str) -> None:
@@ -111,8 +115,8 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
     """
     config: OperatorConfig = memo.config
     with memo.serializer.exclusive((namespace, name)), memo.health.running():
-        memo.indices = observed.indices_of(kwargs)  # the same kopf.Index objects in every handler call
-        view = observed.View(memo.children, memo.indices, memo.own_writes)
+        indices = observed.indices_of(kwargs)
+        view = observed.View(memo.children, indices, memo.own_writes)
         try:
             outcome = convergence.converge(view, body, config.images)
         except InvalidSpec as e:
@@ -120,7 +124,9 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
             raise kopf.PermanentError(f"invalid spec: {e}") from e
         except kube.NameConflict as e:
             kopf.warn(body, reason="NameConflict", message=str(e))
-            raise kopf.TemporaryError(f"name conflict: {e}", delay=backoff(retry + 3)) from e
+            # a deleted pipeline's child goes with the garbage collector in moments; another owner's
+            # object waits for a person (16, 32 ... s)
+            raise kopf.TemporaryError(f"name conflict: {e}", delay=backoff(retry if e.previous else retry + 3)) from e
         except ApiException as e:
             if e.status == 400:  # a manifest the server cannot parse: only a spec change helps
                 kopf.warn(body, reason="ApplyFailed", message=convergence.describe(e))
@@ -129,8 +135,6 @@ def reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logge
             raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
         except Exception as e:  # timeouts, connection errors
             raise kopf.TemporaryError(f"applying children failed: {convergence.describe(e)}", delay=backoff(retry)) from e
-        finally:
-            _recheck_later(memo, view, namespace, name)
     memo.health.succeeded()
     _announce(body, outcome, name)
     changed = [r for r in outcome.results if r.action != "unchanged"]
@@ -146,23 +150,31 @@ def owner_name(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _request_repair(memo: kopf.Memo, namespace: str, name: str, children: Iterable[Any],
+def _request_repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str, children: Iterable[Any],
                     logger: logging.Logger | None = None) -> None:
     """Converge ``children`` of pipeline ``namespace/name`` now, or after the convergence in flight
-    (:class:`~mammoth_operator.coordination.Serializer`); a failure is logged, not raised (the status
-    says Degraded/ApplyFailed; the next event or recheck repairs)."""
+    (:class:`~mammoth_operator.coordination.Serializer`). A failure (a refused or timed-out call) is
+    logged and retried with backoff, 2, 4, 8 ... s (:class:`~mammoth_operator.coordination.Retries`),
+    as kopf retries the pipeline's own handler; the status says Degraded/ApplyFailed meanwhile."""
     log = logger or logging.getLogger(__name__)
+    key = (namespace, name)
 
     def run(changed: frozenset[Any]) -> None:
         try:
-            _repair(memo, namespace, name, changed, log)
-        except Exception as e:  # noqa: BLE001 - reported; a later event or recheck repairs
-            log.warning("Repairing %s/%s failed: %s", namespace, name, convergence.describe(e))
+            _repair(memo, indices, namespace, name, changed, log)
+        except Exception as e:  # noqa: BLE001 - reported and retried
+            delay = memo.retries.retry(key, changed, lambda again: _request_repair(memo, indices, namespace, name,
+                                                                                    again, logger))
+            log.warning("Repairing %s/%s failed (retried in %.0f s): %s", namespace, name, delay,
+                        convergence.describe(e))
+        else:
+            memo.retries.succeeded(key)
 
-    memo.serializer.request((namespace, name), list(children), run)
+    memo.serializer.request(key, list(children), run)
 
 
-def _repair(memo: kopf.Memo, namespace: str, name: str, changed: frozenset[Any], logger: logging.Logger) -> None:
+def _repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str, changed: frozenset[Any],
+            logger: logging.Logger) -> None:
     config: OperatorConfig = memo.config
     with memo.health.running():
         body = memo.children.read_pipeline(namespace, name)
@@ -170,14 +182,12 @@ def _repair(memo: kopf.Memo, namespace: str, name: str, changed: frozenset[Any],
             return
         if (body.get("status") or {}).get("observedGeneration") != int(body["metadata"].get("generation") or 1):
             return  # the pipeline's own handler has this generation (with kopf's retries)
-        view = observed.View(memo.children, memo.indices, memo.own_writes)
+        view = observed.View(memo.children, indices, memo.own_writes)
         try:
             outcome = convergence.converge(view, body, config.images, only=changed)
         except (InvalidSpec, kube.NameConflict) as e:
             logger.warning("Pipeline %s/%s not repaired: %s", namespace, name, e)
             return
-        finally:
-            _recheck_later(memo, view, namespace, name)
     memo.health.succeeded()
     for result in outcome.results:
         if result.action != "unchanged":
@@ -192,11 +202,10 @@ def observe_child(type: str | None, body: kopf.Body, namespace: str, memo: kopf.
     name = owner_name(body) or (body.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/instance")
     if type is None or not name:
         return  # the initial listing: resume handlers converge every pipeline anyway
-    memo.indices = observed.indices_of(kwargs)  # the same kopf.Index objects in every handler call
     child = (str(body.get("kind")), str(body["metadata"]["name"]))
     if type == "DELETED":
         memo.own_writes.forget((child[0], namespace, child[1]))
-    _request_repair(memo, namespace, name, [child], logger)
+    _request_repair(memo, observed.indices_of(kwargs), namespace, name, [child], logger)
 
 
 def probe_progress(memo: kopf.Memo, **_: Any) -> dict[str, Any]:

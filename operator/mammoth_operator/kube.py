@@ -66,12 +66,23 @@ class ApplyResult:
 
 
 class NameConflict(Exception):
-    """An object with a child's name exists and this pipeline does not control it (never taken over)."""
+    """An object with a child's name exists and this pipeline does not control it (never taken over).
 
-    def __init__(self, kind: str, name: str) -> None:
-        super().__init__(f"{kind} {name} exists and is not owned by this pipeline; delete or rename it")
+    ``previous`` is true when a pipeline of the same name with another uid controls it: a child of a
+    pipeline deleted moments ago, which the garbage collector deletes soon (a pipeline deleted and
+    created again); then retry soon, as the message says.
+    """
+
+    def __init__(self, kind: str, name: str, previous: bool = False) -> None:
+        if previous:
+            text = (f"{kind} {name} still belongs to a deleted pipeline of the same name; waiting for the "
+                    "garbage collector to delete it")
+        else:
+            text = f"{kind} {name} exists and is not owned by this pipeline; delete or rename it"
+        super().__init__(text)
         self.kind = kind
         self.name = name
+        self.previous = previous
 
 
 def controlled_by(observed: Mapping[str, Any], owner_uid: str) -> bool:
@@ -258,7 +269,10 @@ def apply(children: Children, child: Child, observed: Mapping[str, Any] | None, 
         created = children.create(copy.deepcopy(dict(manifest)) | {"metadata": managed["metadata"]})
         return ApplyResult(kind, name, "created", obj=created)
     if not controlled_by(observed, owner_uid):
-        raise NameConflict(kind, name)
+        ours = {o.get("name") for o in manifest["metadata"].get("ownerReferences") or [] if o.get("uid") == owner_uid}
+        previous = any(o.get("controller") and o.get("kind") == "MammothPipeline" and o.get("name") in ours
+                       for o in (observed.get("metadata") or {}).get("ownerReferences") or [])
+        raise NameConflict(kind, name, previous=previous)
     raw_last = (observed.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED_ANNOTATION)
     try:
         last = json.loads(raw_last) if raw_last else {}

@@ -11,8 +11,9 @@ hand), created moments ago (its watch event not delivered yet), or an object wit
 that does not carry our label (a name conflict): only the ``GET`` tells these apart. The objects the
 convergence itself wrote are recorded with :meth:`View.wrote` and win over the indexes for the rest
 of that convergence, so the status it writes reflects its own writes; they also go to the process's
-:class:`OwnWrites`, which stands in for a child whose index still holds a state older than the
-operator's last write of it (a watch delivers late, and a late event is no drift). An optional child the spec
+:class:`OwnWrites`: a child whose index still holds a state older than the operator's last write of
+it is read from that write (a watch delivers late, and a late event is no drift), one whose index
+state cannot be ordered against the write is read with a ``GET``. An optional child the spec
 no longer wants is looked up in its index only: one of ours carries the label, and one created so
 recently that its event is still on the way is deleted when that event arrives.
 """
@@ -68,13 +69,18 @@ def indices_of(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {kind.index_id: kwargs[kind.index_id] for kind in CHILD_KINDS}
 
 
-#: Seconds the operator's own write of a child stands in for an observed state that is not that write
-#: and cannot be ordered against it (no ``metadata.generation``): the watch delivers the write within
-#: this time or the observed state is believed. kopf waits 5 s for its own patches by default
-#: (``settings.persistence.consistency_timeout``); twice that here, for a loaded API server.
+#: Seconds the operator keeps its own write of a child when no state as new as it is observed (the
+#: watch delivers it well within this; kopf waits 5 s for its own patches by default,
+#: ``settings.persistence.consistency_timeout``): after that the index is believed again.
 OWN_WRITE_PATIENCE_SECONDS = 10.0
 
 Key = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def _managed(obj: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """The metadata the operator writes: labels and its applied record (`kube.LAST_APPLIED_ANNOTATION`)."""
+    meta = (obj or {}).get("metadata") or {}
+    return meta.get("labels"), (meta.get("annotations") or {}).get(kube.LAST_APPLIED_ANNOTATION)
 
 
 def _version(obj: Mapping[str, Any] | None) -> tuple[int | None, str | None]:
@@ -83,18 +89,9 @@ def _version(obj: Mapping[str, Any] | None) -> tuple[int | None, str | None]:
     return (int(generation) if generation else None), meta.get("resourceVersion")
 
 
-@dataclasses.dataclass(frozen=True)
-class StandIn:
-    """The operator's own write that stands in for an older observed state of a child.
-
-    ``obj`` is the write (the API's answer); ``recheck_in`` is None when the observed state is known
-    to be older (a lower ``metadata.generation``), else the seconds until the observed state is
-    believed again (it may be a later change whose event the watch batched with the write's):
-    converge that child again then.
-    """
-
-    obj: dict[str, Any]
-    recheck_in: float | None
+#: What :meth:`OwnWrites.judge` says of an observed state: as new as the operator's last write (or
+#: no write kept), older than it, or not to be ordered against it from the two objects alone.
+CURRENT, OLDER, UNKNOWN = "current", "older", "unknown"
 
 
 class OwnWrites:
@@ -105,13 +102,16 @@ class OwnWrites:
     write made just before the operator patched the replicas. Taken for the child's state, it looks
     like drift, and a repair would patch the child again and report drift that never happened.
 
-    An observed state is older than the write when both carry ``metadata.generation`` (Deployments,
-    PodDisruptionBudgets, NetworkPolicies, HorizontalPodAutoscalers: the API server raises it on
-    every spec change) and the observed one is lower. Without a generation (Services, ConfigMaps,
-    Secrets) a ``resourceVersion`` can only be compared for equality (the API's contract: it is
-    opaque), so a state other than the write counts as older for :data:`OWN_WRITE_PATIENCE_SECONDS`
-    after the write, with a recheck when that ends (:class:`StandIn`). A write is forgotten once a
-    state as new as it is observed, the child is deleted, or (without a generation) its patience ends.
+    :meth:`judge` orders an observed state against the write. Its own ``resourceVersion``: current.
+    Both carry ``metadata.generation`` (Deployments, PodDisruptionBudgets, NetworkPolicies,
+    HorizontalPodAutoscalers: the API server raises it on every spec change): a lower one is older,
+    a higher one current; at the same generation the spec is the same, so a state with the write's
+    labels and applied record differs only where the operator writes nothing (status): current.
+    Anything else cannot be ordered from the objects: a ``resourceVersion`` may only be compared for
+    equality (the API's contract: it is opaque), and kinds without a generation (Services,
+    ConfigMaps, Secrets) or a write that changed only metadata give nothing else. The caller then
+    reads the child from the API (:class:`View`). A write is forgotten once its own version or a higher
+    generation is observed, the child is deleted, or :data:`OWN_WRITE_PATIENCE_SECONDS` pass.
     Thread-safe (kopf runs sync handlers in a thread pool).
     """
 
@@ -120,6 +120,10 @@ class OwnWrites:
         self._clock = clock
         self._lock = threading.Lock()
         self._writes: dict[Key, tuple[dict[str, Any], float]] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._writes)
 
     def record(self, key: Key, obj: Mapping[str, Any] | None) -> None:
         """The operator wrote ``obj`` (the API's answer) to child ``key``; None: deleted it."""
@@ -130,42 +134,43 @@ class OwnWrites:
                 self._writes[key] = (copy.deepcopy(dict(obj)), self._clock())
 
     def forget(self, key: Key) -> None:
-        """The child is gone (its ``DELETED`` event): no write of it stands in any more."""
+        """The child is gone (its ``DELETED`` event): no write of it is kept any more."""
         with self._lock:
             self._writes.pop(key, None)
 
-    def stand_in(self, key: Key, observed: Mapping[str, Any] | None) -> StandIn | None:
-        """The write to use instead of ``observed`` (a state of child ``key`` from an index or an
-        event; None: not observed), or None when ``observed`` is as new as the last write (which is
-        then forgotten) or there is none."""
+    def judge(self, key: Key, observed: Mapping[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+        """(:data:`CURRENT`, :data:`OLDER` or :data:`UNKNOWN`, the write) for ``observed``, a state
+        of child ``key`` from an index or an event (None: not observed); the write is None with
+        :data:`CURRENT`."""
         with self._lock:
             entry = self._writes.get(key)
             if entry is None:
-                return None
+                return CURRENT, None
             written, at = entry
+            if self._clock() - at > self._patience:
+                del self._writes[key]
+                return CURRENT, None
             (wrote_gen, wrote_rv), (seen_gen, seen_rv) = _version(written), _version(observed)
             if seen_rv is not None and seen_rv == wrote_rv:
                 del self._writes[key]
-                return None
+                return CURRENT, None
             if wrote_gen is not None and seen_gen is not None:
-                if seen_gen >= wrote_gen:
+                if seen_gen > wrote_gen:
                     del self._writes[key]
-                    return None
-                return StandIn(copy.deepcopy(written), None)
-            left = at + self._patience - self._clock()
-            if left <= 0:
-                del self._writes[key]
-                return None
-            return StandIn(copy.deepcopy(written), left)
+                    return CURRENT, None
+                if seen_gen < wrote_gen:
+                    return OLDER, copy.deepcopy(written)
+                if _managed(observed) == _managed(written):
+                    return CURRENT, None
+            return UNKNOWN, copy.deepcopy(written)
 
 
 class View:
     """The children of one namespace as one convergence sees them (see the module docstring).
 
     ``indices`` maps index id -> ``kopf.Index`` (:func:`indices_of`); ``children`` is the API
-    client for the ``GET`` of a child no index holds; ``own_writes`` the process's record of what it
-    wrote (None: none kept). :attr:`rechecks` collects the children read from a write whose newness
-    was not certain (child -> seconds until a convergence of it should run again).
+    client for the ``GET`` of a child no index holds, or whose index state cannot be ordered against
+    the operator's own last write of it (``own_writes``: the process's record; None: none kept).
     """
 
     def __init__(self, children: kube.Children, indices: Mapping[str, Any], own_writes: OwnWrites | None = None) -> None:
@@ -173,29 +178,35 @@ class View:
         self._indices = indices
         self._own_writes = own_writes
         self._written: dict[tuple[str, str, str], dict[str, Any] | None] = {}
-        self.rechecks: dict[tuple[str, str], float] = {}
 
     def indexed(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The child as this convergence wrote it, else as the operator last wrote it when its index
-        holds an older state (:class:`OwnWrites`), else as its index holds it; None when none has it."""
+        holds an older state (:class:`OwnWrites`), else as its index holds it; None when none has it.
+
+        Raises:
+            kubernetes.client.exceptions.ApiException: the ``GET`` of a child whose index state could
+                not be ordered against the operator's last write of it failed (other than 404).
+        """
         key = (kind, namespace, name)
         if key in self._written:
             return self._written[key]
         store = self._indices[KINDS_BY_NAME[kind].index_id].get((namespace, name))
         found = next(iter(store), None) if store else None
-        stand_in = self._own_writes.stand_in(key, found) if self._own_writes is not None else None
-        if stand_in is None:
-            return found
-        if stand_in.recheck_in is not None:
-            self.rechecks[(kind, name)] = max(self.rechecks.get((kind, name), 0.0), stand_in.recheck_in)
-        return stand_in.obj
+        verdict, written = self._own_writes.judge(key, found) if self._own_writes is not None else (CURRENT, None)
+        if verdict == OLDER:
+            return written
+        if verdict == UNKNOWN:  # the API server's state decides: read it (and keep it for this convergence)
+            fresh = self.children.read(KINDS_BY_NAME[kind].api_version, kind, namespace, name)
+            self._written[key] = fresh
+            return fresh
+        return found
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The child as last observed (a dict as served), or None when it does not exist: as
         :meth:`indexed`, else from one ``GET``.
 
         Raises:
-            kubernetes.client.exceptions.ApiException: the fallback ``GET`` failed (other than 404).
+            kubernetes.client.exceptions.ApiException: a ``GET`` failed (other than 404).
         """
         found = self.indexed(kind, namespace, name)
         if found is not None or (kind, namespace, name) in self._written:

@@ -62,22 +62,36 @@ def test_an_event_during_a_failing_handler_still_runs():
     assert runs == [frozenset({("Service", "tiny-ar")})]
 
 
-def test_rechecks_join_one_timer_per_pipeline_and_stop_when_closed():
-    from mammoth_operator.coordination import Rechecks
+def test_retries_back_off_per_pipeline_join_one_timer_and_stop_when_closed():
+    from mammoth_operator.coordination import Retries
 
-    fired: list[tuple] = []
+    fired: list[frozenset] = []
     done = threading.Event()
 
-    def run(key, children):
-        fired.append((key, children))
+    def run(children):
+        fired.append(children)
         done.set()
 
-    rechecks = Rechecks(run)
-    rechecks.schedule(KEY, [("Service", "tiny-ar")], 0.2)
-    rechecks.schedule(KEY, [("ConfigMap", "tiny-config")], 5.0)  # joins the waiting timer
+    retries = Retries(first_delay=0.2, max_delay=0.8)
+    assert retries.retry(KEY, [("Service", "tiny-ar")], run) == 0.2
+    assert retries.retry(KEY, [("ConfigMap", "tiny-config")], run) == 0.4  # joins the waiting timer
     assert done.wait(5)
-    assert fired == [(KEY, frozenset({("Service", "tiny-ar"), ("ConfigMap", "tiny-config")}))]
-    rechecks.schedule(KEY, [("Service", "tiny-ar")], 0.2)
-    rechecks.close()
+    assert fired == [frozenset({("Service", "tiny-ar"), ("ConfigMap", "tiny-config")})]
+    assert [retries.retry(KEY, [], run) for _ in range(2)] == [0.8, 0.8]  # at most max_delay
+    retries.succeeded(KEY)
+    done.clear()
+    assert retries.retry(KEY, [("Service", "tiny-ar")], run) == 0.2  # reset by a success
+    retries.close()
     threading.Event().wait(0.5)
-    assert len(fired) == 1
+    assert len(fired) == 1 and not done.is_set()
+
+
+def test_a_pipelines_state_is_forgotten_when_no_run_uses_it():
+    """The serializer kept a lock and a run per pipeline for ever (break-it pass: 10 pipelines created
+    and deleted left 10 of each)."""
+    serializer = Serializer()
+    for i in range(10):
+        serializer.request(("default", f"p{i}"), [("Service", "x")], lambda items: None)
+        with serializer.exclusive(("default", f"p{i}")):
+            pass
+    assert serializer.keys == 0
