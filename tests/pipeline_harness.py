@@ -172,3 +172,15 @@ async def until_health(channel, status: int, services: Sequence[str], within_s: 
         while (reply := await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status != status:
             assert time.monotonic() < deadline, f"health {service!r} still {reply.status}"
             await asyncio.sleep(0.05)
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can listen on ``::1`` (the IPv6 tests skip without it)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

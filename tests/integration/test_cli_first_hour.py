@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from pipeline_harness import has_ipv6_loopback
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -309,16 +311,7 @@ def test_a_component_on_a_port_in_use_says_which_and_exits_cleanly(tmp_path, rol
     assert len(errors) == 1 and port in errors[0] and flag in errors[0], proc.stderr[-3000:]
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 def test_up_on_an_ipv6_host_serves_an_image(tmp_path):
     """``mammoth up --host ::1``: before, it failed at once ("cannot listen on --host ::1 --port 0 (Address
     family for hostname not supported)"): the DiT's port was chosen on an IPv4 socket; past that the AR's

@@ -22,6 +22,7 @@ from mammoth_core.pb import mammoth_pb2_grpc as pb_grpc
 from mammoth_operator import builders
 from mammoth_operator.spec import parse_spec
 
+from pipeline_harness import has_ipv6_loopback
 from test_secure_defaults import dit_request, first_event, spawn_all, stop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -83,18 +84,8 @@ def k8s_stages(tiny_checkpoint, tmp_path_factory):
             stop(proc)
 
 
-def _ipv6_loopback() -> bool:
-    import socket
 
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
 async def test_stage_pods_answer_on_ipv4_and_ipv6(k8s_stages):
     """A pod of an IPv6 (single-stack) cluster has only an IPv6 address: the stages must listen on it
     as well as on IPv4, their gRPC port (the kubelet's probes, the gateway, the AR's push) and their

@@ -238,41 +238,74 @@ def _observed(log, since: int, kind_plural: str, name: str) -> int:
                and r.getMessage() == f"Handler 'observe_{kind_plural}' succeeded.")
 
 
-def test_a_late_event_older_than_the_operators_own_write_repairs_nothing(api, running_operator, emulator, operator_log):
-    """A watch delivers a child's events late (in order): here the Deployment controller's status write
-    to tiny-ar, made before the operator patched the replicas, arrives after the reconcile finished.
-    The operator took the event's object (replicas 1) for drift and patched the replicas a second
-    time, with a ``Repaired`` Warning saying the child had drifted from the spec, which it had not.
-    The operator now knows what it wrote and repairs nothing from an event older than that write."""
+def _late_controller_write(api, emulator, operator_log, resource: str, plural: str, child: str,
+                           controller_write, spec: dict) -> list[tuple]:
+    """A controller's write to ``child`` (``controller_write()``) whose watch event is held back
+    (``MammothEmulator.watch_lag`` on ``resource``) while the pipeline's spec changes to ``spec``;
+    then both late events are delivered and handled. Returns the child's writes since the controller's
+    (the operator's) and asserts no ``Repaired`` warning came of it."""
     assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
     wait_applied(api, "tiny", 1)
     wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
     logged = len(operator_log.records)
-    emulator.watch_lag.add("apps/v1/deployments")
+    emulator.watch_lag.add(resource)
     try:
-        api.mark_ready("tiny-ar")  # the Deployment controller's write: its event is held back
+        controller_write()
         since = len(emulator.writes)
-        patch_spec(api, "tiny", {"ar": {"replicas": 3}})
+        patch_spec(api, "tiny", spec)
         wait_applied(api, "tiny", 2)
     finally:
-        emulator.watch_lag.discard("apps/v1/deployments")
-    # both held events of tiny-ar handled: the status write's (spec as before) and the operator's patch's
-    wait_for(lambda: _observed(operator_log, logged, "deployments", "tiny-ar") >= 2, timeout=30,
-             what="both late events of tiny-ar handled")
+        emulator.watch_lag.discard(resource)
+    # both held events handled: the controller's write's (its spec as before) and the operator's patch's
+    wait_for(lambda: _observed(operator_log, logged, plural, child) >= 2, timeout=30,
+             what=f"both late events of {child} handled")
     time.sleep(1.0)  # a repair runs inside the event's handler, or right after the run it waited for
-    writes = [(w["verb"], w["name"], w.get("subresource")) for w in emulator.writes[since:]
-              if w["resource"] == "apps/v1/deployments"]
-    warnings = [w["body"].get("message") for w in emulator.writes[since:]
-                if w["resource"].endswith("/events") and w["body"].get("reason") == "Repaired"]
-    assert (writes, warnings) == ([("patch", "tiny-ar", None)], []), (writes, warnings)
+    writes = _writes(emulator, since, resource, child)
+    assert _warnings(emulator, since, "Repaired") == [], writes
+    return writes
+
+
+def test_a_late_event_older_than_the_operators_own_write_repairs_nothing(api, running_operator, emulator, operator_log):
+    """A watch delivers a child's events late (in order): here the Deployment controller's status write
+    to tiny-ar, made before the operator patched the replicas, arrives after the reconcile finished.
+    The operator took the event's object (replicas 1) for drift and patched the replicas a second
+    time, with a ``Repaired`` Warning saying the child had drifted from the spec, which it had not."""
+    writes = _late_controller_write(api, emulator, operator_log, DEPLOYMENTS, "deployments", "tiny-ar",
+                                    lambda: api.mark_ready("tiny-ar"), {"ar": {"replicas": 3}})
+    assert writes == [("patch", "tiny-ar", None)]
     assert api.child("Deployment", "tiny-ar")["spec"]["replicas"] == 3
 
 
+def test_a_late_event_after_a_metadata_only_write_repairs_nothing(api, running_operator, emulator, operator_log):
+    """The same with a write that does not raise ``metadata.generation``: turning autoscaling on patches
+    only the Deployment's applied record (replicas is create-only). The late status event of the same
+    generation was taken as current and its old record as drift (break-it pass: two patches and a
+    false ``Repaired``)."""
+    writes = _late_controller_write(api, emulator, operator_log, DEPLOYMENTS, "deployments", "tiny-ar",
+                                    lambda: api.mark_ready("tiny-ar"),
+                                    {"ar": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}})
+    assert writes == [("patch", "tiny-ar", None)]
+
+
+def test_a_late_service_event_repairs_nothing(api, running_operator, emulator, operator_log):
+    """The same for a kind without a generation: a late event of the gateway Service (its LoadBalancer
+    status, written before the operator patched the Service) is no drift."""
+    def load_balancer_status() -> None:
+        r = api.patch("/api/v1/namespaces/default/services/tiny-gateway/status",
+                      {"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.7"}]}}})
+        assert r.status_code == 200, r.text
+
+    writes = _late_controller_write(api, emulator, operator_log, "v1/services", "services", "tiny-gateway",
+                                    load_balancer_status, {"gateway": {"service": {"type": "ClusterIP", "port": 8080}}})
+    assert writes == [("patch", "tiny-gateway", None)]
+    assert api.child("Service", "tiny-gateway")["spec"]["ports"][0]["port"] == 8080
+
+
 def test_a_repair_the_api_refuses_is_retried(api, running_operator, emulator):
-    """Docs ("Refusals are retried, not fatal"): a refused apply gives Degraded/ApplyFailed and a
-    retry after 2, 4, 8 ... s. The pipeline's own handler retries (kopf), but a repair started by a
-    child event only logs the failure: the deleted Deployment stays deleted and Degraded sticks until
-    some unrelated event of the pipeline."""
+    """docs/OPERATOR.md ("Refusals are retried, not fatal"): a refused apply gives Degraded/ApplyFailed
+    and a retry after 2, 4, 8 ... s. The pipeline's own handler was retried (kopf), but a repair
+    started by a child event only logged the failure (break-it pass): the deleted Deployment stayed
+    deleted and Degraded stuck until some unrelated event of the pipeline."""
     assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
     wait_applied(api, "tiny", 1)
     wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
@@ -292,7 +325,7 @@ def test_a_repair_the_api_refuses_is_retried(api, running_operator, emulator):
 
 
 def test_a_repair_that_times_out_is_retried(api, running_operator, emulator):
-    """As above, with a stalled API server (the create of the repair times out: request_timeout 10 s)."""
+    """As above, with a stalled API server (the repair's create times out: the harness's request_timeout 10 s)."""
     assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
     wait_applied(api, "tiny", 1)
     wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
@@ -308,32 +341,6 @@ def test_a_repair_that_times_out_is_retried(api, running_operator, emulator):
     wait_for(lambda: api.child("Deployment", "tiny-dit"), timeout=30, what="tiny-dit recreated")
     wait_for(lambda: condition(api.pipeline("tiny"), "Degraded")["status"] == "False", timeout=15,
              what="Degraded=False")
-
-
-def test_a_late_event_after_a_metadata_only_write_repairs_nothing(api, running_operator, emulator, operator_log):
-    """The documented late-event case, with a write that does not raise metadata.generation: turning
-    autoscaling on patches only the Deployment's last-applied annotation (replicas is create-only).
-    A late status event of the same generation is taken as "as new as the write" (seen >= written)
-    and its old annotation as drift: a second patch and a false Repaired warning."""
-    assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
-    wait_applied(api, "tiny", 1)
-    wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
-    logged = len(operator_log.records)
-    emulator.watch_lag.add(DEPLOYMENTS)
-    try:
-        api.mark_ready("tiny-ar")  # the Deployment controller's write: held back
-        since = len(emulator.writes)
-        patch_spec(api, "tiny", {"ar": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}})
-        wait_applied(api, "tiny", 2)
-    finally:
-        emulator.watch_lag.discard(DEPLOYMENTS)
-    wait_for(lambda: _observed(operator_log, logged, "deployments", "tiny-ar") >= 2, timeout=30,
-             what="both late events of tiny-ar handled")
-    time.sleep(1.5)
-    writes = _writes(emulator, since, DEPLOYMENTS, "tiny-ar")
-    bodies = [sorted(w["body"].get("metadata", {}).get("annotations", {})) + sorted(k for k in w["body"] if k != "metadata")
-              for w in emulator.writes[since:] if w["resource"] == DEPLOYMENTS and w["name"] == "tiny-ar"]
-    assert (writes, _warnings(emulator, since, "Repaired")) == ([("patch", "tiny-ar", None)], []), bodies
 
 
 def _edit_configmap_during_reconcile(api, emulator) -> float:
@@ -377,33 +384,6 @@ def test_a_configmap_edited_during_a_reconcile_is_repaired_right_after_it(api, r
     not the handler's copy), so the edit stayed. It now reads such a child from the API."""
     took = _edit_configmap_during_reconcile(api, emulator)
     assert took < 6.0, f"the ConfigMap was repaired {took:.1f} s after the edit (the reconcile ended ~3 s after it)"
-
-
-def test_a_late_service_event_repairs_nothing(api, running_operator, emulator, operator_log):
-    """The late-event guarantee for a kind without a generation: a late event of the gateway Service
-    (its LoadBalancer status, written before the operator patched the Service) is no drift."""
-    assert api.create(PIPELINES, example_pipeline()).status_code in (200, 201)
-    wait_applied(api, "tiny", 1)
-    wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
-    logged = len(operator_log.records)
-    emulator.watch_lag.add("v1/services")
-    try:
-        r = api.patch("/api/v1/namespaces/default/services/tiny-gateway/status",
-                      {"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.7"}]}}})
-        assert r.status_code == 200, r.text
-        since = len(emulator.writes)
-        patch_spec(api, "tiny", {"gateway": {"service": {"type": "ClusterIP", "port": 8080}}})
-        wait_applied(api, "tiny", 2)
-    finally:
-        emulator.watch_lag.discard("v1/services")
-    wait_for(lambda: _observed(operator_log, logged, "services", "tiny-gateway") >= 2, timeout=30,
-             what="both late events of tiny-gateway handled")
-    time.sleep(1.0)
-    writes = [(w["verb"], w["name"]) for w in emulator.writes[since:] if w["resource"] == "v1/services"]
-    repaired = [w["body"].get("message") for w in emulator.writes[since:]
-                if w["resource"].endswith("/events") and w["body"].get("reason") == "Repaired"]
-    assert (writes, repaired) == ([("patch", "tiny-gateway")], []), (writes, repaired)
-    assert api.child("Service", "tiny-gateway")["spec"]["ports"][0]["port"] == 8080
 
 
 def test_a_child_whose_managed_by_label_was_removed_gets_it_back(api, running_operator, emulator):
