@@ -3,8 +3,8 @@ in a thread pool).
 
 :class:`Serializer` runs at most one convergence per pipeline at a time; the child events that arrive
 meanwhile coalesce, with the children they name, into one more run. :class:`Retries` runs a failed
-convergence of some children again after a backoff (at most one timer per pipeline). :class:`Health` is what the
-liveness probe reads.
+convergence of some children again after a backoff (at most one timer per pipeline). :class:`Health`
+is what the liveness probe reads.
 """
 
 from __future__ import annotations

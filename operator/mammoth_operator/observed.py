@@ -1,7 +1,8 @@
 """The children as the operator observes them: one kopf index per child kind, no list calls.
 
 kopf keeps each index current from the watch stream of its kind (``@kopf.index``, filtered on the
-``app.kubernetes.io/managed-by: mammoth-operator`` label), updates it before it runs the handlers of
+``app.kubernetes.io/managed-by: mammoth-operator`` label, by the API server too: `handlers.configure`),
+updates it before it runs the handlers of
 the same event, and starts no handler before every index holds its initial listing. So a handler
 reads the children of a pipeline without calling the API.
 
