@@ -149,8 +149,8 @@ class Serializer:
 
 class Retries:
     """Failed convergences of some children of a pipeline, run again after a backoff: 2, 4, 8 ... s
-    (``first_delay`` doubled per failure of the key in a row, at most ``max_delay``), reset by
-    :meth:`succeeded`. One timer per key at a time: children failing while it waits join its run,
+    (``first_delay`` doubled per retry round of the key that failed in a row, at most ``max_delay``),
+    reset by :meth:`succeeded`. One timer per key at a time: children failing while it waits join its run,
     with the ``run`` given last. ``run(children)`` runs on the timer's thread, in a copy of the
     context variables of the :meth:`retry` call (kopf keeps its settings in one: ``kopf.warn`` and
     ``kopf.adopt`` need it), and should handle its own errors (a failure calls :meth:`retry` again).
@@ -162,6 +162,7 @@ class Retries:
         self._due: dict[Key, set[Hashable]] = {}
         self._runs: dict[Key, tuple[Callable[[frozenset[Hashable]], None], contextvars.Context]] = {}
         self._timers: dict[Key, threading.Timer] = {}
+        self._delays: dict[Key, float] = {}
         self._failures: dict[Key, int] = {}
         self._closed = False
 
@@ -169,18 +170,19 @@ class Retries:
         """A run of ``children`` of ``key`` failed: run them with ``run`` after the key's next delay
         (joining a timer already waiting); returns that delay in seconds."""
         with self._guard:
-            failures = self._failures.get(key, 0)
-            self._failures[key] = failures + 1
-            delay = min(self._first_delay * 2 ** failures, self._max_delay)
             if self._closed:
-                return delay
+                return 0.0
             self._due.setdefault(key, set()).update(children)
             self._runs[key] = (run, contextvars.copy_context())
-            if key not in self._timers:
-                timer = threading.Timer(delay, self._fire, args=(key,))
-                timer.daemon = True
-                self._timers[key] = timer
-                timer.start()
+            if key in self._timers:  # a failure while a retry waits joins it: no new round, no longer delay
+                return self._delays[key]
+            failures = self._failures.get(key, 0)
+            self._failures[key] = failures + 1
+            delay = self._delays[key] = min(self._first_delay * 2 ** failures, self._max_delay)
+            timer = threading.Timer(delay, self._fire, args=(key,))
+            timer.daemon = True
+            self._timers[key] = timer
+            timer.start()
         return delay
 
     def succeeded(self, key: Key) -> None:
@@ -197,6 +199,7 @@ class Retries:
     def _fire(self, key: Key) -> None:
         with self._guard:
             self._timers.pop(key, None)
+            self._delays.pop(key, None)
             children = frozenset(self._due.pop(key, set()))
             entry = self._runs.pop(key, None)
             if self._closed or not children or entry is None:
@@ -211,5 +214,6 @@ class Retries:
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
+            self._delays.clear()
             self._due.clear()
             self._runs.clear()

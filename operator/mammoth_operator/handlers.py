@@ -153,9 +153,11 @@ def owner_name(body: Mapping[str, Any]) -> str | None:
 def _request_repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str, children: Iterable[Any],
                     logger: logging.Logger | None = None) -> None:
     """Converge ``children`` of pipeline ``namespace/name`` now, or after the convergence in flight
-    (:class:`~mammoth_operator.coordination.Serializer`). A failure (a refused or timed-out call) is
-    logged and retried with backoff, 2, 4, 8 ... s (:class:`~mammoth_operator.coordination.Retries`),
-    as kopf retries the pipeline's own handler; the status says Degraded/ApplyFailed meanwhile."""
+    (:class:`~mammoth_operator.coordination.Serializer`). A failure (a refused or timed-out call, a
+    name conflict) is logged and retried with backoff, 2, 4, 8 ... s
+    (:class:`~mammoth_operator.coordination.Retries`), as kopf retries the pipeline's own handler; the
+    status says Degraded/ApplyFailed or NameConflict meanwhile. (An object that took a child's name
+    without our label is invisible to the label-selected watch: only a retry sees it go.)"""
     log = logger or logging.getLogger(__name__)
     key = (namespace, name)
 
@@ -185,7 +187,7 @@ def _repair(memo: kopf.Memo, indices: dict[str, Any], namespace: str, name: str,
         view = observed.View(memo.children, indices, memo.own_writes)
         try:
             outcome = convergence.converge(view, body, config.images, only=changed)
-        except (InvalidSpec, kube.NameConflict) as e:
+        except InvalidSpec as e:  # the pipeline's own handler reports it; a spec change retries
             logger.warning("Pipeline %s/%s not repaired: %s", namespace, name, e)
             return
     memo.health.succeeded()

@@ -28,6 +28,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils import parse_quantity
 
 from mammoth_operator.builders import Child, ChildRef, canonical_json
 from mammoth_operator.config import GROUP as PIPELINE_GROUP
@@ -186,20 +187,37 @@ class Children:
         return True
 
 
-def covers(observed: Any, desired: Any) -> bool:
+#: Keys whose values are resource quantities (a container's ``resources``): compared by amount.
+_QUANTITY_MAPS = frozenset({"requests", "limits"})
+
+
+def _same_quantity(observed: Any, desired: Any) -> bool:
+    try:
+        return bool(parse_quantity(observed) == parse_quantity(desired))
+    except (ValueError, TypeError):
+        return False
+
+
+def covers(observed: Any, desired: Any, quantity: bool = False) -> bool:
     """True when ``observed`` already holds ``desired`` (extra observed keys are server defaults).
 
     Dicts: every desired key covered. Lists: same length, item by item. Scalars: equal, with
     ``1`` == ``"1"`` (quantities come back as strings). An absent field covers an empty desired one.
+    Under ``requests`` and ``limits`` (``quantity``) values are resource quantities, equal by amount:
+    the API server serves ``cpu: 0.5`` back as ``500m`` and ``memory: 1024Mi`` as ``1Gi``, which
+    compared as text made every event of the Deployment a repair (a patch and a false ``Repaired``).
     """
     if observed is _MISSING:
         return desired in ({}, [], None)
     if isinstance(desired, Mapping):
-        return isinstance(observed, Mapping) and all(covers(observed.get(k, _MISSING), v) for k, v in desired.items())
+        return isinstance(observed, Mapping) and all(
+            covers(observed.get(k, _MISSING), v, quantity or k in _QUANTITY_MAPS) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(observed, list) and len(observed) == len(desired) and all(
             covers(o, d) for o, d in zip(observed, desired))
     if observed == desired and type(observed) is type(desired):
+        return True
+    if quantity and _same_quantity(observed, desired):
         return True
     if isinstance(desired, bool) or isinstance(observed, bool):
         return observed is desired

@@ -58,9 +58,9 @@ def write_status(view: View, body: Mapping[str, Any], problem: pipeline_status.P
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
     names = builders.child_names(name)
-    observed = pipeline_status.Observed(
-        deployments={c: view.get("Deployment", namespace, names.component(c)) for c in pipeline_status.COMPONENTS},
-        gateway_service=view.get("Service", namespace, names.gateway),
+    observed = pipeline_status.Observed(  # as indexed (or written): no API read, so a failing read still gets a status
+        deployments={c: view.indexed("Deployment", namespace, names.component(c)) for c in pipeline_status.COMPONENTS},
+        gateway_service=view.indexed("Service", namespace, names.gateway),
         autoscaled=autoscaled,
     )
     current = copy.deepcopy(dict(body.get("status") or {}))
@@ -136,9 +136,14 @@ def converge(view: View, body: Mapping[str, Any], images: Mapping[str, str],
         write_status(view, body, pipeline_status.Problem("InvalidSpec", str(e)), frozenset(), applied=True)
         raise
     autoscaled = _autoscaled(pipeline)
-    targets = _targets(_desired(view, body, pipeline), only)
+    try:  # reading may call the API (a child no index holds, or one it cannot order: `View`)
+        targets = _targets(_desired(view, body, pipeline), only)
+        observed = {(c.kind, c.name): view.get(c.kind, namespace, c.name) for c in targets}
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            write_status(view, body, pipeline_status.Problem("ApplyFailed", describe(e)), autoscaled, applied=False)
+        raise
     unwanted = [r for r in builders.unwanted_children(pipeline) if only is None or (r.kind, r.name) in only]
-    observed = {(c.kind, c.name): view.get(c.kind, namespace, c.name) for c in targets}
     missing = [f"{c.kind} {c.name}" for c in targets if observed[(c.kind, c.name)] is None]
     if missing and (body.get("status") or {}).get("observedGeneration") == int(meta.get("generation") or 1):
         message = f"{', '.join(missing)} missing (deleted by hand?); recreating"

@@ -37,7 +37,42 @@ def _default_probe(probe: Any) -> None:
             _default(probe["httpGet"], "scheme", "HTTP")
 
 
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"m": -1, "": 0, "k": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+
+
+def canonical_quantity(value: Any) -> Any:
+    """``resource.Quantity``'s canonical text, as the API server stores a quantity (for the plain
+    forms: ``0.5`` -> ``500m``, ``1000m`` -> ``1``, ``1024Mi`` -> ``1Gi``, ``4`` -> ``4``); anything
+    else as given. The binary suffixes keep a binary form, the decimal ones (and none) a decimal one."""
+    import decimal
+
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[mkMGTPE]?)", str(value))
+    if match is None:
+        return value
+    number, suffix = decimal.Decimal(match.group(1)), match.group(2)
+    if suffix in _BINARY:
+        amount = number * (1024 ** _BINARY[suffix])
+        if amount != amount.to_integral_value():
+            return value
+        for name, power in sorted(_BINARY.items(), key=lambda kv: -kv[1]):
+            if amount % (1024 ** power) == 0:
+                return f"{int(amount // 1024 ** power)}{name}"
+        return str(int(amount))
+    amount = number * (decimal.Decimal(1000) ** _DECIMAL[suffix])
+    for name, power in sorted(_DECIMAL.items(), key=lambda kv: -kv[1]):
+        scaled = amount / (decimal.Decimal(1000) ** power)
+        if scaled == scaled.to_integral_value():
+            return f"{int(scaled)}{name}"
+    return value
+
+
 def _default_container(container: dict[str, Any]) -> None:
+    for section in ("requests", "limits"):  # stored canonical (``cpu: 0.5`` is served as ``500m``)
+        values = (container.get("resources") or {}).get(section)
+        if isinstance(values, dict):
+            for key, value in values.items():
+                values[key] = canonical_quantity(value)
     _default(container, "terminationMessagePath", "/dev/termination-log")
     _default(container, "terminationMessagePolicy", "File")
     image = str(container.get("image", ""))

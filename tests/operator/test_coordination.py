@@ -62,7 +62,9 @@ def test_an_event_during_a_failing_handler_still_runs():
     assert runs == [frozenset({("Service", "tiny-ar")})]
 
 
-def test_retries_back_off_per_pipeline_join_one_timer_and_stop_when_closed():
+def test_retries_back_off_per_round_join_one_timer_and_stop_when_closed():
+    """One retry round per timer: failures while it waits join it and do not lengthen the next delay
+    (break-it pass: three events failing at once put the second round at 16 s instead of 4)."""
     from mammoth_operator.coordination import Retries
 
     fired: list[frozenset] = []
@@ -72,18 +74,21 @@ def test_retries_back_off_per_pipeline_join_one_timer_and_stop_when_closed():
         fired.append(children)
         done.set()
 
-    retries = Retries(first_delay=0.2, max_delay=0.8)
-    assert retries.retry(KEY, [("Service", "tiny-ar")], run) == 0.2
-    assert retries.retry(KEY, [("ConfigMap", "tiny-config")], run) == 0.4  # joins the waiting timer
-    assert done.wait(5)
-    assert fired == [frozenset({("Service", "tiny-ar"), ("ConfigMap", "tiny-config")})]
-    assert [retries.retry(KEY, [], run) for _ in range(2)] == [0.8, 0.8]  # at most max_delay
+    retries = Retries(first_delay=0.05, max_delay=0.2)
+    delays = []
+    for round_ in range(4):
+        done.clear()
+        delays.append(retries.retry(KEY, [("Service", "tiny-ar")], run))
+        delays.append(retries.retry(KEY, [("ConfigMap", "tiny-config")], run))  # joins the waiting timer
+        assert done.wait(5)
+    assert delays == [0.05, 0.05, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2]  # doubling per round, at most max_delay
+    assert fired == [frozenset({("Service", "tiny-ar"), ("ConfigMap", "tiny-config")})] * 4
     retries.succeeded(KEY)
     done.clear()
-    assert retries.retry(KEY, [("Service", "tiny-ar")], run) == 0.2  # reset by a success
+    assert retries.retry(KEY, [("Service", "tiny-ar")], run) == 0.05  # reset by a success
     retries.close()
-    threading.Event().wait(0.5)
-    assert len(fired) == 1 and not done.is_set()
+    threading.Event().wait(0.3)
+    assert len(fired) == 4 and not done.is_set()
 
 
 def test_a_pipelines_state_is_forgotten_when_no_run_uses_it():

@@ -6,6 +6,7 @@ Each test failed on the operator before the fix (see docs/OPERATOR.md, "Guarante
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -18,6 +19,7 @@ from test_operator import handled, patch_spec, wait_applied
 
 HASH = "mammoth.dev/config-hash"
 DEPLOYMENTS = "apps/v1/deployments"
+DEPLOYMENTS_PATH = "/apis/apps/v1/namespaces/default/deployments"
 
 
 def _warnings(emulator, since: int, reason: str) -> list[str]:
@@ -426,3 +428,100 @@ def test_a_pipeline_recreated_while_its_old_children_are_still_observed_converge
     conflicts = _warnings(emulator, since, "NameConflict")
     assert took < 6, (took, conflicts)
     assert conflicts and all("garbage collector" in c for c in conflicts), conflicts  # the case was met
+
+
+def _deny(emulator, rule):
+    """Deny the operator's requests (the kubeconfig's token) for which ``rule(permission)`` is true."""
+    emulator.subject_token = "test-token"
+    emulator.authorizer = lambda p: not rule(p)
+
+
+def _ready(api, name: str = "tiny") -> None:
+    assert api.create(PIPELINES, example_pipeline(name)).status_code in (200, 201)
+    wait_applied(api, name, 1)
+    wait_for(lambda: handled(api, name), what=f"kopf done with {name}")
+
+
+def test_a_repair_blocked_by_a_name_conflict_is_retried_once_the_object_goes(api, running_operator, emulator):
+    """Docs: a child deleted by hand is put back within seconds; a name taken by an object the pipeline
+    does not own is a NameConflict "retried with backoff, 16, 32 ... s (delete or rename the object)".
+    Here the DiT Deployment is deleted and, before the operator's repair, someone else's Deployment of
+    the same name (without our label) appears; then it is deleted again. The repair's NameConflict was
+    only logged (no retry), and the foreign object is not watched (label selector), so its deletion was
+    never seen: tiny-dit stayed missing and Degraded/NameConflict stuck (break-it pass). It is now
+    retried with the repairs' backoff."""
+    _ready(api)
+    emulator.watch_lag.add("apps/v1/deployments")  # the repair runs after the foreign object exists
+    try:
+        assert api.http.delete(f"{DEPLOYMENTS_PATH}/tiny-dit").status_code == 200
+        foreign = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "tiny-dit"},
+                   "spec": {"selector": {"matchLabels": {"x": "y"}},
+                            "template": {"metadata": {"labels": {"x": "y"}},
+                                         "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}}
+        assert api.create(DEPLOYMENTS_PATH, foreign).status_code in (200, 201)
+    finally:
+        emulator.watch_lag.discard("apps/v1/deployments")
+    wait_for(lambda: (c := condition(api.pipeline("tiny"), "Degraded")) and c["reason"] == "NameConflict",
+             timeout=15, what="Degraded/NameConflict")
+    assert api.http.delete(f"{DEPLOYMENTS_PATH}/tiny-dit").status_code == 200  # the foreign object goes
+    t0 = time.monotonic()
+    wait_for(lambda: (d := api.child("Deployment", "tiny-dit")) and
+             (d["metadata"].get("labels") or {}).get("app.kubernetes.io/managed-by") == "mammoth-operator",
+             timeout=40, what="tiny-dit recreated by the operator after the conflicting object was deleted")
+    print(f"recreated {time.monotonic() - t0:.1f} s after the conflict ended")
+
+
+def test_repair_backoff_grows_per_retry_not_per_failed_event(api, running_operator, emulator, operator_log):
+    """Docs: a failed repair is retried after 2, 4, 8 ... s. ``Retries.retry`` counted a failure per
+    call, also for events that only joined the timer already waiting, so a burst of failing child events
+    (three Deployments deleted while the API refuses creates) made the next delay 2**(events) s, not
+    4 s (break-it pass: 'retried in 2 s', '4 s', '8 s', '16 s'; nothing recreated within 12 s)."""
+    _ready(api)
+    denied = threading.Event()
+    denied.set()
+    _deny(emulator, lambda p: denied.is_set() and p[1] == "deployments" and p[2] == "create")
+    logged = len(operator_log.records)
+    for component in ("ar", "dit", "gateway"):
+        assert api.http.delete(f"{DEPLOYMENTS_PATH}/tiny-{component}").status_code == 200
+        time.sleep(0.3)
+    time.sleep(3.0)  # the first retry (2 s) fails too
+    denied.clear()
+    t0 = time.monotonic()
+    delays = [re.search(r"retried in \d+ s", r.getMessage()).group(0) for r in operator_log.records[logged:]
+              if "retried in" in r.getMessage()]
+    wait_for(lambda: all(api.child("Deployment", f"tiny-{c}") for c in ("ar", "dit", "gateway")),
+             timeout=12, what=f"every Deployment recreated within 12 s of the refusal ending; {delays}")
+    print(f"recreated {time.monotonic() - t0:.1f} s after the refusal ended")
+
+
+def test_a_deleted_child_whose_get_fails_still_makes_the_pipeline_degraded(api, running_operator, emulator):
+    """Docs: a deleted child makes Degraded=True (ChildMissing) until it is recreated; a refused call
+    gives Degraded/ApplyFailed. A repair reads a child missing from its index with a GET; when that GET
+    failed (403 here; a timeout the same), ``converge`` raised before its try block, so no status was
+    written: the pipeline said Degraded=False while its Deployment was gone (break-it pass)."""
+    _ready(api)
+    _deny(emulator, lambda p: p[1] == "deployments" and p[2] == "get")
+    assert api.http.delete(f"{DEPLOYMENTS_PATH}/tiny-dit").status_code == 200
+    wait_for(lambda: (c := condition(api.pipeline("tiny"), "Degraded")) and c["status"] == "True",
+             timeout=15, what="Degraded=True while tiny-dit is missing and cannot be read")
+
+
+def test_a_spec_quantity_in_non_canonical_form_is_no_drift(api, running_operator, emulator):
+    """The CRD accepts any quantity (``cpu: "0.5"``, ``memory: 1024Mi``); the API server serves it back
+    canonical (``500m``, ``1Gi``). Compared as text, every event of the Deployment (here the Deployment
+    controller's status writes) patched it again (a no-op on the server) with a false ``Repaired``
+    warning (break-it pass: one template patch and a warning per status write)."""
+    body = example_pipeline(ar=dict(example_pipeline()["spec"]["ar"],
+                                    resources={"requests": {"cpu": "0.5", "memory": "1024Mi"}}))
+    assert api.create(PIPELINES, body).status_code in (200, 201)
+    wait_applied(api, "tiny", 1)
+    wait_for(lambda: handled(api, "tiny"), what="kopf done with tiny")
+    requests = api.child("Deployment", "tiny-ar")["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests["cpu"] == "500m" and requests["memory"] == "1Gi", requests  # stored canonical
+    since = len(emulator.writes)
+    for _ in range(3):  # three status writes of the Deployment controller
+        api.mark_ready("tiny-ar")
+        time.sleep(0.7)
+    time.sleep(1.0)
+    patches = [w for w in _writes(emulator, since, DEPLOYMENTS, "tiny-ar") if w[2] != "status"]
+    assert (patches, _warnings(emulator, since, "Repaired")) == ([], []), patches
