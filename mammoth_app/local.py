@@ -63,16 +63,32 @@ class Component:
         raise StartupError(f"{self.name} was not ready after {timeout:.0f} s")
 
 
+def _listen_once(host: str, port: int, flag: str) -> int:
+    """Bind ``host:port`` as the gateway will (`mammoth_core.runtime.listen_sockets`: every address
+    ``host`` resolves to, IPv6 too), close the sockets, return the port bound.
+
+    Raises:
+        mammoth_core.runtime.StageStartError: it cannot be bound (`cannot_listen`, naming ``flag``).
+    """
+    from mammoth_core.runtime import listen_sockets
+
+    sockets = listen_sockets(host, port, flag)
+    try:
+        return int(sockets[0].getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def _check_port_free(host: str, port: int) -> None:
-    """Raise `StartupError` with a one-line reason when the gateway could not listen on ``host:port``:
-    binds the sockets the gateway will (`mammoth_core.runtime.listen_sockets`: every address ``host``
-    resolves to, IPv6 too) and closes them; a port in use also names the process holding it."""
+    """Raise `StartupError` with a one-line reason when the gateway could not listen on ``host:port``
+    (`_listen_once`); a port in use also names the process holding it."""
     import errno
 
-    from mammoth_core.runtime import StageStartError, listen_sockets
+    from mammoth_core.runtime import StageStartError
 
     try:
-        sockets = listen_sockets(host, port, "--port")
+        _listen_once(host, port, "--port")
     except StageStartError as exc:
         message = str(exc)
         holder = port_holder(port) if getattr(exc.__cause__, "errno", None) == errno.EADDRINUSE else None
@@ -80,8 +96,6 @@ def _check_port_free(host: str, port: int) -> None:
             kind = "a stale mammoth component" if "mammoth" in holder[1] else "another process"
             message += f" ({kind} holds it, pid {holder[0]}: {holder[1][:120]}; `kill {holder[0]}` frees it)"
         raise StartupError(message) from None
-    for sock in sockets:
-        sock.close()
 
 
 def cache_dir(env: dict[str, str]) -> str:
@@ -127,22 +141,17 @@ def _auth_configured(env: dict[str, str], config: str | None) -> bool:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (bound and released: another process could take it), on every
-    address ``host`` resolves to (`mammoth_core.runtime.listen_sockets`; IPv6 too).
+    address ``host`` resolves to (`_listen_once`; IPv6 too).
 
     Raises:
         StartupError: ``host`` does not resolve, or nothing can be bound on it (the message says which).
     """
-    from mammoth_core.runtime import StageStartError, listen_sockets
+    from mammoth_core.runtime import StageStartError
 
     try:
-        sockets = listen_sockets(host, 0, "--host")
+        return _listen_once(host, 0, "--host")
     except StageStartError as exc:
         raise StartupError(str(exc)) from None
-    try:
-        return int(sockets[0].getsockname()[1])
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _spawn(name: str, argv: Sequence[str], workdir: pathlib.Path, env: dict[str, str]) -> Component:

@@ -190,12 +190,6 @@ class Retries:
         with self._guard:
             self._failures.pop(key, None)
 
-    @property
-    def waiting(self) -> int:
-        """How many keys have a retry waiting or a failure count kept."""
-        with self._guard:
-            return len(self._timers.keys() | self._failures.keys())
-
     def _fire(self, key: Key) -> None:
         with self._guard:
             self._timers.pop(key, None)
