@@ -29,10 +29,10 @@ def _engine(model, tok, **options) -> DecodeEngine:
     return DecodeEngine(make, 2, model=model, grid_ids=grid, max_sequence_length=96, **options)
 
 
-def _real_job(tok) -> tuple[DecodeJob, CollectingSink]:
+def _real_job(tok, width: int = 3, height: int = 2) -> tuple[DecodeJob, CollectingSink]:
     sink = CollectingSink()
-    prompt = tok.encode_t2i_prompt("a red house", 3, 2)
-    return DecodeJob("real", 0, prompt, None, 3, 2, 11, 1.0, 0, 0.0, 3.0, sink, lambda a, b: None,
+    prompt = tok.encode_t2i_prompt("a red house", width, height)
+    return DecodeJob("real", 0, prompt, None, width, height, 11, 1.0, 0, 0.0, 3.0, sink, lambda a, b: None,
                      lambda exc, stats: None), sink
 
 
@@ -125,9 +125,10 @@ def test_warm_up_launches_every_gemv_variant_a_real_prompt_does(model, tokenizer
         engine.run_until_idle()  # warm-up, then ready
         warmed = set(seen)
         seen.clear()
-        job, sink = _real_job(tokenizer)  # AR-side CFG, no negative prompt
+        # Grids of 1 x 2: a code, an EOL fed back, a code, an EOL (every decode input a real one has).
+        job, sink = _real_job(tokenizer, 1, 2)  # AR-side CFG, no negative prompt
         jobs = [job] + [
-            DecodeJob(name, 0, tokenizer.encode_t2i_prompt("a cat", 2, 2), negative, 2, 2, 5, 1.0, 0, 0.0, scale,
+            DecodeJob(name, 0, tokenizer.encode_t2i_prompt("a cat", 1, 2), negative, 1, 2, 5, 1.0, 0, 0.0, scale,
                       CollectingSink(), lambda a, b: None, lambda exc, stats: None)
             for name, negative, scale in (("plain", None, 0.0), ("negative", tokenizer.encode_negative_prompt(), 3.0))
         ]
