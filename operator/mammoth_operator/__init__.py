@@ -10,11 +10,39 @@ Public entry point: :func:`run` (the ``mammoth operator`` command calls it). Mod
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import os
+import urllib.parse
 
-__all__ = ["run"]
+__all__ = ["liveness_endpoint", "run"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Hosts of a liveness URL that mean "every interface" (of one family, as kopf binds one host).
+_WILDCARDS = {"0.0.0.0": 4, "::": 6}
+
+
+def liveness_endpoint(url: str | None, pod_ip: str | None) -> str | None:
+    """The liveness URL kopf binds: ``url`` with a wildcard host (``0.0.0.0`` or ``[::]``) turned to
+    the wildcard of ``pod_ip``'s family (the chart sets ``POD_IP`` from ``status.podIP``, the address
+    the kubelet probes). kopf listens on one host, and ``0.0.0.0`` takes IPv4 only: on an IPv6 cluster
+    every probe failed and the kubelet restarted a healthy operator. Any other URL, no ``pod_ip``, or one
+    that is not an IP address, returns ``url`` as given.
+    """
+    if not url or not pod_ip:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    try:
+        family = ipaddress.ip_address(pod_ip.strip()).version
+    except ValueError:
+        return url
+    if parts.hostname not in _WILDCARDS or _WILDCARDS[parts.hostname] == family:
+        return url
+    host = "[::]" if family == 6 else "0.0.0.0"
+    netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None, metrics_port: int = -1) -> None:
@@ -25,6 +53,7 @@ def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None
             ``all_namespaces``. Neither given means all namespaces.
         all_namespaces: serve the whole cluster.
         liveness: kopf liveness endpoint URL, e.g. ``http://0.0.0.0:8080/healthz``; None disables it.
+            A wildcard host takes the family of ``$POD_IP`` (`liveness_endpoint`).
         metrics_port: Prometheus ``/metrics`` port (reconcile counts and durations,
             :mod:`~mammoth_operator.metrics`); -1 disables it.
 
@@ -53,5 +82,5 @@ def run(namespaces: list[str] | None, all_namespaces: bool, liveness: str | None
         standalone=True,
         clusterwide=clusterwide,
         namespaces=[] if clusterwide else list(namespaces or []),
-        liveness_endpoint=liveness,
+        liveness_endpoint=liveness_endpoint(liveness, os.environ.get("POD_IP")),
     )

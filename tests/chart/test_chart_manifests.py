@@ -178,6 +178,9 @@ def test_operator_runs_alone_with_a_kopf_liveness_probe(rendered_default):
     assert probe["path"] == match.group(2)
     [port] = [p for p in container["ports"] if p["name"] == probe["port"]]
     assert port["containerPort"] == int(match.group(1))
+    # the wildcard takes the pod IP's family (`mammoth_operator.liveness_endpoint`): the kubelet probes that IP
+    pod_ip = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}], container["env"]
 
 
 def test_cluster_wide_mode_watches_all_namespaces(rendered_default):
