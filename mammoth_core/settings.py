@@ -528,5 +528,18 @@ def resolve_settings(
             values[name] = (env[env_key], f"env {env_key}")
     values.update({name: (value, flag_name(name)) for name, value in cli.items() if name in names})
     settings = cls(**validate_values(cls, values))
-    settings.validate()
+    try:
+        settings.validate()
+    except SettingsError as exc:
+        raise SettingsError(_with_source(str(exc), values)) from None
     return settings
+
+
+def _with_source(message: str, values: Mapping[str, tuple[Any, str]]) -> str:
+    """A ``validate()`` message that starts ``<name>: `` worded as `validate_values` words a bad value,
+    ``setting '<name>' from <where it came from>: ...`` (``--default-size``, ``env MAMMOTH_...``, a
+    config file), so a rule between values names the flag or variable the user set; others as given."""
+    name, sep, rest = message.partition(": ")
+    if sep and name in values:
+        return f"setting '{name}' from {values[name][1]}: {rest}"
+    return message

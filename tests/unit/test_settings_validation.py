@@ -63,6 +63,8 @@ def test_a_default_size_requests_could_never_use_is_refused_at_start(size, words
     gateway whose every request without a size got 400 "invalid size None")."""
     msg = _error(GatewaySettings, cli={}, env={"MAMMOTH_DEFAULT_SIZE": size})
     assert "default_size" in msg and size in msg and words in msg, msg
+    assert "from env MAMMOTH_DEFAULT_SIZE:" in msg, msg  # where the value came from, as a bad type's error says
+    assert "from --default-size:" in _error(GatewaySettings, cli={"default_size": size}, env={})
     assert resolve_settings(GatewaySettings, cli={}, env={"MAMMOTH_DEFAULT_SIZE": "512x256"}).default_size == "512x256"
 
 
