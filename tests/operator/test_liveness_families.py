@@ -44,7 +44,8 @@ def _healthz(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> int:
 ])
 def test_liveness_answers_on_the_pods_address_family(api, crd_installed, pod_ip, probed):
     port = free_port()
-    env = {**os.environ, "POD_IP": pod_ip, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "operator"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "operator"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "POD_IP": pod_ip, "PYTHONPATH": path}
     proc = subprocess.Popen(  # the chart's arguments
         [sys.executable, "-m", "mammoth_app.cli", "operator", "--namespace", "default",
          f"--liveness=http://0.0.0.0:{port}/healthz"],
