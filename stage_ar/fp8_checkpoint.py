@@ -137,7 +137,8 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: ``source`` is not a checkpoint the AR loads.
-        ValueError: ``source`` stores FP8 weights already; a destination refused as above (or its
+        ValueError: ``source`` stores FP8 weights already, or holds a link to a folder (named:
+            `_refuse_linked_folders`); a destination refused as above (or its
             partial folder exists: another run's); a shard of ``source`` that cannot be read; a
             visual-token weight holding a non-finite value (named).
         OSError: reading or writing failed (a full disk, say): one line naming ``destination`` and the
@@ -150,6 +151,7 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     ckpt = Checkpoint(src)
     if stores_fp8(ckpt.llm_config):
         raise ValueError(f"{src} stores FP8 weights already (llm_config.quantization_config)")
+    _refuse_linked_folders(src)
     _refuse_destination(src, dst)
     partial = _create_partial(dst)
     try:
@@ -164,6 +166,23 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     return dst
 
 
+def _refuse_linked_folders(src: pathlib.Path) -> None:
+    """Raise ValueError naming the first symbolic link to a folder inside ``src``. The copy follows
+    linked files (a Hugging Face snapshot's files are links to its blobs) but not linked folders: one
+    pointing above ``src`` made the copy copy every sibling folder into itself, level after level,
+    until the file names grew too long (break-it pass, 2026-12-07), which in a models folder fills
+    the disk first."""
+    def fail(exc: OSError) -> None:
+        raise exc
+
+    for folder, dirs, _files in os.walk(src, onerror=fail):
+        for name in dirs:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                raise ValueError(f"{path} is a symbolic link to a folder: copy that folder into {src} "
+                                 "or remove the link (linked files are fine)")
+
+
 def _copy_contents(src: pathlib.Path, partial: pathlib.Path) -> None:
     """Copy every file of ``src`` but its safetensors shards and index into ``partial`` (existing), folders
     included, contents only: a read-only source's modes (0444 files, a 0555 folder, as a read-only
@@ -171,7 +190,7 @@ def _copy_contents(src: pathlib.Path, partial: pathlib.Path) -> None:
     def fail(exc: OSError) -> None:
         raise exc
 
-    for folder, _dirs, files in os.walk(src, onerror=fail, followlinks=True):
+    for folder, _dirs, files in os.walk(src, onerror=fail):  # linked folders: `_refuse_linked_folders`
         here = partial / os.path.relpath(folder, src)
         here.mkdir(exist_ok=True)
         for name in files:

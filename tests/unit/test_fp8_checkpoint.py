@@ -495,3 +495,21 @@ def test_dest_dot_is_the_current_folder(fp8_checkpoint, tiny_checkpoint, tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str(here)
     _same_files(here, fp8_checkpoint)
+
+
+def test_a_linked_folder_inside_the_source_is_refused_by_name_and_nothing_above_it_is_copied(tiny_checkpoint,
+                                                                                            tmp_path):
+    """(break-it pass, 2026-12-07 night: a link in the source to a folder above it was followed, so the copy
+    copied every sibling checkpoint into itself, level after level, until a 4 KB file name stopped it;
+    in a models folder that fills the disk.) Linked files are copied (a Hugging Face snapshot's files are
+    links to its blobs); a linked folder is refused, naming it, before anything is written."""
+    src = tmp_path / "models" / "src"
+    shutil.copytree(tiny_checkpoint, src)
+    (tmp_path / "models" / "other").mkdir()
+    (tmp_path / "models" / "other" / "big.bin").write_bytes(b"x" * 1024)
+    (src / "up").symlink_to(tmp_path / "models")
+    (src / "tokenizer_link.json").symlink_to(src / "config.json")  # a linked file is fine
+    line = _one_line_failure(_quantize(str(src), str(tmp_path / "models" / "q"))).replace(str(tmp_path), "TMP")
+    assert "TMP/models/src/up is a symbolic link to a folder" in line, line
+    assert len(line) < 400, line
+    assert not (tmp_path / "models" / "q").exists() and not (tmp_path / "models" / "q.partial").exists()
