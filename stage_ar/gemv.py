@@ -766,6 +766,17 @@ _PICKED: dict[str, GemvConfig] = {}
 _PINNED: dict[int, dict[str, GemvConfig]] = {}
 
 
+def _load_named_picks(path: str) -> dict[str, GemvConfig]:
+    """`load_picks` of the file `PICKS_ENV` names; its errors (same types) name the variable too, so
+    the AR's one start-up line says where the path came from."""
+    try:
+        return load_picks(path)
+    except ValueError as exc:
+        raise ValueError(f"{PICKS_ENV}: {exc}") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"{PICKS_ENV}: {exc.strerror or exc}", path) from None
+
+
 def pinned_picks(device: torch.device) -> dict[str, GemvConfig]:
     """The picks pinned for ``device``, by `pick_key`: the file `PICKS_ENV` names (on any device, so a
     bad path fails the start even on a CPU), else on CUDA the one shipped for this GPU's name
@@ -779,11 +790,11 @@ def pinned_picks(device: torch.device) -> dict[str, GemvConfig]:
     """
     path = os.environ.get(PICKS_ENV)
     if device.type != "cuda":
-        return load_picks(path) if path else {}
+        return _load_named_picks(path) if path else {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PINNED:
         if path:
-            _PINNED[index] = load_picks(path)
+            _PINNED[index] = _load_named_picks(path)
             logger.info("GEMV picks: %d pinned from %s (%s)", len(_PINNED[index]), path, PICKS_ENV)
         else:
             path = shipped_picks_path(torch.cuda.get_device_name(index))

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 
 import torch
 
@@ -149,6 +150,8 @@ def tuned_configs(weight_dtype: torch.dtype, fp8_compute: str | None = None) -> 
 PICKS_ENV = "MAMMOTH_GEMV_PICKS"
 #: Schema version of a picks file.
 PICKS_VERSION = 1
+#: The largest picks file read, in bytes (a shipped one is about 5 KB: one line per GEMV variant).
+PICKS_MAX_BYTES = 1 << 20
 
 
 #: The GEMV's autotuning key (`stage_ar.gemv`'s autotuner, `pick_key`): N, K and the compile-time
@@ -180,18 +183,40 @@ def load_picks(path: str) -> dict[str, GemvConfig]:
     num_stages]}}`` (`pick_key`'s keys; written by `benchmarks/gemv_pick.py`). The picks fix which
     candidate each shape launches with, so every process on that GPU runs the same configs instead
     of what its own timing at start-up chose (which varies between processes by a few per cent).
+    Only a regular file of at most `PICKS_MAX_BYTES` is read (opened without blocking: a FIFO named
+    by mistake hung the AR's start where Ctrl-C could not end it).
 
     Raises:
-        ValueError: not such a file (wrong version, malformed entries).
-        OSError: the file cannot be read.
+        ValueError: naming ``path``: not a regular file, larger than `PICKS_MAX_BYTES`, not UTF-8 JSON
+            (nested too deep included), or not such a file (wrong version, malformed entries).
+        OSError: the file cannot be opened or read (missing, no permission).
     """
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or data.get("version") != PICKS_VERSION or not isinstance(data.get("picks"), dict):
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if info.st_size > PICKS_MAX_BYTES:
+            raise ValueError(f"{path}: {info.st_size} bytes, larger than the {PICKS_MAX_BYTES} a picks file may have")
+        raw = b""
+        while len(raw) <= PICKS_MAX_BYTES and (chunk := os.read(fd, PICKS_MAX_BYTES + 1 - len(raw))):
+            raw += chunk
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+
+    def count(v: object) -> bool:
+        return type(v) is int and v > 0  # not a bool
+
+    if not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] != PICKS_VERSION \
+            or not isinstance(data.get("picks"), dict):
         raise ValueError(f"{path}: not a GEMV picks file of version {PICKS_VERSION}")
     picks = {}
     for key, value in data["picks"].items():
-        if not (isinstance(value, list) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value)):
+        if not (isinstance(value, list) and len(value) == 3 and all(count(v) for v in value)):
             raise ValueError(f"{path}: pick {key!r} must be [block_n, num_warps, num_stages], got {value!r}")
         picks[key] = GemvConfig(*value)
     return picks

@@ -99,10 +99,44 @@ def test_a_bad_picks_file_fails_the_ar_load_before_any_weight_is_read(tmp_path, 
     bad = tmp_path / "picks.json"
     bad.write_text(json.dumps({"version": PICKS_VERSION, "picks": {"a": "fast"}}))
     monkeypatch.setenv(gemv.PICKS_ENV, str(bad))
-    with pytest.raises(ValueError, match=r"picks.json: pick 'a' must be"):
+    with pytest.raises(ValueError, match=r"MAMMOTH_GEMV_PICKS.*picks.json: pick 'a' must be"):
         load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32)
     monkeypatch.setenv(gemv.PICKS_ENV, str(tmp_path / "missing.json"))
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"MAMMOTH_GEMV_PICKS.*missing.json"):  # the variable that named it
         load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32)
     monkeypatch.delenv(gemv.PICKS_ENV)
     assert load_ar(str(tiny_checkpoint), ARSettings().cache_dir, "cpu", torch.float32).model is not None
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{bad json", "is not JSON"),
+    ("", "is not JSON"),
+    (b"\xff\xfe\x00", "is not JSON"),
+    ("[" * 100_000 + "]" * 100_000, "is not JSON"),  # RecursionError in the decoder
+    (json.dumps({"version": True, "picks": {}}), "not a GEMV picks file"),
+    (json.dumps({"version": PICKS_VERSION, "picks": {"a": [True, True, True]}}), "pick 'a' must be"),
+    ("fifo", "not a regular file"),
+    ("dir", "not a regular file"),
+    ("big", "larger than"),
+])
+def test_a_picks_file_that_is_not_one_is_a_valueerror_naming_the_file(tmp_path, content, words):
+    """(break-it pass, 2026-12-07 night: JSON that did not parse stopped the AR with "Expecting property
+    name ..." and no file name; a deeply nested file with a RecursionError traceback; a FIFO hung the
+    start where Ctrl-C could not end it; booleans passed as picks.) Every such file is a ValueError that
+    names it, and the read never blocks or reads without bound."""
+    import os
+
+    path = tmp_path / "picks.json"
+    if content == "fifo":
+        os.mkfifo(path)
+    elif content == "dir":
+        path.mkdir()
+    elif content == "big":
+        path.write_text(" " * (2 << 20) + "{}")
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError) as err:
+        load_picks(str(path))
+    assert str(path) in str(err.value) and words in str(err.value), str(err.value)
