@@ -137,13 +137,20 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
 
     Raises:
         mammoth_core.checkpoint.CheckpointError: ``source`` is not a checkpoint the AR loads.
-        ValueError: ``source`` stores FP8 weights already, or holds a link to a folder (named:
+        ValueError: ``source`` is empty or a URI (a folder is needed), stores FP8 weights already, or
+            holds a link to a folder (named:
             `_refuse_linked_folders`); a destination refused as above (or its
             partial folder exists: another run's); a shard of ``source`` that cannot be read; a
             visual-token weight holding a non-finite value (named).
         OSError: reading or writing failed (a full disk, say): one line naming ``destination`` and the
             error.
     """
+    if not str(source):
+        raise ValueError("no source folder given: give a checkpoint folder")
+    if "://" in str(source):
+        raise ValueError(f"{source} is a URI: quantize-checkpoint takes a checkpoint folder (`mammoth "
+                         "make-checkpoint DIR` writes the built-in one, `mammoth download-model URI DIR` a "
+                         "hub one; then give DIR)")
     src, dst = pathlib.Path(source), pathlib.Path(os.path.abspath(destination))
     if not src.is_dir():
         raise ValueError(f"{src} does not exist or is not a folder: give a checkpoint folder")

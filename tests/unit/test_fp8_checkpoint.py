@@ -513,3 +513,15 @@ def test_a_linked_folder_inside_the_source_is_refused_by_name_and_nothing_above_
     assert "TMP/models/src/up is a symbolic link to a folder" in line, line
     assert len(line) < 400, line
     assert not (tmp_path / "models" / "q").exists() and not (tmp_path / "models" / "q.partial").exists()
+
+
+@pytest.mark.parametrize("source, words", [
+    ("builtin://tiny", "builtin://tiny is a URI: quantize-checkpoint takes a checkpoint folder"),
+    ("", "no source folder given"),
+])
+def test_a_source_that_is_not_a_folder_path_is_named_as_typed(tmp_path, source, words):
+    """(break-it pass, 2026-12-07 night: ``builtin://tiny`` was reported as ``builtin:/tiny does not
+    exist``, and ``""`` was taken for the current folder.)"""
+    line = _one_line_failure(_quantize(source, str(tmp_path / "q")))
+    assert words in line, line
+    assert not (tmp_path / "q").exists()
