@@ -173,16 +173,18 @@ def write_fp8_checkpoint(source: str | os.PathLike, destination: str | os.PathLi
     return dst
 
 
+def _raise(exc: OSError) -> None:
+    """``os.walk``'s ``onerror``: a folder that cannot be listed fails the walk instead of being skipped."""
+    raise exc
+
+
 def _refuse_linked_folders(src: pathlib.Path) -> None:
     """Raise ValueError naming the first symbolic link to a folder inside ``src``. The copy follows
     linked files (a Hugging Face snapshot's files are links to its blobs) but not linked folders: one
     pointing above ``src`` made the copy copy every sibling folder into itself, level after level,
     until the file names grew too long (break-it pass, 2026-12-07), which in a models folder fills
     the disk first."""
-    def fail(exc: OSError) -> None:
-        raise exc
-
-    for folder, dirs, _files in os.walk(src, onerror=fail):
+    for folder, dirs, _files in os.walk(src, onerror=_raise):
         for name in dirs:
             path = os.path.join(folder, name)
             if os.path.islink(path):
@@ -194,10 +196,7 @@ def _copy_contents(src: pathlib.Path, partial: pathlib.Path) -> None:
     """Copy every file of ``src`` but its safetensors shards and index into ``partial`` (existing), folders
     included, contents only: a read-only source's modes (0444 files, a 0555 folder, as a read-only
     volume gives them) would make the copy one this code cannot finish, nor remove."""
-    def fail(exc: OSError) -> None:
-        raise exc
-
-    for folder, _dirs, files in os.walk(src, onerror=fail):  # linked folders: `_refuse_linked_folders`
+    for folder, _dirs, files in os.walk(src, onerror=_raise):  # linked folders: `_refuse_linked_folders`
         here = partial / os.path.relpath(folder, src)
         here.mkdir(exist_ok=True)
         for name in files:

@@ -208,7 +208,7 @@ def load_picks(path: str) -> dict[str, GemvConfig]:
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path} is not JSON: {exc}") from None
 
-    def count(v: object) -> bool:
+    def positive_int(v: object) -> bool:
         return type(v) is int and v > 0  # not a bool
 
     if not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] != PICKS_VERSION \
@@ -216,7 +216,7 @@ def load_picks(path: str) -> dict[str, GemvConfig]:
         raise ValueError(f"{path}: not a GEMV picks file of version {PICKS_VERSION}")
     picks = {}
     for key, value in data["picks"].items():
-        if not (isinstance(value, list) and len(value) == 3 and all(count(v) for v in value)):
+        if not (isinstance(value, list) and len(value) == 3 and all(positive_int(v) for v in value)):
             raise ValueError(f"{path}: pick {key!r} must be [block_n, num_warps, num_stages], got {value!r}")
         picks[key] = GemvConfig(*value)
     return picks

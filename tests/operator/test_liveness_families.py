@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from emulator_harness import free_port
+from emulator_harness import free_port, wait_for
 
 from pipeline_harness import has_ipv6_loopback
 
@@ -23,18 +22,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _healthz(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """The status of ``url`` once it answers (polled), or fails with the operator's output."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
+    """The status of ``url`` once it answers (`wait_for`), or fails with the operator's output."""
+    def answer() -> int | None:
+        assert proc.poll() is None, "the operator exited"
         try:
             return httpx.get(url, timeout=2).status_code
         except httpx.TransportError:
-            time.sleep(0.2)
-    proc.terminate()
-    out, _ = proc.communicate(timeout=20)
-    pytest.fail(f"{url} never answered; the operator said:\n{out[-3000:]}")
+            return None
+
+    try:
+        return wait_for(answer, timeout=timeout, what=f"{url} to answer")
+    except AssertionError:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+        pytest.fail(f"{url} never answered; the operator said:\n{out[-3000:]}")
 
 
 @pytest.mark.parametrize("pod_ip, probed", [
