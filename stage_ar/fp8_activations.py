@@ -51,6 +51,19 @@ QUANT_BLOCK = 1024
 ONE_PASS_NORM = True
 #: Widest row `quantize_rows` takes (the whole row is held in registers for its amax): 2^16 columns.
 MAX_COLUMNS = 65536
+#: Delayed activation scales (`DelayedRows`, opt-in, an experiment of issue 17): a row is quantized with
+#: ``row_scale(DELAYED_MARGIN * a)``, ``a`` the amax the same row had at the same point one decode step
+#: earlier, so a row may grow by this factor in one step before its largest values saturate at +-448.
+#: A power of two (the product is exact). E4M3 is a float format: the headroom costs no mantissa bits,
+#: only two binades at the bottom of the range (values under ``2^-8`` of the row's amax become subnormal).
+DELAYED_MARGIN = 4.0
+#: Quantization points of a decoder layer with delayed scales, in a layer's `delayed_state` in this order:
+#: the attention output (o_proj's input), the post-attention norm's rows (gate_up's), the SwiGLU output
+#: (down_proj's), the next layer's input norm rows (its qkv's).
+DELAYED_POINTS = ("o_input", "gate_up_input", "down_input", "qkv_input")
+#: Columns per partial sum of squares a producer writes for its consumer's RMSNorm (`DelayedOut` with a
+#: norm weight): the narrowest columns any W8A8 program owns (a paired program's 64-row tile).
+NORM_GROUP = 32
 
 if triton is not None:
     #: Whether kernels round to E4M3 with the GPU's conversion (`quantize_values`): not under Triton's
@@ -91,6 +104,14 @@ if triton is not None:
         if not _HARDWARE_E4M3:
             q = _round_e4m3(q)
         return q.to(tl.float8e4nv)
+
+    @triton.jit
+    def delayed_row_scale(state_ptr, offs_m, m_mask, min_scale, FP8_MAX_: tl.constexpr, MARGIN: tl.constexpr):
+        """The ``(16,)`` row scales of a point with delayed scales: ``row_scale(MARGIN * a[m])``, ``a`` the
+        float32 amax (int32 bits) the point's state holds at ``state_ptr`` (its first 16 entries: what
+        the rows had one step earlier; 0 for a row never seen, which gives ``min_scale``)."""
+        a = tl.load(state_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
+        return row_scale(a * MARGIN, min_scale, FP8_MAX_)
 
     @triton.jit
     def _chunk(c, a0, a1, a2, a3):
@@ -231,6 +252,71 @@ def amax_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     floats, counters = persistent_buffers(weight, "w8a8_amax", 16, 1)
     return floats[:16].view(torch.int32), counters[:1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedOut:
+    """What a W8A8 `stage_ar.gemv.gemv` (the producer) also writes for the W8A8 GEMV that reads its output
+    (the consumer) under delayed activation scales (opt-in experiment, issue 17): the output rows as E4M3
+    codes, each row quantized in the epilogue with the scale its amax at this point one step earlier
+    gives (`DELAYED_MARGIN`), so no launch of its own computes a whole-row amax; the row's amax now is
+    max-ed into the point's state for the next step. With ``norm_weight`` (an RMSNorm between the two:
+    o_proj and down_proj, whose output plus the residual is the residual stream) the codes are of
+    ``round(y + residual) * norm_weight`` and the producer also writes each row's sums of squares per
+    `NORM_GROUP` columns; the consumer applies the inverse RMS in its epilogue (a row scale: the codes
+    of a per-row scheme do not depend on it).
+
+    Attributes:
+        state: ``(len(DELAYED_POINTS) * 32,)`` int32, the layer's `delayed_state`.
+        point: index into `DELAYED_POINTS`.
+        norm_weight: ``(N,)`` in the activation dtype, or None.
+        norm_eps: the norm's epsilon.
+    """
+
+    state: torch.Tensor
+    point: int
+    norm_weight: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedRows:
+    """Rows a producer quantized with a delayed scale (`DelayedOut`), for the consumer W8A8 `stage_ar.gemv.gemv`.
+
+    Attributes:
+        codes: ``(M, K)`` ``torch.float8_e4m3fn``, rows contiguous.
+        state: the layer's `delayed_state`; the point's first 16 entries hold the amax the scale came from.
+        point: index into `DELAYED_POINTS`.
+        partials: ``(16, cdiv(K, NORM_GROUP))`` float32 sums of squares of the rows before the norm
+            weight, or None (no norm between producer and consumer).
+        norm_eps: the norm's epsilon (with ``partials``).
+        dtype: the activation dtype the rows stand for.
+    """
+
+    codes: torch.Tensor
+    state: torch.Tensor
+    point: int
+    partials: torch.Tensor | None
+    norm_eps: float
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The codes' shape ``(M, K)``."""
+        return self.codes.shape
+
+
+def delayed_state(owner: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's delayed-scale state: for each of `DELAYED_POINTS`, 16 rows' amax (float32 bits, as
+    int32) that this step's scales come from, then 16 gathered this step; zeros when made (a row's
+    first step is then quantized with `MIN_ROW_SCALE`: every value saturates; the scale follows from
+    the next step on). Kept for the process per ``owner`` (a weight of the layer: CUDA graphs keep the
+    address). A launch with ``roll=`` this state moves the gathered amax to the first half and zeroes
+    the second (`stage_ar.gemv.gemv`), once per step, after every point's consumer has read it."""
+    from stage_ar.arrival import persistent_buffers
+
+    floats, _ = persistent_buffers(owner, "w8a8_delayed", len(DELAYED_POINTS) * 32, 1)
+    return floats[:len(DELAYED_POINTS) * 32].view(torch.int32)
 
 
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,

@@ -72,7 +72,10 @@ from stage_ar.gemv_checks import (  # noqa: F401 - re-exported
     ACTIVATION_DTYPES, FP8_COMPUTES, MAX_ROWS, check_fp8_compute, check_gemv_args, expect_tensor,
 )
 from stage_ar.fp8 import FP8_MAX
-from stage_ar.fp8_activations import MIN_ROW_SCALE, QuantizedRows, RowsWithAmax, quantize_rows
+from stage_ar.fp8_activations import (
+    DELAYED_MARGIN, DELAYED_POINTS, MIN_ROW_SCALE, NORM_GROUP, DelayedOut, DelayedRows, QuantizedRows, RowsWithAmax,
+    quantize_rows,
+)
 from stage_ar.row_norm import rms_norm_rows
 from stage_ar.launch_overlap import (  # noqa: F401 - INTERPRETED re-exported
     INTERPRETED, launch_options, pdl_flag, preload_tiles,
@@ -83,7 +86,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton.language as tl
 
     from stage_ar.arrival import last_arrival, reset_arrivals
-    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
+    from stage_ar.fp8_activations import delayed_row_scale, inverse_scale, quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -109,6 +112,11 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     #: E4M3's largest finite value (`stage_ar.fp8.FP8_MAX`) as the kernels' compile-time constant.
     E4M3_MAX = tl.constexpr(FP8_MAX)
+    #: `stage_ar.fp8_activations`' delayed-scale constants as compile-time ones.
+    DELAYED_MARGIN_ = tl.constexpr(DELAYED_MARGIN)
+    NORM_GROUP_ = tl.constexpr(NORM_GROUP)
+    LOG2_NORM_GROUP = tl.constexpr(NORM_GROUP.bit_length() - 1)
+    DELAYED_STATE_ROWS = tl.constexpr(16 * len(DELAYED_POINTS))
 
     @triton.jit
     def _squares(x_ptr, stride_xm, offs_m, m_mask, k, K):
@@ -245,12 +253,16 @@ if triton is not None:
     def _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale, res_ptr,
                   cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, FP8_MODE: tl.constexpr,
-                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX_OUT: tl.constexpr):
+                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX_OUT: tl.constexpr, pid_n, N, dq_ptr,
+                  ds_ptr, dnw_ptr, dpo_ptr, stride_qm, min_scale, QUANT_OUT: tl.constexpr):
         """From a program's ``(BLOCK_N, 16)`` float32 dot sums ``acc`` (paired: its pairs' first rows, then
         their partners', `_split_pairs`) to the stored output: scale and bias, SwiGLU, residual or
         RoPE, each rounded where the eager chain rounds. Rows in ``m_mask`` are stored. ``AMAX_OUT``:
         each row's largest stored magnitude goes into ``amax_ptr`` (int32 float bits, an atomic max:
-        exact in any order, so the row's amax does not depend on which program finishes last)."""
+        exact in any order, so the row's amax does not depend on which program finishes last).
+        ``QUANT_OUT`` (`stage_ar.fp8_activations.DelayedOut`): the stored values ``y`` (2: times the norm
+        weight at ``dnw_ptr``) also as E4M3 codes at ``dq_ptr``, quantized with the delayed scale of the
+        point state at ``ds_ptr`` (`_delayed_out`)."""
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         PAIRED: tl.constexpr = SWIGLU | ROPE
         if PAIRED:
@@ -272,18 +284,64 @@ if triton is not None:
         if AMAX_OUT:  # not with ROPE (`gemv` refuses it): y holds every stored value
             row_amax = tl.max(tl.where(out_mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
             tl.atomic_max(amax_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=m_mask)
+        if QUANT_OUT > 0:  # not with ROPE either
+            _delayed_out(y, offs_n, n_mask, offs_m, m_mask, out_mask, pid_n, N, dq_ptr, ds_ptr, dnw_ptr, dpo_ptr,
+                         stride_qm, min_scale, QUANT_OUT)
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=out_mask)
+
+    @triton.jit
+    def _delayed_out(y, offs_n, n_mask, offs_m, m_mask, out_mask, pid_n, N, dq_ptr, ds_ptr, dnw_ptr, dpo_ptr,
+                     stride_qm, min_scale, QUANT_OUT: tl.constexpr):
+        """A producer's part of delayed activation scales (`stage_ar.fp8_activations.DelayedOut`) for its
+        ``(BLOCK_N, 16)`` stored values ``y``: ``t = y`` (``QUANT_OUT`` 2: ``y * norm_weight[n]``, float32);
+        codes ``quantize_values(t, 1 / delayed_row_scale)`` at ``dq_ptr`` (stride ``stride_qm``), each
+        row's ``max |t|`` max-ed into the state's second 16 entries, and (2) each row's sums of ``y²``
+        per `NORM_GROUP` columns at ``dpo_ptr`` (``(16, cdiv(N, NORM_GROUP))``, a fixed pairwise fold:
+        the same bits for any ``BLOCK_N``), for the consumer's inverse RMS."""
+        x_inv = inverse_scale(delayed_row_scale(ds_ptr, offs_m, m_mask, min_scale, E4M3_MAX, DELAYED_MARGIN_))
+        t = y.to(tl.float32)
+        if QUANT_OUT == 2:
+            t = t * tl.load(dnw_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            sq = tl.where(out_mask, y.to(tl.float32) * y.to(tl.float32), 0.0)
+            GROUPS: tl.constexpr = y.shape[0] // NORM_GROUP_
+            sq = tl.reshape(sq, (GROUPS, NORM_GROUP_, 16))
+            for _ in tl.static_range(LOG2_NORM_GROUP):  # fold halves: fixed pairs, fixed bits
+                sq = tl.sum(tl.reshape(sq, (GROUPS, 2, sq.shape[1] // 2, 16)), axis=1)
+            sq = tl.reshape(sq, (GROUPS, 16))
+            parts = tl.cdiv(N, NORM_GROUP_)
+            g = pid_n * GROUPS + tl.arange(0, GROUPS)
+            tl.store(dpo_ptr + offs_m[None, :] * parts + g[:, None], sq, mask=(g < parts)[:, None] & m_mask[None, :])
+        codes = quantize_values(t, x_inv[None, :], E4M3_MAX)
+        tl.store(dq_ptr + offs_m[None, :] * stride_qm + offs_n[:, None], codes, mask=out_mask)
+        row_amax = tl.max(tl.where(out_mask, tl.abs(t), 0.0), axis=0)
+        tl.atomic_max(ds_ptr + 16 + offs_m, row_amax.to(tl.int32, bitcast=True), mask=m_mask)
+
+    @triton.jit
+    def _partials_inv_rms(p_ptr, offs_m, m_mask, K, eps, LOG2_PARTS: tl.constexpr):
+        """``rsqrt(mean(x²) + eps)`` of the 16 rows from a producer's sums of squares per `NORM_GROUP`
+        columns (`_delayed_out`; ``cdiv(K, NORM_GROUP)`` per row, at most ``2^LOG2_PARTS``), added by a
+        fixed pairwise tree."""
+        PARTS: tl.constexpr = 1 << LOG2_PARTS
+        parts = tl.cdiv(K, NORM_GROUP_)
+        g = tl.arange(0, PARTS)
+        sq = tl.load(p_ptr + offs_m[:, None] * parts + g[None, :], mask=m_mask[:, None] & (g < parts)[None, :],
+                     other=0.0)
+        for _ in tl.static_range(LOG2_PARTS):
+            sq = tl.sum(tl.reshape(sq, (16, 2, sq.shape[1] // 2)), axis=1)
+        return tl.rsqrt(tl.reshape(sq, (16,)) / K + eps)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
         cnt_ptr, amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
+        dq_ptr, ds_ptr, dnw_ptr, dpo_ptr, dpi_ptr, roll_ptr, stride_qm,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
         FP8_MODE: tl.constexpr = 0, ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-        AMAX_OUT: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False, QUANT_OUT: tl.constexpr = 0, X_NORM: tl.constexpr = False,
+        LOG2_PARTS: tl.constexpr = 0, ROLL: tl.constexpr = False,
     ):
         """Output columns ``[pid * BLOCK_N, +BLOCK_N)`` of ``out (M, N)``. Under SWIGLU (weight rows ``c``,
         gate, and ``N + c``, up, make column ``c``) and ROPE (the pair ``c``, ``c + HEAD_DIM / 2`` of the
@@ -310,7 +368,14 @@ if triton is not None:
         quantized as it is loaded (`stage_ar.fp8_activations.quantize_values` over `row_scale`:
         `quantize_rows`' codes and scales), and the last program to finish (a ticket from
         ``amax_cnt_ptr``, then reset) sets the amax back to zero for the next producer. ``AMAX_OUT``:
-        the output rows' amax into ``amax_ptr`` (`_epilogue`)."""
+        the output rows' amax into ``amax_ptr`` (`_epilogue`).
+
+        Delayed activation scales (`stage_ar.fp8_activations.DelayedRows`, opt-in): ``FP8_MODE`` 5 reads
+        E4M3 codes as 3 does, with row scales from the point state at ``amax_ptr``
+        (`delayed_row_scale`), times each row's inverse RMS from the producer's partial sums of squares
+        at ``dpi_ptr`` with ``X_NORM``; ``QUANT_OUT`` 1 / 2 writes such codes for the next GEMV
+        (`_delayed_out`); ``ROLL``: program 0 moves each point's gathered amax in the layer state at
+        ``roll_ptr`` to the half the next step's scales read, and zeroes the gathered half."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
         if PAIRED:
@@ -343,6 +408,12 @@ if triton is not None:
         if PRELOAD >= 3:
             w_third = _w_tile_below(w_ptr, rows, row_mask, k_lo + 2 * BLOCK_K + offs_k, K, k_hi)
         wait_for_predecessor(PDL)
+        if ROLL:
+            if (pid_n == 0) & (tl.program_id(1) == 0):
+                i = tl.arange(0, DELAYED_STATE_ROWS)
+                gathered = roll_ptr + (i // 16) * 32 + 16 + i % 16
+                tl.store(roll_ptr + (i // 16) * 32 + i % 16, tl.load(gathered))
+                tl.store(gathered, tl.zeros((DELAYED_STATE_ROWS,), tl.int32))
         x_scale = tl.zeros((16,), tl.float32)  # W8A8's activation row scales (unused otherwise)
         x_inv = x_scale  # FP8_MODE 4: their inverses, what the prologue multiplies by
         if FP8_MODE == 3:
@@ -351,6 +422,10 @@ if triton is not None:
             amax = tl.load(amax_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
             x_scale = row_scale(amax, min_scale, E4M3_MAX)
             x_inv = inverse_scale(x_scale)
+        if FP8_MODE == 5:
+            x_scale = delayed_row_scale(amax_ptr, offs_m, m_mask, min_scale, E4M3_MAX, DELAYED_MARGIN_)
+            if X_NORM:
+                x_scale = x_scale * _partials_inv_rms(dpi_ptr, offs_m, m_mask, K, eps, LOG2_PARTS)
         inv_rms = tl.zeros((16,), tl.float32)
         if NORM:
             inv_rms = _inv_rms(x_ptr, stride_xm, offs_m, m_mask, offs_k, K, eps, BLOCK_K, LOG2_BLOCK_K)
@@ -391,7 +466,8 @@ if triton is not None:
         if finish:
             _epilogue(acc, offs_n, partner, n_mask, offs_m, m_mask, scale_ptr, bias_ptr, x_scale,
                       res_ptr, cos_ptr, sin_ptr, out_ptr, amax_ptr, stride_rm, stride_cm, stride_om, ROPE_N, FP8,
-                      HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM, AMAX_OUT)
+                      HAS_BIAS, SWIGLU, RESIDUAL, FP8_MODE, ROPE, HEAD_DIM, AMAX_OUT, pid_n, N, dq_ptr, ds_ptr,
+                      dnw_ptr, dpo_ptr, stride_qm, min_scale, QUANT_OUT)
         if FP8_MODE == 4:  # every program has read the amax: the last one sets it back to zero
             if last_arrival(amax_cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
                 tl.store(amax_ptr + offs_m, tl.zeros((16,), tl.int32))
@@ -478,7 +554,7 @@ if triton is not None:
             prune_configs_by={"early_config_prune": _prune},
             # timing runs read (FP8_MODE 4, then zero it) or max into (AMAX_OUT) the amax buffer: each
             # one starts from the caller's amax, and so does the launch that counts
-            restore_value=["amax_ptr"],
+            restore_value=["amax_ptr", "ds_ptr", "roll_ptr"],
             do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=TUNING_MS[0], rep=TUNING_MS[1],
                                                                    quantiles=quantiles),
         )(_kernel)
@@ -504,7 +580,9 @@ def gemv(
     rope_columns: int = 0,
     amax_out: torch.Tensor | None = None,
     rows: int | None = None,
-) -> torch.Tensor:
+    delayed_out: DelayedOut | None = None,
+    roll: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, DelayedRows]:
     """``out = epilogue(linear(prologue(x)))`` for decode-sized batches: one launch, two with the norm.
 
     Steps, each optional: ``h = RMSNorm(x)`` (``norm_weight``), ``y = h @ (weight * weight_scale).T +
@@ -519,7 +597,9 @@ def gemv(
             and quantization were the producer's launch), whose ``dtype`` stands for ``x.dtype`` below;
             or rows with their amax gathered by the launch that wrote them
             (`stage_ar.fp8_activations.RowsWithAmax`, W8A8 likewise), quantized in this launch's
-            prologue with `quantize_rows`' codes and scales (one launch less), ``x.values`` below.
+            prologue with `quantize_rows`' codes and scales (one launch less), ``x.values`` below; or
+            rows a producer quantized with delayed scales (`stage_ar.fp8_activations.DelayedRows`, W8A8
+            likewise: an experiment, see ``delayed_out``).
         weight: ``(R, K)`` contiguous, ``x.dtype`` or ``torch.float8_e4m3fn``; ``R = N``, or ``2 * N``
             (gate rows then up rows) with ``swiglu``.
         weight_scale: ``(R,)`` float32 per-row scales; required with and only with FP8 weights.
@@ -562,9 +642,16 @@ def gemv(
             gave). A computed row's bits are the same as with every row computed, since a row's
             arithmetic never depends on M (the runner's ``trim_gemv_rows``: idle slots' rows of a
             padded step are not loaded).
+        delayed_out: (W8A8, opt-in experiment of issue 17) also write the output rows as E4M3 codes
+            for the W8A8 GEMV that reads them, quantized with delayed scales
+            (`stage_ar.fp8_activations.DelayedOut`; with its ``norm_weight``, of the rows' RMSNorm,
+            applied by the consumer); not with RoPE or ``amax_out``.
+        roll: a layer's `stage_ar.fp8_activations.delayed_state`: this launch's first program moves the
+            amax its points gathered to the half the next step's scales read (once per step, after
+            every consumer of the layer's points, before the first producer of the next step).
 
     Returns:
-        ``(M, N)`` in ``x.dtype``, a new tensor.
+        ``(M, N)`` in ``x.dtype``, a new tensor; with ``delayed_out``, ``(that, DelayedRows)``.
 
     Raises:
         ValueError: shapes, strides, devices or flags that do not fit the above.
@@ -572,6 +659,16 @@ def gemv(
         RuntimeError: triton cannot run on ``x``'s device (check `available`).
     """
     x_scales, dtype, amax_in = None, x.dtype if not isinstance(x, RowsWithAmax) else x.values.dtype, None
+    delayed_in = x if isinstance(x, DelayedRows) else None
+    if delayed_in is not None:
+        if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE or norm_weight is not None:
+            raise ValueError(f"DelayedRows take E4M3 weights and fp8_compute='fp8' (W8A8), no norm_weight; got "
+                             f"{weight.dtype} weights and fp8_compute={fp8_compute!r}")
+        fp8_compute = "fp8"
+        x = delayed_in.codes
+        x_scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)  # shape check only; unread
+    if delayed_out is not None and (cos is not None or amax_out is not None):
+        raise ValueError("delayed_out does not combine with the RoPE epilogue or amax_out")
     if isinstance(x, (QuantizedRows, RowsWithAmax)):
         if (fp8_compute or "fp8") != "fp8" or weight.dtype != FP8_DTYPE:
             raise ValueError(f"{type(x).__name__} take E4M3 weights and fp8_compute='fp8' (W8A8), got "
@@ -596,11 +693,23 @@ def gemv(
     if not available(x.device):
         raise RuntimeError(f"gemv needs triton and a CUDA device (or TRITON_INTERPRET=1), got {x.device}")
     w8a8 = fp8_compute == "fp8" and weight.dtype == FP8_DTYPE
+    if delayed_out is not None and not w8a8:
+        raise ValueError("delayed_out needs a W8A8 launch (E4M3 weights, fp8_compute='fp8')")
     full = out = torch.empty((x.shape[0], n), dtype=dtype, device=x.device)
+    delayed = None
+    if delayed_out is not None:
+        parts = -(-n // NORM_GROUP) if delayed_out.norm_weight is not None else 0
+        if delayed_out.norm_weight is not None:
+            expect_tensor("delayed_out.norm_weight", delayed_out.norm_weight, (n,), dtype, x.device)
+        delayed = DelayedRows(torch.empty((x.shape[0], n), dtype=FP8_DTYPE, device=x.device), delayed_out.state,
+                              delayed_out.point, torch.empty((MAX_ROWS, parts), dtype=torch.float32, device=x.device)
+                              if parts else None, delayed_out.norm_eps, dtype)
     if rows is not None and rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}")
+    codes_out = delayed.codes if delayed is not None else None
     if rows is not None and rows < x.shape[0]:  # the launch sees M = rows; the rest stays unwritten
         x, out = x[:rows], out[:rows]
+        codes_out = codes_out[:rows] if codes_out is not None else None
         x_scales, residual, cos, sin = (t[:rows] if t is not None else None for t in (x_scales, residual, cos, sin))
     if w8a8 and x_scales is None and amax_in is None:  # the norm (if any) and the quantization in one launch
         x, x_scales = quantize_rows(x, norm_weight, norm_eps)
@@ -609,8 +718,8 @@ def gemv(
         x, norm_weight = rms_norm_rows(x, norm_weight, norm_eps), None
     rope = (cos, sin, rope_columns) if cos is not None else None
     _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out, rope,
-            x_scales, amax_in, amax_out)
-    return full
+            x_scales, amax_in, amax_out, (delayed_in, delayed_out, codes_out, delayed, roll))
+    return full if delayed is None else (full, delayed)
 
 
 def default_fp8_compute(x_dtype: torch.dtype) -> str:
@@ -620,11 +729,12 @@ def default_fp8_compute(x_dtype: torch.dtype) -> str:
 
 
 def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swiglu, config, fp8_compute, out,
-            rope=None, x_scales=None, amax_in=None, amax_out=None) -> None:
+            rope=None, x_scales=None, amax_in=None, amax_out=None, delayed=(None,) * 5) -> None:
     """One `_gemv_kernel` launch writing ``out (M, N)`` (arguments checked by `gemv`); ``rope``:
     ``(cos, sin, rope_columns)`` or None; ``x_scales``: ``(M,)`` float32 row scales of E4M3 ``x`` (W8A8);
     ``amax_in``: the `RowsWithAmax` ``x`` came from (W8A8 quantized in the prologue); ``amax_out``:
-    the ``(16,)`` int32 buffer the output rows' amax goes into."""
+    the ``(16,)`` int32 buffer the output rows' amax goes into; ``delayed``: ``(DelayedRows read or None,
+    DelayedOut or None, its codes' output view, the DelayedRows it fills, the state to roll or None)``."""
     (m, k), n = x.shape, out.shape[1]
     cos, sin, rope_columns = rope or (out, out, 0)  # dummies in the output dtype (under W8A8 x is E4M3)
     block_k = (config.block_k if config is not None else None) or block_k_for(weight.dtype)
@@ -637,13 +747,22 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         raise ValueError(f"split_k must be >= 1, got {split}")
     ws, counters = split_workspace(weight, split, columns, paired) if split > 1 else (out, out)
     amax = amax_in.amax if amax_in is not None else amax_out
+    delayed_in, delayed_out, codes_out, delayed_rows, roll = delayed
+    if delayed_in is not None:  # FP8_MODE 5: the point's state (first 16 entries) where FP8_MODE 4 has its amax
+        amax = delayed_in.state[32 * delayed_in.point:]
+        x_scales = None
+    partials_in = delayed_in.partials if delayed_in is not None else None
     autotuned = config is None and not INTERPRETED
     c = config or INTERPRETER_CONFIG
     args = (
         x, weight, _or(weight_scale, out), _or(bias, out), _or(norm_weight, out), _or(residual, out), cos, sin,
         out, _or(x_scales, out), ws, counters, _or(amax, counters), amax_in.counter if amax_in is not None else counters,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope else 0,
-        out.stride(0), float(norm_eps), MIN_ROW_SCALE, rope_columns,
+        out.stride(0), float(norm_eps if partials_in is None else delayed_in.norm_eps), MIN_ROW_SCALE, rope_columns,
+        _or(codes_out, out), delayed_out.state[32 * delayed_out.point:] if delayed_out is not None else counters,
+        _or(delayed_out.norm_weight if delayed_out is not None else None, out),
+        _or(delayed_rows.partials if delayed_rows is not None else None, out), _or(partials_in, out),
+        _or(roll, counters), codes_out.stride(0) if codes_out is not None else 0,
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
@@ -651,7 +770,12 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
         FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
+        QUANT_OUT=0 if delayed_out is None else 2 if delayed_out.norm_weight is not None else 1,
+        X_NORM=partials_in is not None, ROLL=roll is not None,
+        LOG2_PARTS=max(0, (-(-k // NORM_GROUP) - 1).bit_length()) if partials_in is not None else 0,
     )
+    if delayed_in is not None:
+        meta["FP8_MODE"] = 5
     pdl = pdl_flag(weight.device)
     meta.update(PDL=pdl, PRELOAD=preload_tiles(), **launch_options(pdl))
     if autotuned:
@@ -727,7 +851,8 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         torch.int32 if split > 1 else x_dtype, torch.int32 if split > 1 else x_dtype,
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
         n if residual else 0, rope_head_dim, n, 1e-6, MIN_ROW_SCALE,
-        rope_head_dim and n // 2,
+        rope_head_dim and n // 2, x_dtype, torch.int32 if split > 1 else x_dtype, x_dtype, x_dtype, x_dtype,
+        torch.int32 if split > 1 else x_dtype, 0,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,
