@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import pathlib
 
 import yaml
 
@@ -24,7 +23,9 @@ def unknown_config_keys(path: str | os.PathLike) -> list[str]:
     """
     from mammoth_core.settings import ARSettings, DiTSettings, GatewaySettings  # settings imports this module
 
-    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    from mammoth_core.settings_values import CONFIG_FILE_MAX_BYTES, read_settings_file
+
+    data = yaml.safe_load(read_settings_file(path, CONFIG_FILE_MAX_BYTES, "a settings file")) or {}
     if not isinstance(data, dict):
         return []
     classes = {c.section: {f.name for f in dataclasses.fields(c)} for c in (ARSettings, DiTSettings, GatewaySettings)}

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import pathlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -33,7 +32,9 @@ import yaml
 
 from mammoth_core import config_keys, limits
 # SettingsError is defined with the validation and imported from here by every caller.
-from mammoth_core.settings_values import SettingsError, check_fields, validate_values  # noqa: F401
+from mammoth_core.settings_values import (  # noqa: F401 - SettingsError re-exported
+    CONFIG_FILE_MAX_BYTES, TOKEN_FILE_MAX_BYTES, SettingsError, check_fields, read_settings_file, validate_values,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,22 +160,28 @@ class BaseSettings:
             raise SettingsError(str(exc)) from None
 
     def read_auth_token(self) -> str | None:
-        """The shared stage token, stripped, or None when no file is configured."""
+        """The shared stage token, stripped, or None when no file is configured.
+
+        Raises:
+            SettingsError: the file is not a regular file of at most `TOKEN_FILE_MAX_BYTES` UTF-8 bytes.
+            OSError: the file cannot be read.
+        """
         if not self.auth_token_file:
             return None
-        return pathlib.Path(self.auth_token_file).read_text().strip() or None
+        return read_settings_file(self.auth_token_file, TOKEN_FILE_MAX_BYTES, "a token file").strip() or None
 
     def read_role_tokens(self) -> dict[str, str]:
         """Per-role stage tokens, ``{"gateway": ..., "ar": ...}``, for the files configured.
 
         Raises:
-            SettingsError: a configured token file is empty.
+            SettingsError: a configured token file is empty, or not a regular file of at most
+                `TOKEN_FILE_MAX_BYTES` UTF-8 bytes.
             OSError: a configured token file cannot be read.
         """
         tokens: dict[str, str] = {}
         for role, path in (("gateway", self.gateway_token_file), ("ar", self.ar_token_file)):
             if path:
-                token = pathlib.Path(path).read_text().strip()
+                token = read_settings_file(path, TOKEN_FILE_MAX_BYTES, "a token file").strip()
                 if not token:
                     raise SettingsError(f"{role}_token_file {path} is empty")
                 tokens[role] = token
@@ -458,9 +465,11 @@ def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
     """Flat keys of a YAML settings file with ``section`` (``ar``/``dit``/``gateway``) merged on top.
 
     Raises:
-        SettingsError: the file is not a YAML mapping.
+        SettingsError: the file is not a YAML mapping, or not a regular file of at most
+            `CONFIG_FILE_MAX_BYTES` UTF-8 bytes.
+        OSError: the file cannot be read.
     """
-    data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    data = yaml.safe_load(read_settings_file(path, CONFIG_FILE_MAX_BYTES, "a settings file")) or {}
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path}: expected a mapping at top level")
     sections = {"ar", "dit", "gateway", "operator"}

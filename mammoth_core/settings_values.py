@@ -8,14 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import typing
 from typing import Annotated, Any, Literal, Mapping
 
 import pydantic
 
+from mammoth_core.small_files import read_small_file
+
 
 class SettingsError(ValueError):
     """A setting has an invalid value or type; the message names the setting and its source."""
+
+
+#: The largest stage token file read (a token is a line of a few dozen characters).
+TOKEN_FILE_MAX_BYTES = 64 * 1024
+#: The largest YAML settings file read.
+CONFIG_FILE_MAX_BYTES = 1024 * 1024
+
+
+def read_settings_file(path: str | os.PathLike, limit: int, what: str) -> str:
+    """The UTF-8 text of a file a setting names (`mammoth_core.small_files.read_small_file`: a regular
+    file of at most ``limit`` bytes, opened without blocking).
+
+    Raises:
+        SettingsError: naming ``path``: not a regular file, larger than ``limit``, not UTF-8.
+        OSError: the file cannot be opened or read.
+    """
+    try:
+        return read_small_file(path, limit, what).decode("utf-8")
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise SettingsError(str(exc) if not isinstance(exc, UnicodeDecodeError)
+                            else f"{os.fspath(path)}: not UTF-8 text ({exc.reason})") from None
 
 
 def _split_commas(value: Any) -> Any:

@@ -12,9 +12,10 @@ import dataclasses
 import json
 import os
 import re
-import stat
 
 import torch
+
+from mammoth_core.small_files import read_small_file
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -191,18 +192,7 @@ def load_picks(path: str) -> dict[str, GemvConfig]:
             (nested too deep included), or not such a file (wrong version, malformed entries).
         OSError: the file cannot be opened or read (missing, no permission).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        if info.st_size > PICKS_MAX_BYTES:
-            raise ValueError(f"{path}: {info.st_size} bytes, larger than the {PICKS_MAX_BYTES} a picks file may have")
-        raw = b""
-        while len(raw) <= PICKS_MAX_BYTES and (chunk := os.read(fd, PICKS_MAX_BYTES + 1 - len(raw))):
-            raw += chunk
-    finally:
-        os.close(fd)
+    raw = read_small_file(path, PICKS_MAX_BYTES, "a picks file")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

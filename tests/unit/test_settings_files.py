@@ -1,0 +1,74 @@
+"""Files a stage's settings name (stage token files, the YAML config file) are read bounded and without
+blocking: a FIFO, a folder or a huge file given by mistake is refused at once with an error naming it,
+instead of hanging the start (a FIFO's open blocks until a writer comes; Ctrl-C cannot end a blocked
+read in the main thread) or reading gigabytes into memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from mammoth_core.settings import ARSettings, SettingsError, read_config_file
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result or exception, failing the test if it does not return within ``seconds``."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still reading after {seconds} s (blocked)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "token.fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("reader", ["auth", "role", "config"])
+def test_a_fifo_named_as_a_settings_file_is_refused_at_once_naming_it(fifo, reader):
+    read = {
+        "auth": lambda: ARSettings(auth_token_file=str(fifo)).read_auth_token(),
+        "role": lambda: ARSettings(gateway_token_file=str(fifo)).read_role_tokens(),
+        "config": lambda: read_config_file(fifo, "ar"),
+    }[reader]
+    with pytest.raises(SettingsError, match=f"{fifo}: not a regular file"):
+        _within(5, read)
+
+
+@pytest.mark.parametrize("reader", ["auth", "config"])
+def test_a_folder_or_an_oversized_file_is_refused_naming_it(tmp_path, reader):
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (2 << 20))
+    for path, message in ((tmp_path, "not a regular file"), (big, "larger than")):
+        read = (lambda p=path: ARSettings(auth_token_file=str(p)).read_auth_token()) if reader == "auth" else \
+            (lambda p=path: read_config_file(p, "ar"))
+        with pytest.raises(SettingsError, match=f"{path}: .*{message}"):
+            read()
+
+
+def test_token_and_config_files_still_read_as_before(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("  s3cret\n")
+    config = tmp_path / "mammoth.yaml"
+    config.write_text("port: 1234\nar:\n  slots: 4\n")
+    assert ARSettings(auth_token_file=str(token)).read_auth_token() == "s3cret"
+    assert ARSettings(ar_token_file=str(token)).read_role_tokens() == {"ar": "s3cret"}
+    assert read_config_file(config, "ar") == {"port": 1234, "slots": 4}
+    with pytest.raises(OSError):
+        ARSettings(auth_token_file=str(tmp_path / "missing")).read_auth_token()
