@@ -291,6 +291,7 @@ class DelayedRows:
             weight, or None (no norm between producer and consumer).
         norm_eps: the norm's epsilon (with ``partials``).
         dtype: the activation dtype the rows stand for.
+        view_shape: the rows' logical shape ``(..., K)`` (leading dims multiply to M), or None: ``(M, K)``.
     """
 
     codes: torch.Tensor
@@ -299,11 +300,12 @@ class DelayedRows:
     partials: torch.Tensor | None
     norm_eps: float
     dtype: torch.dtype
+    view_shape: torch.Size | None = None
 
     @property
     def shape(self) -> torch.Size:
-        """The codes' shape ``(M, K)``."""
-        return self.codes.shape
+        """The rows' logical shape (`view_shape`, else the codes' ``(M, K)``)."""
+        return self.view_shape if self.view_shape is not None else self.codes.shape
 
 
 def delayed_state(owner: torch.Tensor) -> torch.Tensor:

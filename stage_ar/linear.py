@@ -40,6 +40,7 @@ and `TorchLinear` elsewhere (CPU tests run `GemvLinear` under Triton's interpret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -51,12 +52,14 @@ from torch import nn
 from mammoth_core.settings import AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
 from stage_ar import gemv as gemv_kernels
 from stage_ar.fp8 import FP8_DTYPE, quantize_fp8_per_channel
-from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax, amax_buffers, quantize_rows
+from stage_ar.fp8_activations import (
+    DELAYED_POINTS, DelayedOut, DelayedRows, QuantizedRows, RowsWithAmax, amax_buffers, delayed_state, quantize_rows,
+)
 from stage_ar.layers import rope_qkv, silu_and_mul, split_qkv
 
 __all__ = [
-    "BACKENDS", "GemvLinear", "LinearBackend", "MammothLinear", "TORCH_LINEAR", "TorchLinear", "WEIGHTS_DTYPES",
-    "norm_input", "quantize_fp8_", "select_backend", "set_linear_backend",
+    "BACKENDS", "GemvLinear", "LinearBackend", "MammothLinear", "PreNorm", "TORCH_LINEAR", "TorchLinear",
+    "WEIGHTS_DTYPES", "norm_input", "quantize_fp8_", "select_backend", "set_linear_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,35 @@ logger = logging.getLogger(__name__)
 #: ``linear_backend`` setting values; ``weights_dtype`` values (the model dtype, or E4M3 with
 #: per-output-channel scales). Defined with the settings.
 BACKENDS, WEIGHTS_DTYPES = AR_LINEAR_BACKENDS, AR_WEIGHTS_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class PreNorm:
+    """A pre-norm that follows an output projection (o_proj, down_proj), handed to the projection's
+    backend so that it may fuse the two (`LinearBackend.project_norm_input`).
+
+    Attributes:
+        norm: the `mammoth_core.norms.RMSNorm` (the post-attention norm, or the next layer's input norm).
+        residual: the residual stream the projection's output is added to, or None.
+        ops: the norm's kernels (`stage_ar.layers.PointwiseOps`).
+        consumer: the one projection that reads the normalised rows, or None (tokens split between experts).
+        layer: the qkv projection of the layer whose state holds the delayed activation scales of the
+            rows (`stage_ar.fp8_activations.delayed_state`: the projection that rolls it), or None.
+        after: ``"attention"`` (the post-attention norm, after o_proj) or ``"mlp"`` (the next layer's
+            input norm, after down_proj): which of the layer's `stage_ar.fp8_activations.DELAYED_POINTS`
+            the rows are.
+    """
+
+    norm: nn.Module
+    residual: torch.Tensor | None
+    ops: Any
+    consumer: MammothLinear | None
+    layer: MammothLinear | None = None
+    after: str = "attention"
+
+    def apply(self, x: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """`norm_input` of ``x`` (the projection's output) with this pre-norm."""
+        return norm_input(self.norm, x, self.residual, self.ops, self.consumer)
 
 
 class LinearBackend:
@@ -101,11 +133,19 @@ class LinearBackend:
         yield False
 
     def mlp(self, x: torch.Tensor | QuantizedRows, gate_up: MammothLinear, down: MammothLinear,
-            act: Callable = silu_and_mul) -> torch.Tensor:
+            act: Callable = silu_and_mul, then: PreNorm | None = None) -> Any:
         """A SwiGLU MLP: ``down(act(gate_up(x)))`` for ``x (..., K)`` -> ``(..., down.out_features)`` in the
         activation dtype (`MammothLinear.forward_swiglu`, then ``down``; ``act``:
-        `stage_ar.layers.silu_and_mul` or its compiled version)."""
-        return down(gate_up.forward_swiglu(x, act))
+        `stage_ar.layers.silu_and_mul` or its compiled version). ``then``: the pre-norm after the MLP
+        (the next layer's input norm): ``down`` through `project_norm_input`, whose pair is returned."""
+        hidden = gate_up.forward_swiglu(x, act)
+        return down(hidden) if then is None else down.backend.project_norm_input(down, hidden, then)
+
+    def project_norm_input(self, linear: MammothLinear, x: Any, then: PreNorm) -> tuple[Any, torch.Tensor]:
+        """An output projection and the pre-norm after it in one call, so that a backend may fuse them:
+        ``then.apply(linear(x))`` (`norm_input`'s pair). Here the two in turn (``linear`` called as a
+        module: its hooks, e.g. tensor parallelism's all-reduce, run)."""
+        return then.apply(linear(x))
 
     def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -131,8 +171,9 @@ class TorchLinear(LinearBackend):
         ``weight_scale (N,)`` float32; ``bias (N,)`` or None.
 
         Raises:
-            TypeError: ``x`` is `QuantizedRows` or `RowsWithAmax` (only `GemvLinear` makes and takes them)."""
-        if isinstance(x, (QuantizedRows, RowsWithAmax)):
+            TypeError: ``x`` is `QuantizedRows`, `RowsWithAmax` or `DelayedRows` (only `GemvLinear` makes
+                and takes them)."""
+        if isinstance(x, (QuantizedRows, RowsWithAmax, DelayedRows)):
             raise TypeError(f"TorchLinear takes activation rows, not {type(x).__name__} (GemvLinear's W8A8 input)")
         if weight_scale is None:
             return F.linear(x, weight, bias)
@@ -157,18 +198,25 @@ class GemvLinear(LinearBackend):
             given op after the linear, and (``"amax"``, W8A8 only) whether the launches before
             ``o_proj`` and ``down_proj`` gather their output rows' amax so those quantize in their
             GEMV's prologue (`stage_ar.fp8_activations.RowsWithAmax`) instead of a quantizer launch:
-            names from `EPILOGUES`, True for all, False for none; `DEFAULT_EPILOGUES` by default
+            names from `EPILOGUES`, True for all but `EXPERIMENTS`, False for none; `DEFAULT_EPILOGUES` by default
             (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
             4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, and from 3.27 to
             3.39 ms once the prologue multiplied by the row's inverse scale, 2026-12-06:
-            docs/PERFORMANCE.md).
+            docs/PERFORMANCE.md); ``"delayed"`` (W8A8 only, an opt-in experiment of issue 17, not
+            servable: a row's first step saturates, see `stage_ar.fp8_activations.delayed_state`):
+            delayed activation scales (`stage_ar.fp8_activations.DelayedOut`): o_proj (with the
+            post-attention norm's weight), the SwiGLU GEMV and down_proj (with the next layer's input
+            norm's weight) write their consumer's codes, so no quantizer launch stands between them
+            (`project_norm_input`, `mlp`); each layer's qkv GEMV rolls the layer's state.
 
     Raises:
         ValueError: an unknown epilogue name.
     """
 
     #: The epilogues ``fuse_epilogues`` may name.
-    EPILOGUES = ("rope", "swiglu", "amax")
+    EPILOGUES = ("rope", "swiglu", "amax", "delayed")
+    #: Those only fused where named (True leaves them out): experiments whose numerics are not servable.
+    EXPERIMENTS = ("delayed",)
     #: Those fused unless a caller says otherwise (``amax`` measured slower: see ``fuse_epilogues``).
     DEFAULT_EPILOGUES = ("rope", "swiglu")
 
@@ -178,7 +226,8 @@ class GemvLinear(LinearBackend):
     def __init__(self, config: gemv_kernels.GemvConfig | None = None, fp8_compute: str | None = None,
                  fuse_epilogues: bool | Iterable[str] = DEFAULT_EPILOGUES) -> None:
         self.config, self.fp8_compute = config, fp8_compute
-        names = self.EPILOGUES if fuse_epilogues is True else () if fuse_epilogues is False else tuple(fuse_epilogues)
+        names = (tuple(e for e in self.EPILOGUES if e not in self.EXPERIMENTS) if fuse_epilogues is True
+                 else () if fuse_epilogues is False else tuple(fuse_epilogues))
         if unknown := set(names) - set(self.EPILOGUES):
             raise ValueError(f"fuse_epilogues takes {self.EPILOGUES}, got {sorted(unknown)}")
         #: the epilogues fused (empty: none)
@@ -223,8 +272,9 @@ class GemvLinear(LinearBackend):
             return super().rope_qkv(x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope)
         d = cos.shape[-1]
         rows = flat.shape[0]
+        roll = delayed_state(weight) if self._delayed(weight_scale) else None
         out = self._gemv(flat, weight, bias, weight_scale, cos=cos.reshape(rows, d).contiguous(),
-                         sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d)
+                         sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d, roll=roll)
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
 
     def input_amax(self, consumer, rows):
@@ -235,8 +285,50 @@ class GemvLinear(LinearBackend):
             return None
         return amax_buffers(consumer.weight)
 
-    def mlp(self, x, gate_up, down, act=silu_and_mul):
-        """`LinearBackend.mlp`; under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
+    def _delayed(self, weight_scale) -> bool:
+        """Whether W8A8 launches with E4M3 weights run with delayed activation scales (``"delayed"``)."""
+        return "delayed" in self.fuse_epilogues and self.fp8_compute == "fp8" and weight_scale is not None
+
+    def _writes_delayed(self, linear, consumer, rows) -> bool:
+        """Whether ``linear`` (E4M3, this backend, no hooks: tensor parallelism's all-reduce must run on
+        its output first) writes ``consumer``'s input with delayed scales (`_delayed`), for calls the
+        kernel takes."""
+        return (consumer is not None and consumer.is_fp8 and consumer.backend is self
+                and consumer.weight.is_contiguous() and linear.is_fp8 and linear.backend is self
+                and self._delayed(linear.weight_scale) and not linear._forward_hooks
+                and not linear._forward_pre_hooks and 1 <= rows <= self.max_rows)
+
+    def project_norm_input(self, linear, x, then):
+        """`LinearBackend.project_norm_input`; with ``"delayed"`` (`_writes_delayed`) and a residual, one
+        launch: ``linear``'s GEMV adds the residual in its epilogue (the new residual stream) and writes
+        the consumer's input as `DelayedRows` with the norm's weight in the codes (its inverse RMS
+        applied by the consumer's GEMV)."""
+        flat = self._kernel_rows(x, linear.weight) if then.residual is not None else None
+        rows = flat.shape[0] if flat is not None else 0
+        if (flat is None or then.layer is None or not self._writes_delayed(linear, then.consumer, rows)
+                or then.residual.numel() != rows * linear.out_features):
+            return super().project_norm_input(linear, x, then)
+        point = DELAYED_POINTS.index("gate_up_input" if then.after == "attention" else "qkv_input")
+        summed, codes = self._gemv(flat, linear.weight, linear.bias, linear.weight_scale,
+                                   residual=then.residual.reshape(rows, -1).contiguous(),
+                                   delayed_out=DelayedOut(delayed_state(then.layer.weight), point, then.norm.weight,
+                                                          then.norm.variance_epsilon))
+        return dataclasses.replace(codes, view_shape=then.residual.shape), summed.view(then.residual.shape)
+
+    def mlp(self, x, gate_up, down, act=silu_and_mul, then=None):
+        """`LinearBackend.mlp`; on `DelayedRows` with ``"delayed"`` and ``"swiglu"`` fused, the SwiGLU GEMV
+        writes ``down``'s input with delayed scales in the same layer's state (then ``down`` as
+        `project_norm_input` or a module call); otherwise as below."""
+        if ("swiglu" in self.fuse_epilogues and isinstance(x, DelayedRows)
+                and self._writes_delayed(gate_up, down, x.codes.shape[0])):
+            _, mid = self._gemv(self._kernel_rows(x, gate_up.weight), gate_up.weight, gate_up.bias, gate_up.weight_scale,
+                                swiglu=True, delayed_out=DelayedOut(x.state, DELAYED_POINTS.index("down_input")))
+            mid = dataclasses.replace(mid, view_shape=torch.Size((*x.shape[:-1], mid.codes.shape[1])))
+            return down(mid) if then is None else self.project_norm_input(down, mid, then)
+        return self._mlp(x, gate_up, down, act, then)
+
+    def _mlp(self, x, gate_up, down, act=silu_and_mul, then=None):
+        """`mlp` otherwise: under W8A8 with ``"swiglu"`` and ``"amax"`` fused, for E4M3 ``gate_up`` and ``down`` and
         calls the kernel takes, two launches: the SwiGLU GEMV also gathers each output row's amax
         (``amax_out``) and ``down`` quantizes those rows in its GEMV's prologue
         (`stage_ar.fp8_activations.RowsWithAmax`: `quantize_rows`' bits, without its launch). ``down``
@@ -246,9 +338,10 @@ class GemvLinear(LinearBackend):
         buffers = self.input_amax(down, rows) if fusable else None
         flat = self._kernel_rows(x, gate_up.weight) if buffers is not None else None
         if flat is None:
-            return super().mlp(x, gate_up, down, act)
+            return super().mlp(x, gate_up, down, act, then)
         hidden = self._gemv(flat, gate_up.weight, gate_up.bias, gate_up.weight_scale, swiglu=True, amax_out=buffers[0])
-        return down(RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers))
+        rows = RowsWithAmax(hidden.view(*x.shape[:-1], hidden.shape[-1]), *buffers)
+        return down(rows) if then is None else self.project_norm_input(down, rows, then)
 
     def norm_input(self, norm, x, residual, ops, consumer):
         """`LinearBackend.norm_input`; under W8A8 (``fp8_compute="fp8"``), for a ``consumer`` with E4M3
@@ -279,10 +372,12 @@ class GemvLinear(LinearBackend):
         Raises:
             ValueError: `QuantizedRows` or `RowsWithAmax` the kernel cannot take (more than
                 ``max_rows`` rows, or a non-contiguous weight): nothing else can multiply them."""
-        if isinstance(x, QuantizedRows):
+        if isinstance(x, (QuantizedRows, DelayedRows)):
             if not x.codes.shape[0] <= self.max_rows or not weight.is_contiguous():
-                raise ValueError(f"QuantizedRows of {x.codes.shape[0]} rows for a weight of shape "
+                raise ValueError(f"{type(x).__name__} of {x.codes.shape[0]} rows for a weight of shape "
                                  f"{tuple(weight.shape)}: the GEMV takes at most {self.max_rows} rows, contiguous weights")
+            if isinstance(x, DelayedRows):
+                return dataclasses.replace(x, view_shape=None)
             return QuantizedRows(x.codes, x.scales, x.dtype, x.codes.shape)
         if isinstance(x, RowsWithAmax):
             values = x.values.reshape(-1, x.values.shape[-1])

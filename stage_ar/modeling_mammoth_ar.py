@@ -22,10 +22,10 @@ from torch import nn
 from stage_ar.attention import AttentionBackend, SDPAAttention, build_attention_mask
 from stage_ar.configuration_mammoth_ar import MammothARConfig
 from stage_ar.expert_routing import ExpertRouting, route_experts, single_expert
-from stage_ar.fp8_activations import QuantizedRows, RowsWithAmax
+from stage_ar.fp8_activations import RowsWithAmax
 from stage_ar.kv_pool import KVCache
 from stage_ar.layers import EAGER_OPS, PointwiseOps, RMSNorm, rotate_half  # noqa: F401 - rotate_half re-exported
-from stage_ar.linear import TORCH_LINEAR, MammothLinear, norm_input
+from stage_ar.linear import TORCH_LINEAR, MammothLinear, PreNorm, norm_input
 
 __all__ = [
     "ARForwardOutput",
@@ -105,11 +105,13 @@ class MammothMLP(nn.Module):
         self.down_proj = MammothLinear(inter, config.hidden_size, bias=False)
         _stack_hooks(self, "gate_up_proj", STACKED_PARAMS["gate_up_proj"], (inter, inter))
 
-    def forward(self, x: torch.Tensor, ops: PointwiseOps = EAGER_OPS) -> torch.Tensor:
-        """``x (..., hidden)`` (under W8A8 possibly `QuantizedRows`) -> ``(..., hidden)``; SwiGLU by ``ops``
-        (or in the GEMV's epilogue, `stage_ar.linear.GemvLinear`'s ``fuse_epilogues``), the two
-        projections through their backend's `stage_ar.linear.LinearBackend.mlp`."""
-        return self.gate_up_proj.backend.mlp(x, self.gate_up_proj, self.down_proj, ops.silu_and_mul)
+    def forward(self, x: Any, ops: PointwiseOps = EAGER_OPS, then: PreNorm | None = None) -> Any:
+        """``x (..., hidden)`` (under W8A8 possibly `QuantizedRows` or `DelayedRows`) -> ``(..., hidden)``;
+        SwiGLU by ``ops`` (or in the GEMV's epilogue, `stage_ar.linear.GemvLinear`'s ``fuse_epilogues``),
+        the two projections through their backend's `stage_ar.linear.LinearBackend.mlp`. ``then``: the
+        pre-norm after the MLP (`stage_ar.linear.PreNorm`): returns `stage_ar.linear.norm_input`'s pair
+        for it instead (`stage_ar.linear.LinearBackend.project_norm_input`)."""
+        return self.gate_up_proj.backend.mlp(x, self.gate_up_proj, self.down_proj, ops.silu_and_mul, then)
 
 
 class MammothRotaryEmbedding(nn.Module):
@@ -184,9 +186,12 @@ class MammothAttention(nn.Module):
         the tokens are split between the two experts."""
         return single_expert(self.qkv_proj, self.gen_qkv_proj, routing if self.has_experts else None)
 
-    def forward(self, hidden_states: torch.Tensor | QuantizedRows, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, hidden_states: Any, ctx: ForwardContext, then: PreNorm) -> tuple[Any, torch.Tensor]:
         """``hidden_states (B, T, hidden)`` (or, under W8A8, those rows quantized for `input_projection`:
-        `stage_ar.linear.norm_input`) -> ``(B, T, hidden)``."""
+        `stage_ar.linear.norm_input`, `QuantizedRows` or `DelayedRows`) and ``then``, the pre-norm after
+        the attention -> `stage_ar.linear.norm_input`'s pair for the ``(B, T, hidden)`` attention output:
+        o_proj and the norm through `stage_ar.linear.LinearBackend.project_norm_input` where one
+        projection takes every token."""
         routing = ctx.routing if self.has_experts else None
         heads, kv_heads = self.num_heads, self.num_key_value_heads
         qkv_proj = self.input_projection(ctx.routing)
@@ -196,14 +201,16 @@ class MammothAttention(nn.Module):
             qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
             q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, heads, kv_heads)
         o_proj = single_expert(self.o_proj, self.gen_o_proj, routing)
+        if o_proj is None:
+            return then.apply(route_experts(ctx.attention.forward(self.layer_idx, q, k, v), self.o_proj,
+                                            self.gen_o_proj, routing))
         buffers = None
-        if o_proj is not None and getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj quantizes
+        if getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj quantizes
             buffers = o_proj.backend.input_amax(o_proj, q.shape[0] * q.shape[1])
         if buffers is None:
-            out = ctx.attention.forward(self.layer_idx, q, k, v)
-            return route_experts(out, self.o_proj, self.gen_o_proj, routing)
+            return o_proj.backend.project_norm_input(o_proj, ctx.attention.forward(self.layer_idx, q, k, v), then)
         out = ctx.attention.forward(self.layer_idx, q, k, v, amax_out=buffers[0])
-        return o_proj(RowsWithAmax(out, *buffers))
+        return o_proj.backend.project_norm_input(o_proj, RowsWithAmax(out, *buffers), then)
 
 
 class MammothDecoderLayer(nn.Module):
@@ -222,19 +229,31 @@ class MammothDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, hidden_states: Any, residual: torch.Tensor | None, ctx: ForwardContext,
+        following: MammothDecoderLayer | None = None, normalised: bool = False,
+    ) -> tuple[Any, torch.Tensor]:
         """``(B, T, hidden)`` states and residual stream -> this layer's ``(mlp output, residual)``;
-        the layer's output is their sum (formed by the next norm)."""
-        hidden_states, residual = norm_input(self.input_layernorm, hidden_states, residual, ctx.ops,
-                                             self.self_attn.input_projection(ctx.routing))
-        hidden_states = self.self_attn(hidden_states, ctx)
+        the layer's output is their sum (formed by the next norm). ``following``: the next layer, whose
+        input norm is then this layer's last step (``(norm_input's rows, the sum)``: under W8A8 possibly
+        `QuantizedRows` or `DelayedRows`), so that down_proj and it may be one launch
+        (`stage_ar.linear.LinearBackend.project_norm_input`); o_proj and the post-attention norm go
+        through it likewise. ``normalised``: ``hidden_states`` are such rows from the layer before, so
+        this layer's input norm is skipped."""
+        qkv_proj = self.self_attn.input_projection(ctx.routing)
+        if not normalised:
+            hidden_states, residual = norm_input(self.input_layernorm, hidden_states, residual, ctx.ops, qkv_proj)
         routing = ctx.routing if self.gen_mlp is not None else None
         mlp = single_expert(self.mlp, self.gen_mlp, routing)
-        hidden_states, residual = norm_input(self.post_attention_layernorm, hidden_states, residual, ctx.ops,
-                                             mlp.gate_up_proj if mlp is not None else None)
-        hidden_states = route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops)
-        return hidden_states, residual
+        hidden_states, residual = self.self_attn(hidden_states, ctx, PreNorm(
+            self.post_attention_layernorm, residual, ctx.ops, mlp.gate_up_proj if mlp is not None else None,
+            qkv_proj, "attention"))
+        if following is None:
+            return route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops), residual
+        then = PreNorm(following.input_layernorm, residual, ctx.ops,
+                       following.self_attn.input_projection(ctx.routing), qkv_proj, "mlp")
+        if mlp is not None:
+            return mlp(hidden_states, ctx.ops, then)
+        return then.apply(route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops))
 
 
 class MammothTextModel(nn.Module):
@@ -418,10 +437,15 @@ class MammothARForCausalLM(nn.Module):
 
         all_hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
         residual: torch.Tensor | None = None
-        for layer in lm.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden_states if residual is None else residual + hidden_states)
-            hidden_states, residual = layer(hidden_states, residual, ctx)
+        layers = lm.layers
+        normalised = False  # each layer but the last runs the next one's input norm (its down_proj may fold it)
+        for i, layer in enumerate(layers):
+            if all_hidden is not None:  # the layer's input (once normalised, the sum is the residual)
+                all_hidden.append(hidden_states if residual is None else residual if normalised
+                                  else residual + hidden_states)
+            following = layers[i + 1] if i + 1 < len(layers) else None
+            hidden_states, residual = layer(hidden_states, residual, ctx, following, normalised)
+            normalised = following is not None
         hidden_states, _ = lm.norm(hidden_states, residual, kernels=ops)
         if all_hidden is not None:
             all_hidden.append(hidden_states)
