@@ -39,6 +39,10 @@ all 16 rows and over the live rows' bucket only (`stage_ar.runner.TRIM_ATTENTION
 turn, ``rounds + 1`` times each; then the same under W8A8; each at image start and mid-image.
 (Group ``cdf``, the sampler's cumulative sum in blocks of 256, went with that form: measured on the H100,
 2026-12-07, 12 us slower at batch 1 and 5 us faster in the served shape.)
+Group ``delayed`` (not in the default; an experiment, a row's first step saturates): W8A8 batch 1 under
+``pdl`` with the default epilogues and with delayed activation scales (`stage_ar.fp8_activations.DelayedOut`:
+o_proj, the SwiGLU GEMV and down_proj write their consumer's codes, no add + norm + quantize or SwiGLU
+quantizer launch) in turn, ``rounds`` times, then the default again, each at image start and mid-image.
 Group ``w8a8served`` (not in the default): W8A8 batch 1, then W8A8 in the served engine's padded shape
 (16 slots, one request, trimmed GEMV rows, the GEMV tuned again at its M first) ``rounds + 1`` times,
 then batch 1 again, each at image start and mid-image: what splits a `mammoth ar --weights-dtype
@@ -72,7 +76,8 @@ from stage_ar import decode_attention, gemv, gemv_configs, launch_overlap, linea
 from stage_ar import runner as runner_module  # noqa: E402
 from stage_ar.fp8 import FP8_DTYPE  # noqa: E402
 
-FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": A.GemvLinear.EPILOGUES}
+FOLDS = {"default": A.GemvLinear.DEFAULT_EPILOGUES, "amax": ("rope", "swiglu", "amax"),
+         "delayed": ("rope", "swiglu", "delayed")}
 #: The chunk of the ``merge`` group (`stage_ar.decode_attention.MERGE_CHUNK`), timed against 0.
 MERGE_CHUNK = 16
 #: The weight tiles preloaded before the wait that the ``preload`` group times (0: none, today's default).
@@ -129,7 +134,8 @@ def quantizers_left_out(modules, widths: tuple[int, ...], device: torch.device, 
 
 def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> None:
     """Time the variants of ``groups`` (``bf16``, ``w8a8``, ``split``, ``attn``, ``kvload``,
-    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``, ``w8a8served``, ``trimattn``) ``rounds`` times over into the
+    ``merge``, ``preload``, ``launch``, ``noquant``, ``trim``, ``w8a8served``, ``trimattn``, ``delayed``) ``rounds`` times
+    over into the
     JSON at ``out``."""
     res: dict = {"ceilings": A.ceilings(), "command": "benchmarks/ar_inprocess_ab.py", "rounds": rounds}
 
@@ -227,7 +233,7 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
     if "preload" in groups:  # each value tunes its own GEMV picks (PRELOAD is in the autotuning key)
         settings(launch_overlap, ("PRELOAD_TILES",), preload, "bf16_preload")
     if {"w8a8", "split", "attn", "kvload", "merge", "preload", "launch", "noquant", "w8a8served",
-            "trimattn"} & set(groups):
+            "trimattn", "delayed"} & set(groups):
         A.quantize_fp8_(model.visual_token_linears())
         A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "attn" in groups:
@@ -252,6 +258,11 @@ def main(out: str, rounds: int, groups: tuple[str, ...] = ("bf16", "w8a8")) -> N
             for i in range(rounds + 1):
                 timed(f"w8a8_served_shape_{i}", "pdl", mid_image=True, padded=True, runner={"trim_gemv_rows": True})
         timed("w8a8_served_b1_1", "pdl", mid_image=True)
+    if "delayed" in groups:
+        for i, folds in enumerate(["default", "delayed"] * rounds + ["default"]):
+            A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8", fuse_epilogues=FOLDS[folds]))
+            timed(f"w8a8_{folds}_{i}", "pdl", mid_image=True)
+        A.set_linear_backend(model, A.GemvLinear(fp8_compute="fp8"))
     if "noquant" in groups:
         c = model.config
         widths = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim)
