@@ -28,6 +28,9 @@ _FP8_IN = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 _W8A8_IN = _FP8_IN | {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 _SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 _AMAX = {"amax_ptr": "*i32", "amax_cnt_ptr": "*i32"}  # W8A8's RowsWithAmax (producer and consumer)
+#: delayed activation scales (`stage_ar.fp8_activations.DelayedRows` / `DelayedOut`, opt-in experiment)
+_DELAYED = {"amax_ptr": "*i32", "dq_ptr": "*fp8e4nv", "ds_ptr": "*i32", "dpo_ptr": "*fp32", "dpi_ptr": "*fp32",
+            "roll_ptr": "*i32"}
 #: name -> (pointer dtypes other than bf16, constexprs over GEMV_BASE): the served forms
 GEMV_FORMS = {
     "bf16_qkv_rope": ({}, dict(HAS_BIAS=True, ROPE=True, HEAD_DIM=128)),
@@ -51,6 +54,15 @@ GEMV_FORMS = {
     "w8a8_qkv_split_rope_preload2": (_W8A8_IN | _SPLIT, dict(FP8=True, FP8_MODE=3, SPLIT_K=7, HAS_BIAS=True,
                                                              ROPE=True, HEAD_DIM=128, BLOCK_N=64, PRELOAD=2)),
     "bf16_down_preload3": ({}, dict(RESIDUAL=True, PRELOAD=3)),
+    # delayed scales: o_proj (+ residual) writing gate_up's codes and the norm's sums of squares, the
+    # SwiGLU GEMV reading them and writing down's codes, qkv reading them and rolling the layer's state
+    "w8a8_o_delayed_quantizing": (_W8A8_IN | _DELAYED, dict(FP8=True, FP8_MODE=5, RESIDUAL=True, BLOCK_N=64,
+                                                            QUANT_OUT=2)),
+    "w8a8_gate_up_delayed_quantizing": (_W8A8_IN | _DELAYED, dict(FP8=True, FP8_MODE=5, SWIGLU=True, BLOCK_N=64,
+                                                                  X_NORM=True, LOG2_PARTS=7, QUANT_OUT=1)),
+    "w8a8_qkv_delayed_rope_roll": (_W8A8_IN | _DELAYED, dict(FP8=True, FP8_MODE=5, HAS_BIAS=True, ROPE=True,
+                                                             HEAD_DIM=128, BLOCK_N=64, X_NORM=True, LOG2_PARTS=7,
+                                                             ROLL=True)),
 }
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
