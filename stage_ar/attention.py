@@ -20,6 +20,7 @@ capture cleanly into a CUDA graph: no host synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -156,13 +157,17 @@ class TritonDecodeAttention(_SlotDecode):
     gathers_amax = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                amax_out: torch.Tensor | None = None) -> torch.Tensor:
-        """``(b, 1, heads * d)``; ``amax_out``: `stage_ar.decode_attention.decode_attention`'s."""
+                amax_out: torch.Tensor | None = None, delayed_out=None):
+        """``(b, 1, heads * d)``; ``amax_out``, ``delayed_out``: `stage_ar.decode_attention.decode_attention`'s
+        (with ``delayed_out``, ``(that, DelayedRows of that view shape)``)."""
         b, _, heads, d = q.shape
         out = triton_decode.decode_attention(q[:, 0], k[:, 0], v[:, 0], self.key[layer], self.value[layer],
                                              self.pos, self.key_start, self.length, self.scale, live=self.live,
-                                             amax_out=amax_out, rows=self.rows)
-        return out.view(b, 1, heads * d)
+                                             amax_out=amax_out, rows=self.rows, delayed_out=delayed_out)
+        if delayed_out is None:
+            return out.view(b, 1, heads * d)
+        out, codes = out
+        return out.view(b, 1, heads * d), dataclasses.replace(codes, view_shape=torch.Size((b, 1, heads * d)))
 
 
 class WindowGEMMAttention:

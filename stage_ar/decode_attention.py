@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import torch
 
+from stage_ar.fp8 import FP8_MAX
+from stage_ar.fp8_activations import DELAYED_MARGIN, MIN_ROW_SCALE, DelayedRows
 from stage_ar.launch_overlap import INTERPRETED, launch_options, pdl_flag  # noqa: F401 - INTERPRETED re-exported
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
 
+    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -275,14 +278,20 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(
         part_acc_ptr, part_ml_ptr, out_ptr, pos_ptr, start_ptr, live_ptr, amax_ptr, n_splits, stride_ob,
+        codes_ptr, min_scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PDL: tl.constexpr = False, LIVE: tl.constexpr = False,
         AMAX_OUT: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False, CHUNK: tl.constexpr = 0,
+        QUANT_OUT: tl.constexpr = False, FP8_MAX_: tl.constexpr = 448.0, MARGIN: tl.constexpr = 4.0,
     ):
         """Query head ``kvh * GROUP + g`` of row ``program_id(0)``: its splits merged and stored.
         ``AMAX_OUT``: the stored values' largest magnitude max-ed into ``amax_ptr[row]`` (int32 float
         bits; exact in any order), the row's amax for the W8A8 o_proj (`stage_ar.fp8_activations.RowsWithAmax`).
-        ``EARLY_LOADS`` (the module's `EARLY_LOADS`): the row's range is loaded before the PDL wait."""
+        ``EARLY_LOADS`` (the module's `EARLY_LOADS`): the row's range is loaded before the PDL wait.
+        ``QUANT_OUT`` (delayed activation scales, `stage_ar.fp8_activations.DelayedOut`, opt-in): the stored
+        values also as E4M3 codes at ``codes_ptr`` (same layout), quantized with ``row_scale(MARGIN * a)``, ``a``
+        the row's amax one step earlier at ``amax_ptr[row]``, and this step's amax max-ed into
+        ``amax_ptr[16 + row]``."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         g = tl.program_id(2)
@@ -294,7 +303,8 @@ if triton is not None:
         first = start // SPLIT_KEYS
         last = pos // SPLIT_KEYS
         offs_d = tl.arange(0, HEAD_DIM)
-        at = out_ptr + row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
+        off = row * stride_ob + (kvh * GROUP + g) * HEAD_DIM + offs_d
+        at = out_ptr + off
         if alive:
             out = _merge_splits(part_acc_ptr, part_ml_ptr, n_splits, GROUP_PAD, g, first, last, HEAD_DIM, MAX_SPLITS,
                                 CHUNK)
@@ -302,8 +312,15 @@ if triton is not None:
             tl.store(at, stored)
             if AMAX_OUT:
                 tl.atomic_max(amax_ptr + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
+            if QUANT_OUT:
+                a = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
+                inv = inverse_scale(row_scale(a * MARGIN, min_scale, FP8_MAX_))
+                tl.store(codes_ptr + off, quantize_values(stored.to(tl.float32), inv, FP8_MAX_))
+                tl.atomic_max(amax_ptr + 16 + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
         else:
             tl.store(at, tl.zeros((HEAD_DIM,), out_ptr.dtype.element_ty))
+            if QUANT_OUT:
+                tl.store(codes_ptr + off, tl.zeros((HEAD_DIM,), tl.float8e4nv))
 
 
     @triton.jit
@@ -433,7 +450,8 @@ def decode_attention(
     live: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
     rows: int | None = None,
-) -> torch.Tensor:
+    delayed_out=None,
+):
     """Write this step's keys/values into the cache and attend over each row's key range.
 
     Row ``i`` uses cache slot ``i`` and attends over key positions ``[key_start[i], pos[i]]``
@@ -460,9 +478,13 @@ def decode_attention(
             allocated (unspecified). A computed row's bits do not depend on ``rows`` (every program is
             one row's). Idle rows cost programs even when they exit at once: 16 rows x 4 KV heads x
             64 splits per layer at 4,096 keys.
+        delayed_out: a `stage_ar.fp8_activations.DelayedOut` (no norm weight; ``b <= 16``, not with
+            ``amax_out``) or None: the output rows also as E4M3 codes for a W8A8 o_proj, quantized with
+            delayed scales (opt-in experiment of issue 17).
 
     Returns:
-        ``(b, heads * head_dim)`` attention output in ``q``'s dtype.
+        ``(b, heads * head_dim)`` attention output in ``q``'s dtype; with ``delayed_out``, ``(that,
+        DelayedRows)``.
 
     Raises:
         RuntimeError: triton is not installed (check `available` first).
@@ -481,6 +503,8 @@ def decode_attention(
                          f"{tuple(amax_out.shape)} {amax_out.dtype} on {amax_out.device} for {b} rows")
     if rows is not None and not 1 <= rows <= b:
         raise ValueError(f"rows must be None or 1..{b} (the rows to compute), got {rows}")
+    if delayed_out is not None and (amax_out is not None or delayed_out.norm_weight is not None or b > 16):
+        raise ValueError("delayed_out takes at most 16 rows, no norm weight, and not amax_out")
     computed = b if rows is None else rows
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
@@ -491,6 +515,12 @@ def decode_attention(
     max_splits = triton.next_power_of_2(triton.cdiv(k_cache.shape[2], SPLIT))
     part_acc, part_ml = split_partials(b, kv_heads, n_splits, group_pad, head_dim, q.device)
     out = torch.empty((b, heads * head_dim), device=q.device, dtype=q.dtype)
+    codes, state = None, None
+    if delayed_out is not None:
+        from stage_ar.fp8 import FP8_DTYPE
+
+        codes = torch.empty((b, heads * head_dim), device=q.device, dtype=FP8_DTYPE)
+        state = delayed_out.state[32 * delayed_out.point:]
     pdl = pdl_flag(q.device)
     _split_kernel[(computed, kv_heads, n_splits)](
         q, k_new, v_new, k_cache, v_cache, pos, key_start, pos if live is None else live, part_acc, part_ml,
@@ -503,13 +533,16 @@ def decode_attention(
     )
     _combine_kernel[(computed, kv_heads, group)](
         part_acc, part_ml, out, pos, key_start, pos if live is None else live,
-        amax_out if amax_out is not None else pos, n_splits, out.stride(0),
+        amax_out if amax_out is not None else state if state is not None else pos, n_splits, out.stride(0),
+        codes if codes is not None else out, MIN_ROW_SCALE,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, MAX_SPLITS=max_splits, SPLIT_KEYS=SPLIT,
         CHUNK=merge_chunk(max_splits),
         PDL=pdl, LIVE=live is not None, AMAX_OUT=amax_out is not None, EARLY_LOADS=EARLY_LOADS,
-        **launch_options(pdl),
+        QUANT_OUT=codes is not None, FP8_MAX_=FP8_MAX, MARGIN=DELAYED_MARGIN, **launch_options(pdl),
     )
-    return out
+    if codes is None:
+        return out
+    return out, DelayedRows(codes, delayed_out.state, delayed_out.point, None, 1e-6, q.dtype)
 
 
 #: Query rows (window positions x query heads of one KV head) per split program of `window_attention`.

@@ -125,6 +125,11 @@ class LinearBackend:
         ``rows`` rows (then handed over as `RowsWithAmax`), or None: this backend quantizes nothing there."""
         return None
 
+    def delayed_input(self, consumer: MammothLinear, rows: int, layer: MammothLinear | None) -> DelayedOut | None:
+        """The `stage_ar.fp8_activations.DelayedOut` the attention's combine writes for ``consumer``
+        (o_proj, ``rows`` rows) in ``layer``'s state, or None: this backend quantizes nothing there."""
+        return None
+
     @contextlib.contextmanager
     def rows_computed(self, rows: int | None) -> Iterator[bool]:
         """Within it, the linear calls this backend runs may compute only the first ``rows`` rows of
@@ -297,6 +302,15 @@ class GemvLinear(LinearBackend):
                 and consumer.weight.is_contiguous() and linear.is_fp8 and linear.backend is self
                 and self._delayed(linear.weight_scale) and not linear._forward_hooks
                 and not linear._forward_pre_hooks and 1 <= rows <= self.max_rows)
+
+    def delayed_input(self, consumer, rows, layer):
+        """`LinearBackend.delayed_input`: with ``"delayed"`` (`_delayed`), for an E4M3 ``consumer`` of this
+        backend with a contiguous weight and calls the kernel takes, the attention output point of
+        ``layer``'s state."""
+        if (layer is None or not consumer.is_fp8 or consumer.backend is not self or not consumer.weight.is_contiguous()
+                or not self._delayed(consumer.weight_scale) or not 1 <= rows <= self.max_rows):
+            return None
+        return DelayedOut(delayed_state(layer.weight), DELAYED_POINTS.index("o_input"))
 
     def project_norm_input(self, linear, x, then):
         """`LinearBackend.project_norm_input`; with ``"delayed"`` (`_writes_delayed`) and a residual, one

@@ -205,7 +205,11 @@ class MammothAttention(nn.Module):
             return then.apply(route_experts(ctx.attention.forward(self.layer_idx, q, k, v), self.o_proj,
                                             self.gen_o_proj, routing))
         buffers = None
-        if getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj quantizes
+        if getattr(ctx.attention, "gathers_amax", False):  # W8A8: o_proj's input from the combine
+            delayed = o_proj.backend.delayed_input(o_proj, q.shape[0] * q.shape[1], then.layer)
+            if delayed is not None:  # delayed scales: the combine writes o_proj's codes
+                _, codes = ctx.attention.forward(self.layer_idx, q, k, v, delayed_out=delayed)
+                return o_proj.backend.project_norm_input(o_proj, codes, then)
             buffers = o_proj.backend.input_amax(o_proj, q.shape[0] * q.shape[1])
         if buffers is None:
             return o_proj.backend.project_norm_input(o_proj, ctx.attention.forward(self.layer_idx, q, k, v), then)

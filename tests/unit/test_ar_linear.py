@@ -442,3 +442,46 @@ def test_w8a8_delayed_scales_run_no_quantizer_between_a_layers_gemvs_and_match_p
     bound = (per_row_logits - want).abs().max()
     assert (got - per_row_logits).abs().max() <= 0.02 * bound, ((got - per_row_logits).abs().max(), bound)
     assert (first - per_row_logits).abs().max() > 0.02 * bound  # the saturated first step fails it
+
+
+def test_w8a8_delayed_served_step_runs_one_quantizer_launch(model, tokenizer, monkeypatch):
+    """In the served decode step (`ARModelRunner.launch`, the split-KV Triton attention) under the
+    delayed-scale experiment, the attention's combine writes o_proj's codes too: every layer's o_proj,
+    gate_up and down, and every qkv but the first layer's, read `DelayedRows`, and the step's one
+    quantizer launch is the first layer's input norm (4 per layer before)."""
+    from stage_ar import linear
+    from stage_ar.fp8_activations import DelayedRows
+    from stage_ar.linear import quantize_fp8_
+    from stage_ar.runner import ARModelRunner
+
+    w8a8 = _kernel_copy(model)
+    quantize_fp8_(w8a8.visual_token_linears())
+    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=("rope", "swiglu", "delayed")))
+    calls, in_step = [], []
+    real_gemv, real_quantize, real_launch = gemv_kernels.gemv, linear.quantize_rows, ARModelRunner.launch
+
+    def recording(x, *args, **kwargs):
+        if in_step:
+            calls.append("delayed" if isinstance(x, DelayedRows) else "swiglu" if kwargs.get("swiglu") else "")
+        return real_gemv(x, *args, **kwargs)
+
+    def quantizing(*args, **kwargs):
+        if in_step:
+            calls.append("quantize")
+        return real_quantize(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        in_step.append(True)
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            in_step.clear()
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
+    monkeypatch.setattr(gemv_kernels, "quantize_rows", quantizing)
+    monkeypatch.setattr(linear, "quantize_rows", quantizing)
+    monkeypatch.setattr(ARModelRunner, "launch", step)
+    _decode_together(w8a8, tokenizer, [2])
+    steps = calls.count("quantize")
+    layers = w8a8.config.num_hidden_layers
+    assert steps and calls.count("delayed") == steps * (4 * layers - 1), calls[:40]

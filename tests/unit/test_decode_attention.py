@@ -385,6 +385,36 @@ def test_amax_out_gathers_each_rows_largest_magnitude(da):
         da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, amax_out=amax[:8])
 
 
+def test_delayed_out_writes_o_projs_codes_with_the_rows_delayed_scale(da):
+    """``delayed_out`` (delayed activation scales, `stage_ar.fp8_activations.DelayedOut`): the output bits
+    are the ones without it; the codes are each row's output times ``1 / row_scale(DELAYED_MARGIN * a)``
+    (``a``: the row's amax one step earlier, in the point's state) in E4M3, zeros for idle rows; each
+    live row's largest magnitude is max-ed into the state's gathered half; refused with ``amax_out``."""
+    from stage_ar.fp8 import FP8_DTYPE, FP8_MAX
+    from stage_ar.fp8_activations import DELAYED_MARGIN, MIN_ROW_SCALE, DelayedOut
+
+    q, k_new, v_new, k_cache, v_cache = inputs(torch.float16, b=4, seed=7)
+    pos, start = ids(200, 17, 99, 64), ids(0, 0, 40, 0)
+    live = torch.tensor([True, False, True, True], device=DEVICE)
+    want = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1, live=live)
+    state = torch.zeros(4 * 32, dtype=torch.int32, device=DEVICE)
+    prev = torch.tensor([0.5, 1.0, 0.01, 2.0] + [0.0] * 12, device=DEVICE)
+    state[32:48] = prev.view(torch.int32)  # point 1's scales
+    got, rows = da.decode_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), pos, start, 256, 0.1,
+                                    live=live, delayed_out=DelayedOut(state, 1))
+    assert torch.equal(got, want) and rows.point == 1 and rows.partials is None
+    scales = ((prev[:4].double() * DELAYED_MARGIN) / FP8_MAX).float().clamp_min(MIN_ROW_SCALE)
+    codes = (want.float() * (1.0 / scales.double()).float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert torch.equal(rows.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert rows.codes[2].float().abs().max() == FP8_MAX  # row 2 outgrew its tiny delayed amax: saturated
+    expect = torch.zeros(16, dtype=torch.float32, device=DEVICE)
+    expect[:4] = want.float().abs().amax(dim=1) * live
+    assert torch.equal(state[48:64].view(torch.float32), expect) and not state[:32].any()
+    with pytest.raises(ValueError, match="amax_out"):
+        da.decode_attention(q, k_new, v_new, k_cache, v_cache, pos, start, 256, 0.1, delayed_out=DelayedOut(state, 1),
+                            amax_out=torch.zeros(16, dtype=torch.int32, device=DEVICE))
+
+
 @pytest.mark.parametrize("split", [64, 128])
 def test_early_loads_give_the_bits_of_loads_after_the_wait(da, monkeypatch, split):
     """`EARLY_LOADS` (on by default) loads each row's key range and live flag and each split's first tile of

@@ -67,7 +67,7 @@ GEMV_FORMS = {
 ATTENTION_TYPES = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "k_cache_ptr": "*bf16",
                    "v_cache_ptr": "*bf16", "pos_ptr": "*i64", "start_ptr": "*i64", "live_ptr": "*i1",
                    "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32",
-                   "amax_ptr": "*i32"}
+                   "amax_ptr": "*i32", "codes_ptr": "*fp8e4nv", "min_scale": "fp32"}
 
 
 #: ``(NORM, RESIDUAL)`` of the W8A8 quantizer's forms: alone (o and down inputs), with the first
@@ -117,6 +117,10 @@ def _forms():
     yield "combine_early_loads_merge_chunk_16", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
         GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, AMAX_OUT=True,
         EARLY_LOADS=True, CHUNK=16))
+    # delayed activation scales (opt-in experiment): the combine writes o_proj's codes
+    yield "combine_early_loads_delayed_quantizing", lambda: _compile(attention._combine_kernel, ATTENTION_TYPES, dict(
+        GROUP=7, GROUP_PAD=16, HEAD_DIM=128, MAX_SPLITS=256, SPLIT_KEYS=64, PDL=1, LIVE=True, EARLY_LOADS=True,
+        QUANT_OUT=True))
     for norm, residual in QUANTIZER_FORMS:
         yield f"w8a8_quantizer_norm_{norm}_residual_{residual}", lambda norm=norm, residual=residual: _compile(
             activations._quantize_rows_kernel, {
@@ -167,7 +171,7 @@ def _names() -> list[str]:
     names = [f"gemv_{n}" for n in GEMV_FORMS]
     names += [f"{k}_live_{live}" for live in (True, False) for k in ("split_kv", "combine")]
     names += ["split_kv_early_loads_tiles_1", "split_kv_early_loads_tiles_2", "combine_early_loads",
-              "combine_early_loads_merge_chunk_16"]
+              "combine_early_loads_merge_chunk_16", "combine_early_loads_delayed_quantizing"]
     return names + [f"w8a8_quantizer_norm_{norm}_residual_{residual}" for norm, residual in QUANTIZER_FORMS]
 
 
