@@ -81,7 +81,7 @@ def main(out: str, modes: tuple[str, ...] = ("off", "pdl"), only: tuple[str, ...
     rope = dict(bias=qkv_bias, cos=cos, sin=sin, rope_columns=(28 + 4) * HEAD_DIM)
     state = delayed_state(o_w[0][0])
     state.view(torch.float32).view(4, 2, 16)[:, 0] = 4.0  # a plausible amax for the first step's scales
-    o_codes = DelayedRows(codes_h.codes, state, 0, None, 1e-6, torch.bfloat16)
+    o_codes = DelayedRows(codes_h.codes, state, 0, None, 1e-6, torch.bfloat16, x)
     _, gu_rows = G.gemv(o_codes, o_w[0][0], weight_scale=o_w[0][1], residual=r, delayed_out=DelayedOut(state, 1, nw))
     _, down_rows = G.gemv(gu_rows, gu_w[0][0], weight_scale=gu_w[0][1], swiglu=True, delayed_out=DelayedOut(state, 2))
     _, qkv_rows = G.gemv(down_rows, down_w[0][0], weight_scale=down_w[0][1], residual=r,

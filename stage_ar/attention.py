@@ -155,6 +155,8 @@ class TritonDecodeAttention(_SlotDecode):
 
     #: takes ``amax_out`` (`AttentionBackend`)
     gathers_amax = True
+    #: row ``i`` of the forward is pool slot ``i`` in every step (`stage_ar.modeling_mammoth_ar.rows_are_slots`)
+    rows_are_slots = True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 amax_out: torch.Tensor | None = None, delayed_out=None):

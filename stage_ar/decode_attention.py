@@ -542,7 +542,7 @@ def decode_attention(
     )
     if codes is None:
         return out
-    return out, DelayedRows(codes, delayed_out.state, delayed_out.point, None, 1e-6, q.dtype)
+    return out, DelayedRows(codes, delayed_out.state, delayed_out.point, None, 1e-6, q.dtype, out)
 
 
 #: Query rows (window positions x query heads of one KV head) per split program of `window_attention`.

@@ -289,6 +289,9 @@ class DelayedRows:
         point: index into `DELAYED_POINTS`.
         partials: ``(16, cdiv(K, NORM_GROUP))`` float32 sums of squares of the rows before the norm
             weight, or None (no norm between producer and consumer).
+        values: ``(M, K)`` the rows the codes stand for (before the norm weight), in ``dtype``: a fresh
+            row (`mark_fresh`) is quantized from them by the consumer.
+        norm_weight: ``(K,)`` the norm weight in the codes, or None.
         norm_eps: the norm's epsilon (with ``partials``).
         dtype: the activation dtype the rows stand for.
         view_shape: the rows' logical shape ``(..., K)`` (leading dims multiply to M), or None: ``(M, K)``.
@@ -300,6 +303,8 @@ class DelayedRows:
     partials: torch.Tensor | None
     norm_eps: float
     dtype: torch.dtype
+    values: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
     view_shape: torch.Size | None = None
 
     @property
@@ -308,17 +313,55 @@ class DelayedRows:
         return self.view_shape if self.view_shape is not None else self.codes.shape
 
 
-def delayed_state(owner: torch.Tensor) -> torch.Tensor:
-    """A decoder layer's delayed-scale state: for each of `DELAYED_POINTS`, 16 rows' amax (float32 bits, as
-    int32) that this step's scales come from, then 16 gathered this step; zeros when made (a row's
-    first step is then quantized with `MIN_ROW_SCALE`: every value saturates; the scale follows from
-    the next step on). Kept for the process per ``owner`` (a weight of the layer: CUDA graphs keep the
-    address). A launch with ``roll=`` this state moves the gathered amax to the first half and zeroes
-    the second (`stage_ar.gemv.gemv`), once per step, after every point's consumer has read it."""
-    from stage_ar.arrival import persistent_buffers
+#: Most layer states `delayed_state` hands out per device (each 512 bytes, in one pool tensor).
+MAX_DELAYED_STATES = 4096
+#: A row's amax in a state before its first step (-1.0 as float32 bits): the row is "fresh", and its
+#: consumers quantize it from its values with this step's gathered amax (`mark_fresh`).
+FRESH = -1.0
+_FRESH_BITS = -1082130432  # FRESH's float32 bits as an int32
+_delayed_pools: dict = {}
 
-    floats, _ = persistent_buffers(owner, "w8a8_delayed", len(DELAYED_POINTS) * 32, 1)
-    return floats[:len(DELAYED_POINTS) * 32].view(torch.int32)
+
+def delayed_state(owner: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's delayed-scale state, ``(len(DELAYED_POINTS) * 32,)`` int32: for each point, 16
+    rows' amax (float32 bits) that this step's scales come from, then 16 gathered this step. Every row
+    `FRESH` when made (`mark_fresh`). Kept for the process per ``owner`` (a weight of the layer; CUDA graphs keep
+    the address), in one pool per device so that `mark_fresh` is one operation. A launch with ``roll=``
+    this state moves each row's gathered amax, where it is positive, to the first half and zeroes the
+    second (`stage_ar.gemv.gemv`), once per step, after every point's consumer has read it.
+
+    Raises:
+        RuntimeError: more than `MAX_DELAYED_STATES` owners on the device (a leak, not a model).
+    """
+    per = len(DELAYED_POINTS) * 32
+    pool, index = _delayed_pools.get(owner.device, (None, None))
+    if pool is None:
+        pool = torch.zeros(MAX_DELAYED_STATES * per, dtype=torch.int32, device=owner.device)
+        pool.view(MAX_DELAYED_STATES, len(DELAYED_POINTS), 2, 16)[:, :, 0] = _FRESH_BITS  # every row fresh
+        pool, index = _delayed_pools[owner.device] = (pool, {})
+    key = (owner.data_ptr(), tuple(owner.shape), owner.dtype)
+    if key not in index:
+        if len(index) >= MAX_DELAYED_STATES:
+            raise RuntimeError(f"delayed-scale states for more than {MAX_DELAYED_STATES} layers: a leak, not a model")
+        index[key] = len(index)
+    return pool[index[key] * per:(index[key] + 1) * per]
+
+
+def mark_fresh(rows: slice, device: torch.device) -> None:
+    """Rows ``rows`` (pool slots) start a new request: in every layer state on ``device``, each point's
+    amax of those rows becomes `FRESH` and their gathered amax zero. A fresh row's consumers quantize it
+    from its values with the amax its producer gathers in that step (per-row W8A8's scale), so its first
+    step does not depend on the slot's previous request; the step's roll then keeps that amax for the
+    next (a roll never replaces an amax with a gathered zero, so a row nothing was gathered for, an
+    idle slot, stays fresh, and a fresh row whose gathered amax is zero has only zero codes: consumers
+    take the fresh loop only for rows with a positive amax). A no-op before any state exists (they are
+    made fresh)."""
+    pool, index = _delayed_pools.get(torch.device(device), (None, None))
+    if pool is None or not index:
+        return
+    states = pool[:len(index) * len(DELAYED_POINTS) * 32].view(len(index), len(DELAYED_POINTS), 2, 16)
+    states[:, :, 0, rows] = _FRESH_BITS
+    states[:, :, 1, rows] = 0
 
 
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,

@@ -317,6 +317,36 @@ if triton is not None:
         tl.atomic_max(ds_ptr + 16 + offs_m, row_amax.to(tl.int32, bitcast=True), mask=m_mask)
 
     @triton.jit
+    def _k_dots(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_start, k_hi, K, norm_ptr, inv_rms, x_inv, w_ptr, rows,
+                row_mask, acc, BLOCK_K: tl.constexpr, NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                IEEE: tl.constexpr, FP8_MODE: tl.constexpr):
+        """``acc`` plus the dots of K tiles ``[k_start, k_hi)`` in order (`_x_tile`, `_activation_operand`, `_w_dot`)."""
+        for k0 in range(k_start, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
+            x_t = _activation_operand(x_t, x_inv, FP8_MODE)
+            acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        return acc
+
+    @triton.jit
+    def _fresh_dots(x_ptr, stride_xm, dv_ptr, stride_vm, dvn_ptr, offs_m, m_mask, fresh, fresh_inv, w_ptr, rows,
+                    row_mask, offs_k, k_start, k_hi, K, acc, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    EVEN_N: tl.constexpr, IEEE: tl.constexpr, X_NORM: tl.constexpr):
+        """The K loop of a delayed-scale consumer (``FP8_MODE`` 5) with fresh rows: each activation tile
+        is the codes as loaded, except a fresh row's, quantized here from its values (times the norm
+        weight with ``X_NORM``) with its inverse scale ``fresh_inv`` (`quantize_values`)."""
+        for k0 in range(k_start, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            codes = _x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, x_ptr, fresh_inv, False, EVEN_K)
+            v = tl.load(dv_ptr + offs_m[:, None] * stride_vm + k[None, :], mask=fresh[:, None] & (k < K)[None, :],
+                        other=0.0).to(tl.float32)
+            if X_NORM:
+                v = v * tl.load(dvn_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            x = tl.where(fresh[:, None], quantize_values(v, fresh_inv[:, None], E4M3_MAX), codes)
+            acc = _w_dot(w_ptr, rows, row_mask, k, K, tl.trans(x), acc, EVEN_K, EVEN_N, IEEE, 5)
+        return acc
+
+    @triton.jit
     def _partials_inv_rms(p_ptr, offs_m, m_mask, K, eps, LOG2_PARTS: tl.constexpr):
         """``rsqrt(mean(x²) + eps)`` of the 16 rows from a producer's sums of squares per `NORM_GROUP`
         columns (`_delayed_out`; ``cdiv(K, NORM_GROUP)`` per row, at most ``2^LOG2_PARTS``), added by a
@@ -334,7 +364,7 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, res_ptr, cos_ptr, sin_ptr, out_ptr, xs_ptr, ws_ptr,
         cnt_ptr, amax_ptr, amax_cnt_ptr, M, N, K, stride_xm, stride_rm, stride_cm, stride_om, eps, min_scale, ROPE_N,
-        dq_ptr, ds_ptr, dnw_ptr, dpo_ptr, dpi_ptr, roll_ptr, stride_qm,
+        dq_ptr, ds_ptr, dnw_ptr, dpo_ptr, dpi_ptr, roll_ptr, stride_qm, dv_ptr, dvn_ptr, stride_vm,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
@@ -373,9 +403,13 @@ if triton is not None:
         Delayed activation scales (`stage_ar.fp8_activations.DelayedRows`, opt-in): ``FP8_MODE`` 5 reads
         E4M3 codes as 3 does, with row scales from the point state at ``amax_ptr``
         (`delayed_row_scale`), times each row's inverse RMS from the producer's partial sums of squares
-        at ``dpi_ptr`` with ``X_NORM``; ``QUANT_OUT`` 1 / 2 writes such codes for the next GEMV
-        (`_delayed_out`); ``ROLL``: program 0 moves each point's gathered amax in the layer state at
-        ``roll_ptr`` to the half the next step's scales read, and zeroes the gathered half."""
+        at ``dpi_ptr`` with ``X_NORM``; a fresh row (its state amax negative:
+        `stage_ar.fp8_activations.mark_fresh`) is instead quantized here from its values at ``dv_ptr``
+        (times the norm weight at ``dvn_ptr`` with ``X_NORM``) with the amax its producer gathered this
+        step (`_fresh_dots`; only launches with a fresh row take that loop). ``QUANT_OUT`` 1 / 2 writes
+        such codes for the next GEMV (`_delayed_out`); ``ROLL``: program 0 moves each point's gathered
+        amax in the layer state at ``roll_ptr``, where positive, to the half the next step's scales
+        read, and zeroes the gathered half."""
         PAIRED: tl.constexpr = SWIGLU | ROPE  # a tile of BLOCK_N / 2 pairs
         pid_n = tl.program_id(0)
         if PAIRED:
@@ -412,7 +446,9 @@ if triton is not None:
             if (pid_n == 0) & (tl.program_id(1) == 0):
                 i = tl.arange(0, DELAYED_STATE_ROWS)
                 gathered = roll_ptr + (i // 16) * 32 + 16 + i % 16
-                tl.store(roll_ptr + (i // 16) * 32 + i % 16, tl.load(gathered))
+                now = tl.load(gathered)
+                kept = roll_ptr + (i // 16) * 32 + i % 16
+                tl.store(kept, tl.where(now > 0, now, tl.load(kept)))  # a zero (no row there) keeps FRESH
                 tl.store(gathered, tl.zeros((DELAYED_STATE_ROWS,), tl.int32))
         x_scale = tl.zeros((16,), tl.float32)  # W8A8's activation row scales (unused otherwise)
         x_inv = x_scale  # FP8_MODE 4: their inverses, what the prologue multiplies by
@@ -422,8 +458,14 @@ if triton is not None:
             amax = tl.load(amax_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
             x_scale = row_scale(amax, min_scale, E4M3_MAX)
             x_inv = inverse_scale(x_scale)
+        fresh = m_mask & False
+        fresh_scale = x_scale
         if FP8_MODE == 5:
             x_scale = delayed_row_scale(amax_ptr, offs_m, m_mask, min_scale, E4M3_MAX, DELAYED_MARGIN_)
+            gathered = tl.load(amax_ptr + 16 + offs_m, mask=m_mask, other=0)
+            fresh = m_mask & (tl.load(amax_ptr + offs_m, mask=m_mask, other=0) < 0) & (gathered > 0)
+            fresh_scale = row_scale(gathered.to(tl.float32, bitcast=True), min_scale, E4M3_MAX)
+            x_scale = tl.where(fresh, fresh_scale, x_scale)
             if X_NORM:
                 x_scale = x_scale * _partials_inv_rms(dpi_ptr, offs_m, m_mask, K, eps, LOG2_PARTS)
         inv_rms = tl.zeros((16,), tl.float32)
@@ -445,11 +487,17 @@ if triton is not None:
             acc = _preloaded_dot(w_third, x_ptr, stride_xm, offs_m, m_mask, k_start, k_hi, K, norm_ptr, inv_rms,
                                  x_inv, acc, BLOCK_K, NORM, EVEN_K, IEEE, FP8_MODE)
             k_start += BLOCK_K
-        for k0 in range(k_start, k_hi, BLOCK_K):
-            k = k0 + offs_k
-            x_t = tl.trans(_x_tile(x_ptr, stride_xm, offs_m, m_mask, k, K, norm_ptr, inv_rms, NORM, EVEN_K))
-            x_t = _activation_operand(x_t, x_inv, FP8_MODE)
-            acc = _w_dot(w_ptr, rows, row_mask, k, K, x_t, acc, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        if FP8_MODE == 5:
+            if tl.max(fresh.to(tl.int32), axis=0) > 0:  # a row starting its request: its own loop
+                acc = _fresh_dots(x_ptr, stride_xm, dv_ptr, stride_vm, dvn_ptr, offs_m, m_mask, fresh,
+                                  inverse_scale(fresh_scale), w_ptr, rows, row_mask, offs_k, k_start, k_hi, K, acc,
+                                  BLOCK_K, EVEN_K, EVEN_N, IEEE, X_NORM)
+            else:
+                acc = _k_dots(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_start, k_hi, K, norm_ptr, inv_rms, x_inv,
+                              w_ptr, rows, row_mask, acc, BLOCK_K, NORM, EVEN_K, EVEN_N, IEEE, FP8_MODE)
+        else:
+            acc = _k_dots(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_start, k_hi, K, norm_ptr, inv_rms, x_inv, w_ptr,
+                          rows, row_mask, acc, BLOCK_K, NORM, EVEN_K, EVEN_N, IEEE, FP8_MODE)
         if SPLIT_K > 1:
             # partials: (SPLIT_K, tile rows of the grid, 16) float32; this program's tile
             ntile = tl.num_programs(0) * BLOCK_N
@@ -703,7 +751,7 @@ def gemv(
             expect_tensor("delayed_out.norm_weight", delayed_out.norm_weight, (n,), dtype, x.device)
         delayed = DelayedRows(torch.empty((x.shape[0], n), dtype=FP8_DTYPE, device=x.device), delayed_out.state,
                               delayed_out.point, torch.empty((MAX_ROWS, parts), dtype=torch.float32, device=x.device)
-                              if parts else None, delayed_out.norm_eps, dtype)
+                              if parts else None, delayed_out.norm_eps, dtype, full, delayed_out.norm_weight)
     if rows is not None and rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}")
     codes_out = delayed.codes if delayed is not None else None
@@ -751,6 +799,10 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     if delayed_in is not None:  # FP8_MODE 5: the point's state (first 16 entries) where FP8_MODE 4 has its amax
         amax = delayed_in.state[32 * delayed_in.point:]
         x_scales = None
+        if delayed_in.values is None or (delayed_in.partials is None) != (delayed_in.norm_weight is None):
+            raise ValueError("DelayedRows need their values, and a norm weight exactly where they carry partials")
+        if preload_tiles():
+            raise ValueError("DelayedRows do not take preloaded weight tiles (launch_overlap.PRELOAD_TILES)")
     partials_in = delayed_in.partials if delayed_in is not None else None
     autotuned = config is None and not INTERPRETED
     c = config or INTERPRETER_CONFIG
@@ -763,6 +815,9 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
         _or(delayed_out.norm_weight if delayed_out is not None else None, out),
         _or(delayed_rows.partials if delayed_rows is not None else None, out), _or(partials_in, out),
         _or(roll, counters), codes_out.stride(0) if codes_out is not None else 0,
+        _or(delayed_in.values if delayed_in is not None else None, out),
+        _or(delayed_in.norm_weight if delayed_in is not None else None, out),
+        delayed_in.values.stride(0) if delayed_in is not None and delayed_in.values is not None else 0,
     )
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
@@ -852,7 +907,7 @@ def compile_ahead(x_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, k:
         torch.int32 if split > 1 else x_dtype, MAX_ROWS, n, k, k,
         n if residual else 0, rope_head_dim, n, 1e-6, MIN_ROW_SCALE,
         rope_head_dim and n // 2, x_dtype, torch.int32 if split > 1 else x_dtype, x_dtype, x_dtype, x_dtype,
-        torch.int32 if split > 1 else x_dtype, 0,
+        torch.int32 if split > 1 else x_dtype, 0, x_dtype, x_dtype, 0,
         grid=(1,), BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0, NORM=norm, FP8=fp8,
         HAS_BIAS=bias, SWIGLU=swiglu, RESIDUAL=residual, IEEE=x_dtype == torch.float32 and not w8a8,

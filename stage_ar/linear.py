@@ -80,7 +80,8 @@ class PreNorm:
         ops: the norm's kernels (`stage_ar.layers.PointwiseOps`).
         consumer: the one projection that reads the normalised rows, or None (tokens split between experts).
         layer: the qkv projection of the layer whose state holds the delayed activation scales of the
-            rows (`stage_ar.fp8_activations.delayed_state`: the projection that rolls it), or None.
+            rows (`stage_ar.fp8_activations.delayed_state`: the projection that rolls it), or None (the
+            forward's rows are not pool slots: a prefill, the reference path).
         after: ``"attention"`` (the post-attention norm, after o_proj) or ``"mlp"`` (the next layer's
             input norm, after down_proj): which of the layer's `stage_ar.fp8_activations.DELAYED_POINTS`
             the rows are.
@@ -154,10 +155,12 @@ class LinearBackend:
 
     def rope_qkv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                 kv_heads: int, rope: Callable = rope_qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 kv_heads: int, rope: Callable = rope_qkv,
+                 rows_are_slots: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``rope(linear(x), cos, sin, heads, kv_heads)`` for a fused qkv ``weight ((heads + 2 kv_heads)
         d, K)``: ``x (B, T, K)``, ``cos``/``sin`` ``(B, T, d)`` -> q ``(B, T, heads, d)``, k, v ``(B, T,
-        kv_heads, d)`` (`stage_ar.layers.rope_qkv` or its compiled version)."""
+        kv_heads, d)`` (`stage_ar.layers.rope_qkv` or its compiled version); ``rows_are_slots``:
+        `MammothLinear.forward_rope_qkv`'s."""
         return rope(self(x, weight, bias, weight_scale), cos, sin, heads, kv_heads)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -269,15 +272,18 @@ class GemvLinear(LinearBackend):
         out = self._gemv(flat, weight, bias, weight_scale, swiglu=True)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def rope_qkv(self, x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope=rope_qkv):
+    def rope_qkv(self, x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope=rope_qkv,
+                 rows_are_slots=False):
         """`LinearBackend.rope_qkv`; with ``"rope"`` fused one RoPE-epilogue launch (q and k heads
-        rotated, v passed through) where the kernel takes the call; q, k, v are views of its output."""
+        rotated, v passed through) where the kernel takes the call; q, k, v are views of its output.
+        With ``"delayed"`` in a decode step whose rows are slots, the launch also rolls the layer's
+        delayed-scale state."""
         flat = self._kernel_rows(x, weight) if "rope" in self.fuse_epilogues else None
         if flat is None:
-            return super().rope_qkv(x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope)
+            return super().rope_qkv(x, weight, bias, weight_scale, cos, sin, heads, kv_heads, rope, rows_are_slots)
         d = cos.shape[-1]
         rows = flat.shape[0]
-        roll = delayed_state(weight) if self._delayed(weight_scale) else None
+        roll = delayed_state(weight) if rows_are_slots and self._delayed(weight_scale) else None
         out = self._gemv(flat, weight, bias, weight_scale, cos=cos.reshape(rows, d).contiguous(),
                          sin=sin.reshape(rows, d).contiguous(), rope_columns=(heads + kv_heads) * d, roll=roll)
         return split_qkv(out.view(*x.shape[:-1], out.shape[-1]), heads, kv_heads)
@@ -472,12 +478,15 @@ class MammothLinear(nn.Linear):
         return self.backend.swiglu(x, self.weight, self.bias, self.weight_scale, act)
 
     def forward_rope_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                         rope: Callable = rope_qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         rope: Callable = rope_qkv, rows_are_slots: bool = False,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of this fused qkv layer, q and k rotated: ``rope(self(x), cos, sin, heads,
         kv_heads)`` (`LinearBackend.rope_qkv`; ``x (B, T, in_features)``, ``cos``/``sin`` ``(B, T, d)``
         in ``x.dtype``; ``rope``: `stage_ar.layers.rope_qkv` or its compiled version). Calls the
-        backend directly (no ``nn.Module`` hooks)."""
-        return self.backend.rope_qkv(x, self.weight, self.bias, self.weight_scale, cos, sin, heads, kv_heads, rope)
+        backend directly (no ``nn.Module`` hooks). ``rows_are_slots``: the forward is a decode step
+        whose rows are pool slots (the delayed activation scales' state rows may advance)."""
+        return self.backend.rope_qkv(x, self.weight, self.bias, self.weight_scale, cos, sin, heads, kv_heads, rope,
+                                     rows_are_slots)
 
     def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Only output rows ``[start, end)`` (e.g. the head's visual codes): ``(..., end - start)``."""

@@ -153,6 +153,13 @@ class ForwardContext:
     ops: PointwiseOps = EAGER_OPS
 
 
+def rows_are_slots(ctx: ForwardContext) -> bool:
+    """Whether the forward is a decode step whose rows are the pool's slots (the attention backend says
+    so: `stage_ar.attention.TritonDecodeAttention`), the only forward where per-row state kept across
+    steps (delayed activation scales) may be read and advanced."""
+    return bool(getattr(ctx.attention, "rows_are_slots", False))
+
+
 class MammothAttention(nn.Module):
     """Causal GQA self-attention with optional generation-expert projections.
 
@@ -196,7 +203,8 @@ class MammothAttention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_key_value_heads
         qkv_proj = self.input_projection(ctx.routing)
         if qkv_proj is not None:  # one projection for every token: RoPE may run in its epilogue
-            q, k, v = qkv_proj.forward_rope_qkv(hidden_states, ctx.cos, ctx.sin, heads, kv_heads, ctx.ops.rope_qkv)
+            q, k, v = qkv_proj.forward_rope_qkv(hidden_states, ctx.cos, ctx.sin, heads, kv_heads, ctx.ops.rope_qkv,
+                                                rows_are_slots(ctx))
         else:
             qkv = route_experts(hidden_states, self.qkv_proj, self.gen_qkv_proj, routing)
             q, k, v = ctx.ops.rope_qkv(qkv, ctx.cos, ctx.sin, heads, kv_heads)
@@ -244,17 +252,18 @@ class MammothDecoderLayer(nn.Module):
         through it likewise. ``normalised``: ``hidden_states`` are such rows from the layer before, so
         this layer's input norm is skipped."""
         qkv_proj = self.self_attn.input_projection(ctx.routing)
+        state = qkv_proj if rows_are_slots(ctx) else None  # delayed activation scales live per slot
         if not normalised:
             hidden_states, residual = norm_input(self.input_layernorm, hidden_states, residual, ctx.ops, qkv_proj)
         routing = ctx.routing if self.gen_mlp is not None else None
         mlp = single_expert(self.mlp, self.gen_mlp, routing)
         hidden_states, residual = self.self_attn(hidden_states, ctx, PreNorm(
             self.post_attention_layernorm, residual, ctx.ops, mlp.gate_up_proj if mlp is not None else None,
-            qkv_proj, "attention"))
+            state, "attention"))
         if following is None:
             return route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops), residual
         then = PreNorm(following.input_layernorm, residual, ctx.ops,
-                       following.self_attn.input_projection(ctx.routing), qkv_proj, "mlp")
+                       following.self_attn.input_projection(ctx.routing), state, "mlp")
         if mlp is not None:
             return mlp(hidden_states, ctx.ops, then)
         return then.apply(route_experts(hidden_states, self.mlp, self.gen_mlp, routing, ctx.ops))

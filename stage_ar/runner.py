@@ -49,6 +49,7 @@ import torch
 
 from mammoth_core.cuda_streams import side_stream
 from stage_ar.attention import GEMMDecodeAttention, TritonDecodeAttention
+from stage_ar.fp8_activations import mark_fresh
 from stage_ar.generation import T2ISequence
 from stage_ar.jacobi import JacobiVerifier, WindowResult
 from stage_ar.kv_pool import KVCache, KVPool
@@ -375,6 +376,7 @@ class ARModelRunner:
         self.rope_off[span] = torch.tensor(seq.position_offsets, dtype=torch.long).to(self.device)
         self.key_start[span] = torch.tensor(seq.key_starts, dtype=torch.long).to(self.device)
         self.active[span] = True
+        mark_fresh(span, self.device)  # delayed activation scales (opt-in W8A8 experiment): no amax of the slot's last request
         state = seq.sampling_state
         state.copy_into(self.sampling, first)
         self._slots[first] = _Slot(key, seq, first, count, steps_done=g0, needs_sort=state.needs_sort)

@@ -77,7 +77,7 @@ def test_delayed_scales_chain_gives_the_bits_of_the_w8a8_launch_on_the_same_code
         _point(state, point, 0).copy_(prev.to(DEVICE) * (point + 1))
     config = gemv.GemvConfig(64, 4, 3)
     codes_o, scales_o = _codes(attn, _scales(_point(state, 0, 0)[:rows])[1]), _scales(_point(state, 0, 0)[:rows])[0]
-    o_in = DelayedRows(codes_o, state, 0, None, 1e-6, dtype)
+    o_in = DelayedRows(codes_o, state, 0, None, 1e-6, dtype, attn)
 
     summed, gu_in = gemv.gemv(o_in, w_o, weight_scale=s_o, residual=residual, config=config,
                               delayed_out=DelayedOut(state, 1, nw, 1e-6))
@@ -131,7 +131,7 @@ def test_a_row_alone_gets_its_bits_among_sixteen(gemv):
         if lo:
             for point in range(4):
                 _point(state, point, 0)[0] = _point(state, point, 0)[lo].clone()
-        summed, gu_in = gemv.gemv(DelayedRows(codes, state, 0, None, 1e-6, dtype), w_o, weight_scale=s_o,
+        summed, gu_in = gemv.gemv(DelayedRows(codes, state, 0, None, 1e-6, dtype, attn[lo:hi]), w_o, weight_scale=s_o,
                                   residual=residual[lo:hi], config=config, delayed_out=DelayedOut(state, 1, nw))
         hidden = gemv.gemv(gu_in, w_gu, weight_scale=s_gu, swiglu=True, config=config)
         return summed, hidden, gu_in.codes
@@ -195,7 +195,7 @@ def test_delayed_forms_refuse_what_they_cannot_take(gemv):
     w, s = _fp8(48, H, g, dtype)
     x = torch.randn(2, H, generator=g).to(dtype).to(DEVICE)
     state = delayed_state(w)
-    rows = DelayedRows(torch.zeros(2, H, device=DEVICE).to(w.dtype), state, 0, None, 1e-6, dtype)
+    rows = DelayedRows(torch.zeros(2, H, device=DEVICE).to(w.dtype), state, 0, None, 1e-6, dtype, x)
     with pytest.raises(ValueError, match="E4M3 weights"):
         gemv.gemv(rows, w.to(dtype))
     with pytest.raises(ValueError, match="no norm_weight"):
@@ -207,3 +207,60 @@ def test_delayed_forms_refuse_what_they_cannot_take(gemv):
     with pytest.raises(ValueError, match="norm_weight"):
         gemv.gemv(x, w, weight_scale=s, fp8_compute="fp8", delayed_out=DelayedOut(state, 1, torch.ones(H, dtype=dtype,
                                                                                                           device=DEVICE)))
+
+
+def test_a_fresh_row_is_quantized_by_its_consumer_with_this_steps_amax(gemv):
+    """A row starting its request (`mark_fresh`: its state amax `FRESH`) has no amax of its own from a
+    step before: its consumer quantizes it from its values with the amax the producer gathered in this
+    step, i.e. per-row W8A8's codes and scale. o_proj on a fresh row gives the bits of the W8A8 launch on
+    `quantize_rows`' codes (the other rows, not fresh, keep their delayed codes' bits), and gate_up on
+    o_proj's fresh output matches the launch on the per-row codes of the normalised rows. The roll then
+    keeps this step's amax for the next step (and `FRESH` where nothing was gathered)."""
+    from stage_ar.fp8 import FP8_DTYPE
+    from stage_ar.fp8_activations import FRESH, DelayedOut, DelayedRows, QuantizedRows, delayed_state, mark_fresh
+    from stage_ar.gemv_reference import quantize_rows_reference
+
+    dtype = torch.float16 if gemv.INTERPRETED else torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    w_o, s_o = _fp8(H, 64, g, dtype)
+    w_gu, s_gu = _fp8(2 * INNER, H, g, dtype)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype).to(DEVICE)
+    residual = (3 * torch.randn(4, H, generator=g)).to(dtype).to(DEVICE)
+    attn = torch.randn(4, 64, generator=g).to(dtype).to(DEVICE)
+    state = delayed_state(w_o)
+    state.zero_()
+    for point in range(4):
+        _point(state, point, 0)[:4] = torch.tensor([0.5, 1.0, 2.0, 4.0], device=DEVICE)
+    mark_fresh(slice(1, 3), torch.device(DEVICE))  # rows 1 and 2 start a request
+    fresh_bits = torch.tensor(FRESH).view(torch.int32).item()
+    assert (state.view(4, 2, 16)[:, 0, 1:3] == fresh_bits).all() and not state.view(4, 2, 16)[:, 1].any()
+    _point(state, 0, 1)[:4] = attn.float().abs().amax(dim=1)  # what the combine gathers this step
+    config = gemv.GemvConfig(64, 4, 3)
+    _, inverses = _scales(_point(state, 0, 0)[:4])
+    codes = _codes(attn, inverses)  # the combine's delayed codes (fresh rows' saturated: replaced below)
+    summed, gu_in = gemv.gemv(DelayedRows(codes, state, 0, None, 1e-6, dtype, attn), w_o, weight_scale=s_o,
+                              residual=residual, config=config, delayed_out=DelayedOut(state, 1, nw))
+    ref_codes, ref_scales = quantize_rows_reference(attn)
+    mixed_codes = torch.where(torch.tensor([False, True, True, False], device=DEVICE)[:, None],
+                              ref_codes.view(torch.uint8), codes.view(torch.uint8)).view(FP8_DTYPE)
+    delayed_scales = _scales(_point(state, 0, 0)[:4])[0]
+    mixed_scales = torch.where(torch.tensor([False, True, True, False], device=DEVICE), ref_scales, delayed_scales)
+    want = gemv.gemv(QuantizedRows(mixed_codes, mixed_scales, dtype, attn.shape), w_o, weight_scale=s_o,
+                     residual=residual, config=config)
+    assert torch.equal(summed, want)
+
+    hidden = gemv.gemv(gu_in, w_gu, weight_scale=s_gu, swiglu=True, config=config)
+    normed = summed.float() * nw.float()
+    inv_rms = torch.rsqrt(gu_in.partials[:4].sum(dim=1) / H + 1e-6)
+    ref_codes, ref_scales = quantize_rows_reference(normed)
+    assert torch.equal(_point(state, 1, 1)[:4], normed.abs().amax(dim=1))
+    want = gemv.gemv(QuantizedRows(ref_codes, ref_scales * inv_rms, dtype, normed.shape), w_gu, weight_scale=s_gu,
+                     swiglu=True, config=config)
+    torch.testing.assert_close(hidden[1:3].float(), want[1:3].float(), rtol=2e-3, atol=2e-3)
+
+    x = torch.randn(4, H, generator=g).to(dtype).to(DEVICE)
+    gemv.gemv(x, w_gu[:48], weight_scale=s_gu[:48], fp8_compute="fp8", config=config, roll=state)  # the next qkv
+    kept = state.view(4, 2, 16)
+    assert torch.equal(kept[1, 0, :4].view(torch.float32), normed.abs().amax(dim=1))  # gathered -> kept
+    assert (kept[2, 0, 1:3] == fresh_bits).all()  # nothing gathered at down's point: still fresh
+    assert not kept[:, 1].any()
