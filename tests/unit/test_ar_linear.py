@@ -339,26 +339,11 @@ def test_w8a8_layer_folds_its_norms_and_the_mlp_quantizer_with_the_same_bits(mod
     assert torch.equal(rows, want_rows) and torch.equal(logits, want_logits)
 
 
-def test_w8a8_served_step_quantizes_o_and_down_inputs_in_their_gemvs(model, tokenizer, monkeypatch):
-    """In the served decode step (`ARModelRunner.launch`, the split-KV Triton attention) under W8A8,
-    every layer's ``o_proj`` and ``down_proj`` take `RowsWithAmax` (the attention's combine and the
-    SwiGLU GEMV gathered the rows' amax; the GEMV quantizes in its prologue: no quantizer launch),
-    and the decoded rows are bit for bit those of the same steps with those two quantizer launches
-    run apart."""
-    from stage_ar.fp8_activations import RowsWithAmax
-    from stage_ar.linear import LinearBackend, quantize_fp8_
+def _served_steps(monkeypatch) -> list:
+    """A list that is non-empty exactly while `ARModelRunner.launch` runs (a served step), for recorders."""
     from stage_ar.runner import ARModelRunner
 
-    w8a8 = _kernel_copy(model)
-    quantize_fp8_(w8a8.visual_token_linears())
-    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=True))
-    calls, in_step = [], []
-    real_gemv, real_launch = gemv_kernels.gemv, ARModelRunner.launch
-
-    def recording(x, *args, **kwargs):
-        if in_step:
-            calls.append("amax_in" if isinstance(x, RowsWithAmax) else "swiglu" if kwargs.get("swiglu") else "")
-        return real_gemv(x, *args, **kwargs)
+    in_step, real_launch = [], ARModelRunner.launch
 
     def step(self, *args, **kwargs):
         in_step.append(True)
@@ -367,8 +352,31 @@ def test_w8a8_served_step_quantizes_o_and_down_inputs_in_their_gemvs(model, toke
         finally:
             in_step.clear()
 
-    monkeypatch.setattr(gemv_kernels, "gemv", recording)
     monkeypatch.setattr(ARModelRunner, "launch", step)
+    return in_step
+
+
+def test_w8a8_served_step_quantizes_o_and_down_inputs_in_their_gemvs(model, tokenizer, monkeypatch):
+    """In the served decode step (`ARModelRunner.launch`, the split-KV Triton attention) under W8A8,
+    every layer's ``o_proj`` and ``down_proj`` take `RowsWithAmax` (the attention's combine and the
+    SwiGLU GEMV gathered the rows' amax; the GEMV quantizes in its prologue: no quantizer launch),
+    and the decoded rows are bit for bit those of the same steps with those two quantizer launches
+    run apart."""
+    from stage_ar.fp8_activations import RowsWithAmax
+    from stage_ar.linear import LinearBackend, quantize_fp8_
+
+    w8a8 = _kernel_copy(model)
+    quantize_fp8_(w8a8.visual_token_linears())
+    set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=True))
+    calls, in_step = [], _served_steps(monkeypatch)
+    real_gemv = gemv_kernels.gemv
+
+    def recording(x, *args, **kwargs):
+        if in_step:
+            calls.append("amax_in" if isinstance(x, RowsWithAmax) else "swiglu" if kwargs.get("swiglu") else "")
+        return real_gemv(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", recording)
     fused = _decode_together(w8a8, tokenizer, [2])[2]
     layers = calls.count("swiglu")
     assert layers and calls.count("amax_in") == 2 * layers  # o_proj and down_proj of every layer of every step
@@ -419,13 +427,12 @@ def test_w8a8_delayed_served_step_runs_one_quantizer_launch(model, tokenizer, mo
     from stage_ar import linear
     from stage_ar.fp8_activations import DelayedRows
     from stage_ar.linear import quantize_fp8_
-    from stage_ar.runner import ARModelRunner
 
     w8a8 = _kernel_copy(model)
     quantize_fp8_(w8a8.visual_token_linears())
     set_linear_backend(w8a8, GemvLinear(TEST_CONFIG, fp8_compute="fp8", fuse_epilogues=("rope", "swiglu", "delayed")))
-    calls, in_step = [], []
-    real_gemv, real_quantize, real_launch = gemv_kernels.gemv, linear.quantize_rows, ARModelRunner.launch
+    calls, in_step = [], _served_steps(monkeypatch)
+    real_gemv, real_quantize = gemv_kernels.gemv, linear.quantize_rows
 
     def recording(x, *args, **kwargs):
         if in_step:
@@ -437,17 +444,9 @@ def test_w8a8_delayed_served_step_runs_one_quantizer_launch(model, tokenizer, mo
             calls.append("quantize")
         return real_quantize(*args, **kwargs)
 
-    def step(self, *args, **kwargs):
-        in_step.append(True)
-        try:
-            return real_launch(self, *args, **kwargs)
-        finally:
-            in_step.clear()
-
     monkeypatch.setattr(gemv_kernels, "gemv", recording)
     monkeypatch.setattr(gemv_kernels, "quantize_rows", quantizing)
     monkeypatch.setattr(linear, "quantize_rows", quantizing)
-    monkeypatch.setattr(ARModelRunner, "launch", step)
     rows = _decode_together(w8a8, tokenizer, [2])[2]
     steps = calls.count("quantize")
     layers = w8a8.config.num_hidden_layers
