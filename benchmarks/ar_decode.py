@@ -27,7 +27,9 @@ Sections (each printed as it finishes; a table last; everything in ``ar_decode.j
    per output channel): batch 1 and 8 with the default GEMV (float16 products, `stage_ar.gemv`);
    the deviation from bf16 over a greedy image forced in one forward (prefill numerics: cuBLAS on
    widened codes) and over its first `DECODE_CHECK_STEPS` positions one token per forward (the
-   decode path's GEMV numerics); ``--fp8-w8a8`` also W8A8's decode deviation and timings;
+   decode path's GEMV numerics); ``--fp8-w8a8`` also W8A8's decode deviation and timings, and
+   ``--fp8-delayed`` W8A8 with delayed activation scales beside it (deviation teacher-forced through
+   the served step, where that form's state lives: `served_decode_rows`; timings);
 7. served: a real ``mammoth ar`` process on a Preview-size random checkpoint (`benchmarks/ar_served.py`,
    written once to --ckpt-dir), 10 requests of a 32x32 grid one after another: ms/token, first
    vs tenth request latency (``--served-fp8`` also with ``--weights-dtype fp8``, and with ``--fp8-w8a8``
@@ -327,11 +329,15 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return h.float(), model.compute_logits(h, VSTART, VEND).argmax(-1)
 
 
-def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID, w8a8: bool = False) -> None:
+def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID, w8a8: bool = False,
+                delayed: bool = False) -> None:
     """Section 6: a greedy bf16 ``grid`` x ``grid`` image, then the visual-token weights converted to
     FP8 in place; the same ids forced through both (relative hidden-state error and argmax agreement
     over the image's positions), then timed (the model stays FP8). ``w8a8``: then the same deviation
-    and timings with the GEMV backend's ``fp8_compute="fp8"`` (W8A8, ``fp8_w8a8_*``)."""
+    and timings with the GEMV backend's ``fp8_compute="fp8"`` (W8A8, ``fp8_w8a8_*``). ``delayed`` (with
+    ``w8a8``): W8A8 with delayed activation scales (`stage_ar.linear.GemvLinear`'s ``"delayed"``), whose
+    state lives only in the served step: per-row W8A8 and it teacher-forced through the served step
+    (`served_decode_rows`) against bf16 through the same, and it timed (``fp8_w8a8_delayed_*``)."""
     engine = make_engine(model, 1, len(PROMPT) + grid * (grid + 1) + 1, pad_to_max_bucket=True)  # 2 graphs
     sink = drive(engine, {0: [job("fp8-ref", grid, grid, 0, temperature=0.0)]})["fp8-ref"]
     del engine
@@ -342,6 +348,8 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
     # whole image above runs cuBLAS on widened codes in both modes)
     forced = torch.tensor(ids[: n + DECODE_CHECK_STEPS], device="cuda")[None]
     d16, c16 = decode_rows(model, forced, n)
+    if delayed:
+        s16 = served_decode_rows(model, forced, n, grid, (EOL, VSTART, VEND))
     quantize_fp8_(model.visual_token_linears())
     torch.cuda.empty_cache()
     h8, a8 = _teacher_forced(model, ids)
@@ -357,7 +365,18 @@ def fp8_timings(model, res: dict, steps: int, save=None, grid: int = TIMING_GRID
         set_linear_backend(model, GemvLinear(fp8_compute="fp8"))
         res["fp8_w8a8_decode_vs_bf16"] = _decode_deviation(*decode_rows(model, forced, n), d16, c16)
         print("W8A8 vs bf16, decode path:", res["fp8_w8a8_decode_vs_bf16"], flush=True)
+        if delayed:
+            res["fp8_w8a8_served_vs_bf16"] = _decode_deviation(
+                *served_decode_rows(model, forced, n, grid, (EOL, VSTART, VEND)), *s16)
+            print("W8A8 vs bf16, served step:", res["fp8_w8a8_served_vs_bf16"], flush=True)
         time_variant(model, res, "fp8_w8a8", {}, (1, 8), steps, save=save)
+    if w8a8 and delayed:
+        set_linear_backend(model, GemvLinear(fp8_compute="fp8", fuse_epilogues=("rope", "swiglu", "delayed")))
+        res["fp8_w8a8_delayed_served_vs_bf16"] = _decode_deviation(
+            *served_decode_rows(model, forced, n, grid, (EOL, VSTART, VEND)), *s16)
+        print("W8A8 delayed scales vs bf16, served step:", res["fp8_w8a8_delayed_served_vs_bf16"], flush=True)
+        time_variant(model, res, "fp8_w8a8_delayed", {}, (1, 8), steps, mid_image=True, save=save)
+        set_linear_backend(model, GemvLinear(fp8_compute="fp8"))
 
 
 #: Grid positions the decode-path deviation forces one token per forward (`decode_rows`).
@@ -379,6 +398,42 @@ def decode_rows(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, t
                       compute_logits=False).last_hidden_state[0]
             rows.append(h.float())
             codes.append(model.compute_logits(h, cfg.gen_vocab_start_index).argmax(-1))
+    return torch.cat(rows), torch.cat(codes)
+
+
+def served_decode_rows(model, ids: torch.Tensor, prefill: int, grid: int,
+                       grid_ids: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced decode of ``ids (1, T)`` through the served step (`stage_ar.runner.ARModelRunner`:
+    one pool slot, the split-KV Triton attention, eager steps): ``prefill`` ids prefilled, then each
+    step fed the next forced id (written over the slot's next token before the step launches) for
+    ``T - prefill`` steps of a ``grid`` x ``grid`` image (``grid_ids``: EOL, first and end visual id).
+    Returns float32 hidden rows ``(T - prefill, H)`` and each row's argmax visual code (ids
+    ``[first, end)``, as `decode_rows`' over the generation vocabulary when ``first`` is its start)."""
+    from stage_ar.runner import ARModelRunner
+
+    eol, vstart, vend = grid_ids
+    steps = ids.shape[1] - prefill
+    params = GridConstrainedSampler(grid, grid, eol, vstart, vend, 0.0, None, 1.0, torch.Generator().manual_seed(0))
+    seq = T2ISequence(model, ids[0, :prefill].tolist(), grid, grid, params)
+    if seq.grid_tokens < steps:
+        raise ValueError(f"a {grid} x {grid} grid has {seq.grid_tokens} tokens, fewer than the {steps} forced")
+    runner = ARModelRunner(model, 1, prefill + seq.grid_tokens + 2, eol_token_id=eol, visual_token_start_id=vstart,
+                           visual_token_end_id=vend, exact_rows=False, fused_attention=True, compile=False)
+    seq.attach_kv_cache(runner.kv_view(0, seq.cache_batch))
+    with torch.inference_mode():
+        seq.prefill()
+        runner.activate("forced", seq, 0)
+        rows, codes = [], []
+        for t in range(prefill, ids.shape[1]):
+            runner.next_token[0] = ids[0, t]
+            pending = runner.launch()
+            fed, _ = runner.collect(pending)
+            if fed[0] != int(ids[0, t]):
+                raise RuntimeError(f"step {t - prefill} fed {fed[0]}, not the forced {int(ids[0, t])}")
+            h = pending.hidden[:1]
+            rows.append(h.float())
+            codes.append(model.compute_logits(h, vstart, vend).argmax(-1) + vstart - model.config.gen_vocab_start_index)
+        runner.deactivate(0)
     return torch.cat(rows), torch.cat(codes)
 
 
@@ -486,14 +541,19 @@ def print_summary(res: dict) -> None:
         d = res["fp8_vs_bf16"]
         print(f"| FP8 vs bf16, {d['grid']}x{d['grid']} grid forced | relative hidden error {d['rel_hidden_error']:.4f}, "
               f"argmax agreement {d['argmax_agreement']:.4f} |")
-    for key, label in (("fp8_decode_vs_bf16", "FP8 W8A16"), ("fp8_w8a8_decode_vs_bf16", "FP8 W8A8")):
+    for key, label, path in (("fp8_decode_vs_bf16", "FP8 W8A16", "decode path"),
+                             ("fp8_w8a8_decode_vs_bf16", "FP8 W8A8", "decode path"),
+                             ("fp8_w8a8_served_vs_bf16", "FP8 W8A8", "served step"),
+                             ("fp8_w8a8_delayed_served_vs_bf16", "FP8 W8A8 delayed scales", "served step")):
         if key in res:
             d = res[key]
-            print(f"| {label} vs bf16, decode path, {d['steps']} forced steps | relative hidden error "
+            print(f"| {label} vs bf16, {path}, {d['steps']} forced steps | relative hidden error "
                   f"{d['rel_hidden_error']:.4f}, argmax agreement {d['argmax_agreement']:.4f} |")
     if "fp8_w8a8_B1" in t:
         print(f"| FP8 W8A8 B=1 | {t['fp8_w8a8_B1']['ms_per_step']:.3f} ms/token (float16 mode: "
               f"{t.get('fp8_B1', {}).get('ms_per_step', float('nan')):.3f}) |")
+    if "fp8_w8a8_delayed_B1" in t:
+        print(f"| FP8 W8A8 delayed scales B=1 | {t['fp8_w8a8_delayed_B1']['ms_per_step']:.3f} ms/token |")
     if "fp8_B8" in t and "fp8_B1" in t:
         print(f"| FP8 B=8 tok/s / B=1 tok/s | {t['fp8_B8']['tokens_per_s'] / t['fp8_B1']['tokens_per_s']:.2f} x "
               f"(target >= 7) |")
@@ -521,6 +581,8 @@ def main() -> int:
     parser.add_argument("--skip-served", action="store_true", help="skip section 7 (a real mammoth ar process)")
     parser.add_argument("--served-fp8", action="store_true", help="section 7 also with --weights-dtype fp8")
     parser.add_argument("--fp8-w8a8", action="store_true", help="section 6 also with W8A8 (fp8_compute='fp8')")
+    parser.add_argument("--fp8-delayed", action="store_true",
+                        help="section 6 also with W8A8's delayed activation scales (with --fp8-w8a8; an experiment)")
     parser.add_argument("--ckpt-dir", default="/tmp/mammoth-preview-ckpt", help="section 7's checkpoint")
     parser.add_argument("--padded-only", action="store_true",
                         help="section 4 with only the padded variants (8 slots, the served shape); no 3, 6, 7, 8")
@@ -555,7 +617,8 @@ def main() -> int:
     run_sections(res, (
         lambda: timings(model, res, args.steps, save, eager=args.eager, padded_only=args.padded_only),
         (lambda: correctness(model, res)) if not args.skip_correctness else None,
-        (lambda: fp8_timings(model, res, args.steps, save, w8a8=args.fp8_w8a8)) if not args.padded_only else None,
+        (lambda: fp8_timings(model, res, args.steps, save, w8a8=args.fp8_w8a8, delayed=args.fp8_delayed))
+        if not args.padded_only else None,
     ), save)
     del model
     gc.collect()

@@ -35,8 +35,11 @@ def test_summary_prints_every_timed_variant_beside_their_gemv_picks(capsys, monk
             "compiled_served_shape_B1": _timing(5.14), "compiled_served_shape_gemv_picks": picks,
             "fp8_B1": _timing(3.86), "fp8_B8": _timing(3.93, 8), "fp8_gemv_picks": picks,
             "fp8_w8a8_B1": _timing(3.0), "fp8_w8a8_gemv_picks": picks,
+            "fp8_w8a8_delayed_B1": _timing(2.8), "fp8_w8a8_delayed_gemv_picks": picks,
             "profile_compiled_B1": "a profile table",
         },
+        "fp8_w8a8_delayed_served_vs_bf16": {"steps": 256, "rel_hidden_error": 0.19, "max_abs_hidden_error": 3.0,
+                                            "argmax_agreement": 0.5},
         "served": {"ms_per_token_median": 5.17, "first_wall_ms": 5582.0, "last_wall_ms": 5500.0,
                    "first_over_last": 1.015, "ready_s": 27.0},
         "served_fp8_w8a8": {"ms_per_token_median": 3.1, "first_wall_ms": 3400.0, "last_wall_ms": 3350.0,
@@ -49,7 +52,9 @@ def test_summary_prints_every_timed_variant_beside_their_gemv_picks(capsys, monk
                 "| HF eager generate | 58.10 ms/token", "| FP8 B=1 | 3.860 ms/token",
                 "| served: mammoth ar, 32x32 grid, 10 requests | 5.170 ms/token (1.024 x the benchmark's B=1",
                 "| served_fp8_w8a8: mammoth ar, 32x32 grid, 10 requests | 3.100 ms/token (1.033 x the benchmark's B=1",
-                "GPU memory: weights / after capture / peak | 26.50 / 27.00 / 31.70 GiB"):
+                "GPU memory: weights / after capture / peak | 26.50 / 27.00 / 31.70 GiB",
+                "| FP8 W8A8 delayed scales vs bf16, served step, 256 forced steps | relative hidden error 0.1900",
+                "| FP8 W8A8 delayed scales B=1 | 2.800 ms/token |"):
         assert row in out, f"missing {row!r} in:\n{out}"
     assert "gemv_picks |" not in out
     # the FP8 served rows have no served shape timed inline: say nothing of it rather than "nan x" (the
