@@ -115,17 +115,20 @@ def test_a_bad_picks_file_fails_the_ar_load_before_any_weight_is_read(tmp_path, 
     ("[" * 100_000 + "]" * 100_000, "is not JSON"),  # RecursionError in the decoder
     (json.dumps({"version": True, "picks": {}}), "not a GEMV picks file"),
     (json.dumps({"version": PICKS_VERSION, "picks": {"a": [True, True, True]}}), "pick 'a' must be"),
-    ("fifo", "not a regular file"),
+    ("fifo", "writer did not finish within 0.5 s"),  # a FIFO nothing writes: refused in bounded time
     ("dir", "not a regular file"),
     ("big", "larger than"),
 ])
-def test_a_picks_file_that_is_not_one_is_a_valueerror_naming_the_file(tmp_path, content, words):
+def test_a_picks_file_that_is_not_one_is_a_valueerror_naming_the_file(tmp_path, content, words, monkeypatch):
     """(break-it pass, 2026-12-07 night: JSON that did not parse stopped the AR with "Expecting property
     name ..." and no file name; a deeply nested file with a RecursionError traceback; a FIFO hung the
     start where Ctrl-C could not end it; booleans passed as picks.) Every such file is a ValueError that
     names it, and the read never blocks or reads without bound."""
     import os
 
+    from mammoth_core import small_files
+
+    monkeypatch.setattr(small_files, "PIPE_WAIT_S", 0.5)  # the pipe wait, for the FIFO case
     path = tmp_path / "picks.json"
     if content == "fifo":
         os.mkfifo(path)

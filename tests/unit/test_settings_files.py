@@ -1,7 +1,8 @@
 """Files a stage's settings name (stage token files, the YAML config file) are read bounded and without
-blocking: a FIFO, a folder or a huge file given by mistake is refused at once with an error naming it,
-instead of hanging the start (a FIFO's open blocks until a writer comes; Ctrl-C cannot end a blocked
-read in the main thread) or reading gigabytes into memory."""
+hanging: a FIFO nothing writes, a folder or a huge file given by mistake is refused with an error naming
+it, instead of hanging the start (a FIFO's open blocks until a writer comes; Ctrl-C cannot end a blocked
+read in the main thread) or reading gigabytes into memory; a pipe that is written
+(``--config <(envsubst < mammoth.yaml)``) is read as before."""
 
 from __future__ import annotations
 
@@ -41,21 +42,42 @@ def fifo(tmp_path):
 
 
 @pytest.mark.parametrize("reader", ["auth", "role", "config"])
-def test_a_fifo_named_as_a_settings_file_is_refused_at_once_naming_it(fifo, reader):
+def test_a_fifo_nothing_writes_is_refused_in_bounded_time_naming_it(fifo, reader, monkeypatch):
+    from mammoth_core import small_files
+
+    monkeypatch.setattr(small_files, "PIPE_WAIT_S", 0.5)  # the pipe wait
     read = {
         "auth": lambda: ARSettings(auth_token_file=str(fifo)).read_auth_token(),
         "role": lambda: ARSettings(gateway_token_file=str(fifo)).read_role_tokens(),
         "config": lambda: read_config_file(fifo, "ar"),
     }[reader]
-    with pytest.raises(SettingsError, match=f"{fifo}: not a regular file"):
+    with pytest.raises(SettingsError, match=f"{fifo}: a pipe or FIFO whose writer did not finish within 0.5 s"):
         _within(5, read)
+
+
+def test_a_written_pipe_is_read_as_a_file(fifo):
+    """Process substitution and named FIFOs a process writes keep working: the reader waits for the writer."""
+    def write():
+        with open(fifo, "w") as f:  # blocks until the reader has opened it
+            f.write("port: 4321\n")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    assert _within(5, lambda: read_config_file(fifo, "gateway")) == {"port": 4321}
+    read_end, write_end = os.pipe()  # an anonymous pipe by its /proc path, as bash's <(...) gives /dev/fd/63
+    os.write(write_end, b"s3cret\n")
+    os.close(write_end)
+    try:
+        assert ARSettings(auth_token_file=f"/proc/self/fd/{read_end}").read_auth_token() == "s3cret"
+    finally:
+        os.close(read_end)
 
 
 @pytest.mark.parametrize("reader", ["auth", "config"])
 def test_a_folder_or_an_oversized_file_is_refused_naming_it(tmp_path, reader):
     big = tmp_path / "big"
     big.write_bytes(b"x" * (2 << 20))
-    for path, message in ((tmp_path, "not a regular file"), (big, "larger than")):
+    for path, message in ((tmp_path, "not a regular file \\(nor a pipe\\)"), (big, "larger than")):
         read = (lambda p=path: ARSettings(auth_token_file=str(p)).read_auth_token()) if reader == "auth" else \
             (lambda p=path: read_config_file(p, "ar"))
         with pytest.raises(SettingsError, match=f"{path}: .*{message}"):
