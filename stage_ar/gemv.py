@@ -822,7 +822,8 @@ def _launch(x, weight, weight_scale, bias, norm_weight, norm_eps, residual, swig
     meta = dict(
         BLOCK_K=block_k, LOG2_BLOCK_K=block_k.bit_length() - 1, EVEN_K=k % block_k == 0,
         NORM=norm_weight is not None, FP8=weight.dtype == FP8_DTYPE, HAS_BIAS=bias is not None,
-        SWIGLU=bool(swiglu), RESIDUAL=residual is not None, IEEE=out.dtype == torch.float32 and x_scales is None,
+        SWIGLU=bool(swiglu), RESIDUAL=residual is not None,
+        IEEE=out.dtype == torch.float32 and x_scales is None and delayed_in is None,  # never on E4M3 codes
         FP8_MODE=(4 if amax_in is not None else _FP8_MODES[fp8_compute]) if weight.dtype == FP8_DTYPE else 0,
         ROPE=rope is not None, HEAD_DIM=cos.shape[1] if rope else 0, SPLIT_K=split, AMAX_OUT=amax_out is not None,
         QUANT_OUT=0 if delayed_out is None else 2 if delayed_out.norm_weight is not None else 1,
