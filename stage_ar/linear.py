@@ -210,12 +210,12 @@ class GemvLinear(LinearBackend):
             (``rope`` and ``swiglu`` together took a bf16 batch-1 step on the H200 from 4.175 to
             4.086 ms; ``amax`` took a W8A8 step on the H100 from 3.44 to 4.96 ms, and from 3.27 to
             3.39 ms once the prologue multiplied by the row's inverse scale, 2026-12-06:
-            docs/PERFORMANCE.md); ``"delayed"`` (W8A8 only, an opt-in experiment of issue 17, not
-            servable: a row's first step saturates, see `stage_ar.fp8_activations.delayed_state`):
-            delayed activation scales (`stage_ar.fp8_activations.DelayedOut`): o_proj (with the
-            post-attention norm's weight), the SwiGLU GEMV and down_proj (with the next layer's input
-            norm's weight) write their consumer's codes, so no quantizer launch stands between them
-            (`project_norm_input`, `mlp`); each layer's qkv GEMV rolls the layer's state.
+            docs/PERFORMANCE.md); ``"delayed"`` (W8A8 only, an opt-in experiment of issue 17, not yet
+            measured on a GPU): delayed activation scales (`stage_ar.fp8_activations.DelayedOut`): the
+            attention's combine, o_proj (with the post-attention norm's weight), the SwiGLU GEMV and
+            down_proj (with the next layer's input norm's weight) write their consumer's codes, so no
+            quantizer launch stands between them (`delayed_input`, `project_norm_input`, `mlp`); each
+            layer's qkv GEMV rolls the layer's state; only in decode steps whose rows are pool slots.
 
     Raises:
         ValueError: an unknown epilogue name.
@@ -223,7 +223,7 @@ class GemvLinear(LinearBackend):
 
     #: The epilogues ``fuse_epilogues`` may name.
     EPILOGUES = ("rope", "swiglu", "amax", "delayed")
-    #: Those only fused where named (True leaves them out): experiments whose numerics are not servable.
+    #: Those only fused where named (True leaves them out): experiments not yet measured to be served.
     EXPERIMENTS = ("delayed",)
     #: Those fused unless a caller says otherwise (``amax`` measured slower: see ``fuse_epilogues``).
     DEFAULT_EPILOGUES = ("rope", "swiglu")
@@ -300,21 +300,23 @@ class GemvLinear(LinearBackend):
         """Whether W8A8 launches with E4M3 weights run with delayed activation scales (``"delayed"``)."""
         return "delayed" in self.fuse_epilogues and self.fp8_compute == "fp8" and weight_scale is not None
 
+    def _reads_delayed(self, consumer, rows) -> bool:
+        """Whether ``consumer`` (E4M3, this backend, a contiguous weight) reads ``rows`` rows quantized
+        with delayed scales (`_delayed`): calls the kernel takes."""
+        return (consumer is not None and consumer.is_fp8 and consumer.backend is self
+                and consumer.weight.is_contiguous() and self._delayed(consumer.weight_scale)
+                and 1 <= rows <= self.max_rows)
+
     def _writes_delayed(self, linear, consumer, rows) -> bool:
         """Whether ``linear`` (E4M3, this backend, no hooks: tensor parallelism's all-reduce must run on
-        its output first) writes ``consumer``'s input with delayed scales (`_delayed`), for calls the
-        kernel takes."""
-        return (consumer is not None and consumer.is_fp8 and consumer.backend is self
-                and consumer.weight.is_contiguous() and linear.is_fp8 and linear.backend is self
-                and self._delayed(linear.weight_scale) and not linear._forward_hooks
-                and not linear._forward_pre_hooks and 1 <= rows <= self.max_rows)
+        its output first) writes ``consumer``'s input with delayed scales (`_reads_delayed`)."""
+        return (self._reads_delayed(consumer, rows) and linear.is_fp8 and linear.backend is self
+                and not linear._forward_hooks and not linear._forward_pre_hooks)
 
     def delayed_input(self, consumer, rows, layer):
-        """`LinearBackend.delayed_input`: with ``"delayed"`` (`_delayed`), for an E4M3 ``consumer`` of this
-        backend with a contiguous weight and calls the kernel takes, the attention output point of
-        ``layer``'s state."""
-        if (layer is None or not consumer.is_fp8 or consumer.backend is not self or not consumer.weight.is_contiguous()
-                or not self._delayed(consumer.weight_scale) or not 1 <= rows <= self.max_rows):
+        """`LinearBackend.delayed_input`: with ``"delayed"``, for a ``consumer`` that reads such rows
+        (`_reads_delayed`), the attention output point of ``layer``'s state."""
+        if layer is None or not self._reads_delayed(consumer, rows):
             return None
         return DelayedOut(delayed_state(layer.weight), DELAYED_POINTS.index("o_input"))
 
