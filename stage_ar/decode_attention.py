@@ -46,7 +46,7 @@ try:  # triton ships with CUDA builds of torch; CPU-only installs do not have it
     import triton
     import triton.language as tl
 
-    from stage_ar.fp8_activations import inverse_scale, quantize_values, row_scale
+    from stage_ar.fp8_activations import delayed_row_scale, inverse_scale, quantize_values
     from stage_ar.launch_overlap import wait_for_predecessor
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
@@ -313,8 +313,7 @@ if triton is not None:
             if AMAX_OUT:
                 tl.atomic_max(amax_ptr + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
             if QUANT_OUT:
-                a = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
-                inv = inverse_scale(row_scale(a * MARGIN, min_scale, FP8_MAX_))
+                inv = inverse_scale(delayed_row_scale(amax_ptr, row, True, min_scale, FP8_MAX_, MARGIN))
                 tl.store(codes_ptr + off, quantize_values(stored.to(tl.float32), inv, FP8_MAX_))
                 tl.atomic_max(amax_ptr + 16 + row, tl.max(tl.abs(stored.to(tl.float32)), 0).to(tl.int32, bitcast=True))
         else:

@@ -109,7 +109,7 @@ if triton is not None:
     def delayed_row_scale(state_ptr, offs_m, m_mask, min_scale, FP8_MAX_: tl.constexpr, MARGIN: tl.constexpr):
         """The ``(16,)`` row scales of a point with delayed scales: ``row_scale(MARGIN * a[m])``, ``a`` the
         float32 amax (int32 bits) the point's state holds at ``state_ptr`` (its first 16 entries: what
-        the rows had one step earlier; 0 for a row never seen, which gives ``min_scale``)."""
+        the rows had one step earlier; `FRESH` or 0 give ``min_scale``). ``offs_m`` may be one row."""
         a = tl.load(state_ptr + offs_m, mask=m_mask, other=0).to(tl.float32, bitcast=True)
         return row_scale(a * MARGIN, min_scale, FP8_MAX_)
 
