@@ -7,6 +7,7 @@ by mistake is read whole into memory. `read_small_file` opens with ``O_NONBLOCK`
 ``limit`` bytes: a regular file at once; a pipe or FIFO (``--config <(envsubst < mammoth.yaml)``, a
 named FIFO a process writes) until its writer closes it, for at most ``wait_s`` seconds; anything else
 (a folder, a socket, a device) is refused. Every refusal is a ``ValueError`` naming the path and why.
+A pipe's bytes are kept per pipe (device and inode) for the process, so reading the same setting twice gives them twice.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import time
 
 #: How long `read_small_file` waits for a pipe's or FIFO's writer to finish, in seconds.
 PIPE_WAIT_S = 10.0
+#: What each pipe / FIFO gave, kept for the process: a pipe can be read once, and settings read
+#: their files more than once (the unknown-key check, then the values; a token for serving and calling).
+_PIPE_READS: dict[tuple[int, int], bytes] = {}
 
 
 def read_small_file(path: str | os.PathLike, limit: int, what: str, wait_s: float | None = None) -> bytes:
@@ -40,7 +44,12 @@ def read_small_file(path: str | os.PathLike, limit: int, what: str, wait_s: floa
     try:
         info = os.fstat(fd)
         if stat.S_ISFIFO(info.st_mode):
+            pipe = (info.st_dev, info.st_ino)  # the pipe itself (an fd path like /dev/fd/63 is reused)
+            if pipe in _PIPE_READS:  # read once already: a second read would find it empty
+                return _PIPE_READS[pipe]
             raw = _read_pipe(fd, name, limit, what, PIPE_WAIT_S if wait_s is None else wait_s)
+            if len(raw) <= limit:
+                _PIPE_READS[pipe] = raw
         elif not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{name}: not a regular file (nor a pipe)")
         elif info.st_size > limit:

@@ -94,3 +94,24 @@ def test_token_and_config_files_still_read_as_before(tmp_path):
     assert read_config_file(config, "ar") == {"port": 1234, "slots": 4}
     with pytest.raises(OSError):
         ARSettings(auth_token_file=str(tmp_path / "missing")).read_auth_token()
+
+
+def test_a_piped_config_and_token_read_twice_give_the_same_content():
+    """(break-it pass, 2026-12-08: ``gateway --config <(...)`` started with the defaults: the unknown-key
+    check read the pipe, the values read EOF; ``client_token`` re-read a piped token file and got None.)"""
+    from mammoth_core.settings import GatewaySettings, resolve_settings
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"port: 1234\n")
+    os.close(write_end)
+    token_read, token_write = os.pipe()
+    os.write(token_write, b"s3cret\n")
+    os.close(token_write)
+    try:
+        settings = resolve_settings(GatewaySettings, config_file=f"/proc/self/fd/{read_end}", env={})
+        assert settings.port == 1234
+        tokens = ARSettings(auth_token_file=f"/proc/self/fd/{token_read}")
+        assert tokens.read_auth_token() == "s3cret" and tokens.client_token("ar") == "s3cret"
+    finally:
+        os.close(read_end)
+        os.close(token_read)
