@@ -163,7 +163,8 @@ class BaseSettings:
         """The shared stage token, stripped, or None when no file is configured.
 
         Raises:
-            SettingsError: the file is not a regular file of at most `TOKEN_FILE_MAX_BYTES` UTF-8 bytes.
+            SettingsError: the file cannot be read as at most `TOKEN_FILE_MAX_BYTES` UTF-8 bytes
+                (`read_settings_file`).
             OSError: the file cannot be read.
         """
         if not self.auth_token_file:
@@ -174,8 +175,8 @@ class BaseSettings:
         """Per-role stage tokens, ``{"gateway": ..., "ar": ...}``, for the files configured.
 
         Raises:
-            SettingsError: a configured token file is empty, or not a regular file of at most
-                `TOKEN_FILE_MAX_BYTES` UTF-8 bytes.
+            SettingsError: a configured token file is empty, or cannot be read as at most
+                `TOKEN_FILE_MAX_BYTES` UTF-8 bytes (`read_settings_file`).
             OSError: a configured token file cannot be read.
         """
         tokens: dict[str, str] = {}
@@ -465,8 +466,8 @@ def read_config_file(path: str | os.PathLike, section: str) -> dict[str, Any]:
     """Flat keys of a YAML settings file with ``section`` (``ar``/``dit``/``gateway``) merged on top.
 
     Raises:
-        SettingsError: the file is not a YAML mapping, or not a regular file of at most
-            `CONFIG_FILE_MAX_BYTES` UTF-8 bytes.
+        SettingsError: the file is not a YAML mapping, or cannot be read as at most
+            `CONFIG_FILE_MAX_BYTES` UTF-8 bytes (`read_settings_file`).
         OSError: the file cannot be read.
     """
     data = yaml.safe_load(read_settings_file(path, CONFIG_FILE_MAX_BYTES, "a settings file")) or {}

@@ -29,10 +29,11 @@ CONFIG_FILE_MAX_BYTES = 1024 * 1024
 
 def read_settings_file(path: str | os.PathLike, limit: int, what: str) -> str:
     """The UTF-8 text of a file a setting names (`mammoth_core.small_files.read_small_file`: a regular
-    file of at most ``limit`` bytes, opened without blocking).
+    file, or a pipe its writer finishes in time, of at most ``limit`` bytes, opened without blocking).
 
     Raises:
-        SettingsError: naming ``path``: not a regular file, larger than ``limit``, not UTF-8.
+        SettingsError: naming ``path``: neither a regular file nor a pipe, a pipe not finished in time,
+            larger than ``limit``, not UTF-8.
         OSError: the file cannot be opened or read.
     """
     try:

@@ -7,7 +7,8 @@ by mistake is read whole into memory. `read_small_file` opens with ``O_NONBLOCK`
 ``limit`` bytes: a regular file at once; a pipe or FIFO (``--config <(envsubst < mammoth.yaml)``, a
 named FIFO a process writes) until its writer closes it, for at most ``wait_s`` seconds; anything else
 (a folder, a socket, a device) is refused. Every refusal is a ``ValueError`` naming the path and why.
-A pipe's bytes are kept per pipe (device and inode) for the process, so reading the same setting twice gives them twice.
+A pipe's bytes are kept per pipe (device and inode) for the process, so a setting read twice (the
+config's unknown-key check, then its values; a token for serving, then for calling) gets them twice.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def read_small_file(path: str | os.PathLike, limit: int, what: str, wait_s: floa
         elif not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{name}: not a regular file (nor a pipe)")
         elif info.st_size > limit:
-            raise ValueError(f"{name}: {info.st_size} bytes, larger than the {limit} {what} may have")
+            raise ValueError(f"{name}: {info.st_size} bytes, larger than the {limit} bytes {what} may have")
         else:
             raw = b""
             while len(raw) <= limit and (chunk := os.read(fd, limit + 1 - len(raw))):
